@@ -1,0 +1,123 @@
+"""DWDP group configuration and the sharding rules, shared by the runtime, the CRD and the operator.
+
+Pure Python (no torch): the operator image imports this module to validate a DwdpGroup with
+exactly the rules the runtime enforces.
+
+Rules (each error message names the rule and suggests a fix):
+  1. ``dwdp_size >= 2``                    — one rank has no peer to pull from (that is plain DP).
+  2. ``1 <= k <= N``                       — a rank cannot hold more experts than exist.
+  3. ``1 <= s <= k``                       — a stride larger than k leaves holes between ranges.
+  4. ``(d - 1) * s + k >= N`` (coverage)   — the last range must reach the last expert.
+  5. ``num_prefetch_slots >= 2``           — one slot would serialise copy and compute.
+  6. ``num_groups >= 1``.
+with d = dwdp_size, N = num_experts, k = num_experts_per_worker, s = num_prefetch_experts.
+Rank r owns experts ``[r*s, min(r*s + k, N))`` (see ``layout.peer_ranges``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+TransferMode = Literal["copy_engine", "batched", "sm_gather"]
+TRANSFER_MODES: tuple[str, ...] = ("copy_engine", "batched", "sm_gather")
+
+
+def suggest_sharding(*, dwdp_size: int, num_experts: int) -> tuple[int, int]:
+    """The smallest (k, s) that covers ``num_experts`` with ``dwdp_size`` ranks.
+
+    k = ceil(N / d) experts per worker, s = ceil((N - k) / (d - 1)) stride; e.g. d=3, N=256 → (86, 85).
+    """
+    d, n = max(dwdp_size, 2), max(num_experts, 1)
+    k = math.ceil(n / d)
+    s = max(1, math.ceil((n - k) / (d - 1)))
+    return k, min(s, k)
+
+
+def sharding_errors(
+    *,
+    dwdp_size: int,
+    num_experts: int,
+    num_experts_per_worker: int,
+    num_prefetch_experts: int,
+    num_prefetch_slots: int = 2,
+    num_groups: int = 1,
+) -> list[str]:
+    """Every violated rule as a human message with a suggested fix; ``[]`` when valid.
+
+    The one implementation of the rules: ``DwdpConfig``, the operator and the CRD tests call it.
+    """
+    d, n, k, s = dwdp_size, num_experts, num_experts_per_worker, num_prefetch_experts
+    errors: list[str] = []
+    if num_groups < 1:
+        errors.append(f"num_groups={num_groups}: must be >= 1")
+    if n < 1:
+        errors.append(f"num_experts={n}: must be >= 1")
+        return errors
+    if d < 2:
+        errors.append(
+            f"dwdp_size={d}: DWDP needs at least 2 ranks per group (with 1 rank every expert is "
+            f"local; run plain data parallel instead, or set dwdp_size >= 2)"
+        )
+        return errors
+    hint_k, hint_s = suggest_sharding(dwdp_size=d, num_experts=n)
+    hint = f"dwdp_size={d}, num_experts={n}: try num_experts_per_worker={hint_k}, num_prefetch_experts={hint_s}"
+    if not 1 <= k <= n:
+        errors.append(f"num_experts_per_worker={k} must be in [1, num_experts={n}]; {hint}")
+    if not 1 <= s:
+        errors.append(f"num_prefetch_experts={s} must be >= 1; {hint}")
+    elif s > k:
+        errors.append(
+            f"num_prefetch_experts={s} > num_experts_per_worker={k} leaves experts owned by no rank "
+            f"(stride must be <= experts per worker); {hint}"
+        )
+    if k >= 1 and s >= 1 and (d - 1) * s + k < n:
+        errors.append(
+            f"coverage rule (dwdp_size-1)*num_prefetch_experts + num_experts_per_worker >= num_experts "
+            f"fails: ({d}-1)*{s} + {k} = {(d - 1) * s + k} < {n}; {hint}"
+        )
+    if num_prefetch_slots < 2:
+        errors.append(
+            f"num_prefetch_slots={num_prefetch_slots}: at least 2 slots are needed so the copy of the "
+            f"next layer overlaps the compute of this one; set num_prefetch_slots=2"
+        )
+    return errors
+
+
+@dataclass(frozen=True, kw_only=True)
+class DwdpConfig:
+    """One DWDP deployment: group shape, expert sharding and prefetch knobs (validated at construction)."""
+
+    dwdp_size: int
+    num_experts: int
+    num_experts_per_worker: int
+    num_prefetch_experts: int
+    num_groups: int = 1
+    num_prefetch_slots: int = 2
+    contention_opt: bool = False
+    transfer: TransferMode = "copy_engine"
+
+    def __post_init__(self) -> None:
+        errors = sharding_errors(
+            dwdp_size=self.dwdp_size,
+            num_experts=self.num_experts,
+            num_experts_per_worker=self.num_experts_per_worker,
+            num_prefetch_experts=self.num_prefetch_experts,
+            num_prefetch_slots=self.num_prefetch_slots,
+            num_groups=self.num_groups,
+        )
+        if self.transfer not in TRANSFER_MODES:
+            errors.append(f"transfer={self.transfer!r}: must be one of {', '.join(TRANSFER_MODES)}")
+        if errors:
+            raise ValueError("invalid DWDP config: " + "; ".join(errors))
+
+    @classmethod
+    def even(cls, *, dwdp_size: int, num_experts: int, **kw) -> "DwdpConfig":
+        """A config with the suggested minimal (k, s) for this group size."""
+        k, s = suggest_sharding(dwdp_size=dwdp_size, num_experts=num_experts)
+        return cls(dwdp_size=dwdp_size, num_experts=num_experts, num_experts_per_worker=k,
+                   num_prefetch_experts=s, **kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

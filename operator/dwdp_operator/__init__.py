@@ -1,0 +1,1 @@
+"""dwdp_operator: the kopf operator for DwdpGroup resources."""

@@ -1,0 +1,1 @@
+"""dwdp_worker: the DWDP context-worker process (models, engine, HTTP API, supervisor, launcher)."""
