@@ -8,8 +8,9 @@ Rules (each error message names the rule and suggests a fix):
   2. ``1 <= k <= N``                       — a rank cannot hold more experts than exist.
   3. ``1 <= s <= k``                       — a stride larger than k leaves holes between ranges.
   4. ``(d - 1) * s + k >= N`` (coverage)   — the last range must reach the last expert.
-  5. ``num_prefetch_slots >= 2``           — one slot would serialise copy and compute.
-  6. ``num_groups >= 1``.
+  5. ``(d - 1) * s < N``                  — the last rank must own at least one expert.
+  6. ``num_prefetch_slots >= 2``           — one slot would serialise copy and compute.
+  7. ``num_groups >= 1``.
 with d = dwdp_size, N = num_experts, k = num_experts_per_worker, s = num_prefetch_experts.
 Rank r owns experts ``[r*s, min(r*s + k, N))`` (see ``layout.peer_ranges``).
 """
@@ -76,6 +77,11 @@ def sharding_errors(
         errors.append(
             f"coverage rule (dwdp_size-1)*num_prefetch_experts + num_experts_per_worker >= num_experts "
             f"fails: ({d}-1)*{s} + {k} = {(d - 1) * s + k} < {n}; {hint}"
+        )
+    if k >= 1 and s >= 1 and (d - 1) * s >= n:
+        errors.append(
+            f"rank {d - 1} would start at expert {(d - 1) * s} >= num_experts={n} and hold nothing "
+            f"(every rank must own at least one expert: (dwdp_size-1)*num_prefetch_experts < num_experts); {hint}"
         )
     if num_prefetch_slots < 2:
         errors.append(

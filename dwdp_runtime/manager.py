@@ -1,0 +1,234 @@
+"""DwdpManager: the facade a model talks to — lifecycle, layer registry, run-time hooks.
+
+Lifecycle::
+
+    mgr = DwdpManager.create(config=cfg, rank=r, rendezvous=rdzv, backend="auto")
+    for layer in moe_layers_in_forward_order:             # the single source of truth for orders
+        mgr.add_layer(layer)
+        mgr.add_expert_weight(layer, "gate_up_proj", expert_shape=(2*I, H), dtype=dt, fill=...)
+        mgr.add_expert_weight(layer, "down_proj", expert_shape=(H, I), dtype=dt, fill=...)
+    mgr.setup()                                           # exchange handles, map composites, fill edges
+    # per forward:
+    mgr.start_forward()
+    for each MoE layer:  tensors = mgr.wait_and_bind(layer, module)   # binds param.data = composite
+                         ... enqueue the MoE kernels ...
+                         mgr.finish_layer(layer)
+    mgr.release()                                         # idempotent; also on __exit__
+
+``fill`` is either a tensor ``[b−a, *expert_shape]`` with this rank's experts, or a callable
+``fill(view, start, end)`` that writes experts ``[start, end)`` into ``view`` (the loader reads
+safetensors slices straight into the shareable allocation: a rank never materialises all experts).
+
+There is no process-global manager: the model receives its manager explicitly.
+Any failure in ``setup`` releases everything created so far before re-raising.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable
+
+from .config import DwdpConfig
+from .layout import peer_ranges
+from .memory import MemoryBackend, select_backend
+from .rendezvous import Rendezvous, token_key
+from .streams import HostStreams, Streams
+from .transport import Transport
+from .weight_buffer import WeightBuffer, WeightSpec
+from .weight_manager import WeightManager
+
+log = logging.getLogger(__name__)
+
+
+def make_streams(memory: MemoryBackend, *, transfer: str = "copy_engine", copy_delay_s: float = 0.0) -> Streams:
+    if memory.name == "host":
+        return HostStreams(transfer=transfer, copy_delay_s=copy_delay_s)
+    from .cuda_streams import CudaStreams
+
+    return CudaStreams(device=memory.device, transfer=transfer)
+
+
+class DwdpManager:
+    def __init__(self, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, memory: MemoryBackend,
+                 streams: Streams, token: str = "", page_multiplier: int = 8, progress: bool = False):
+        if not 0 <= rank < config.dwdp_size:
+            raise ValueError(f"rank {rank} outside the group [0, dwdp_size={config.dwdp_size})")
+        if rendezvous.world_size != config.dwdp_size:
+            raise ValueError(f"rendezvous has {rendezvous.world_size} ranks, dwdp_size is {config.dwdp_size}")
+        self.config, self.rank, self.rendezvous = config, rank, rendezvous
+        self.memory, self.streams = memory, streams
+        self.progress = progress
+        self.ranges = peer_ranges(dwdp_size=config.dwdp_size, num_experts=config.num_experts,
+                                  num_experts_per_worker=config.num_experts_per_worker,
+                                  num_prefetch_experts=config.num_prefetch_experts)
+        self.transport = Transport(memory=memory, rendezvous=rendezvous, rank=rank, ranges=self.ranges,
+                                   token_key=token_key(token))
+        self.buffer = WeightBuffer(memory=memory, streams=streams, transport=self.transport, rank=rank,
+                                   ranges=self.ranges, num_slots=config.num_prefetch_slots,
+                                   page_multiplier=page_multiplier, contention_opt=config.contention_opt)
+        self._layers: list[Hashable] = []
+        self._repeated: list[Hashable] = []
+        self._specs: dict[Hashable, list[WeightSpec]] = {}
+        self.weights: WeightManager | None = None
+        self._released = False
+
+    @classmethod
+    def create(cls, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, backend: str = "auto",
+               device=None, token: str = "", granularity: int | None = None, copy_delay_s: float = 0.0,
+               progress: bool = False, page_multiplier: int = 8) -> "DwdpManager":
+        memory = select_backend(backend, device=device, granularity=granularity)
+        streams = make_streams(memory, transfer=config.transfer, copy_delay_s=copy_delay_s)
+        try:
+            return cls(config=config, rank=rank, rendezvous=rendezvous, memory=memory, streams=streams,
+                       token=token, page_multiplier=page_multiplier, progress=progress)
+        except BaseException:
+            streams.close()
+            raise
+
+    # -- registration ----------------------------------------------------------------------------
+    @property
+    def local_range(self) -> tuple[int, int]:
+        return self.ranges[self.rank]
+
+    @property
+    def device(self):
+        return self.memory.device
+
+    def add_layer(self, layer: Hashable, *, repeated: bool = False) -> None:
+        if self.weights is not None:
+            raise RuntimeError("layers must be registered before setup()")
+        if layer in self._specs:
+            raise ValueError(f"MoE layer {layer!r} registered twice")
+        self._layers.append(layer)
+        self._specs[layer] = []
+        if repeated:
+            self._repeated.append(layer)
+
+    def add_expert_weight(self, layer: Hashable, name: str, *, expert_shape: tuple[int, ...], dtype,
+                          fill: Any | Callable[[Any, int, int], None]) -> None:
+        import torch
+
+        if layer not in self._specs:
+            raise KeyError(f"add_layer({layer!r}) first")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for d in expert_shape:
+            numel *= int(d)
+        spec = WeightSpec(layer, name, tuple(int(d) for d in expert_shape), dtype, numel * itemsize)
+        a, b = self.local_range
+
+        def _fill(view):
+            if callable(fill):
+                fill(view, a, b)
+            else:
+                if tuple(fill.shape) != tuple(view.shape):
+                    raise ValueError(f"{layer}/{name}: local experts have shape {tuple(fill.shape)}, "
+                                     f"expected {tuple(view.shape)} (experts [{a}, {b}))")
+                view.copy_(fill)
+
+        self.transport.add((layer, name), expert_shape=spec.expert_shape, dtype=dtype,
+                           expert_bytes=spec.expert_bytes, fill=_fill)
+        self._specs[layer].append(spec)
+
+    # -- setup -----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        if self.weights is not None:
+            raise RuntimeError("setup() already ran")
+        if not self._layers:
+            raise RuntimeError("no MoE layer registered: nothing for DWDP to shard")
+        try:
+            specs = [s for layer in self._layers for s in self._specs[layer]]
+            peers = self.buffer.peers_needed(specs) - {self.rank}
+            with _progress(self.progress, len(peers) * len(specs), "dwdp: importing peer handles") as bar:
+                self.transport.exchange(sorted(peers), progress=bar.update)
+            with _progress(self.progress, len(self._layers), "dwdp: mapping composite tensors") as bar:
+                self.buffer.build(self._layers, self._specs, progress=bar.update)
+            self.weights = WeightManager(buffer=self.buffer, streams=self.streams, layers=self._layers,
+                                         num_slots=self.config.num_prefetch_slots, repeated=self._repeated)
+        except BaseException:
+            self.release(barrier=False)
+            raise
+
+    # -- run-time hooks ----------------------------------------------------------------------------
+    def _ready(self) -> WeightManager:
+        if self.weights is None:
+            raise RuntimeError("DwdpManager.setup() has not run (or the manager was released)")
+        return self.weights
+
+    def start_forward(self) -> None:
+        self._ready().start_forward()
+
+    def wait_and_bind(self, layer: Hashable, module: Any = None) -> dict[str, Any]:
+        """Wait for the layer's copies (stream wait, not host sync) and bind the composites.
+
+        With ``module``, sets ``module.<name>.data = composite`` for every registered weight name.
+        """
+        tensors = self._ready().wait_and_bind(layer)
+        if module is not None:
+            for name, tensor in tensors.items():
+                getattr(module, name).data = tensor
+        return tensors
+
+    def finish_layer(self, layer: Hashable) -> None:
+        """Call after the MoE kernels of ``layer`` were enqueued (records the WAR event)."""
+        self._ready().finish_layer(layer)
+
+    def invalidate(self) -> None:
+        self._ready().invalidate()
+
+    @property
+    def num_restarts(self) -> int:
+        return self.weights.num_restarts if self.weights else 0
+
+    def composite(self, layer: Hashable, name: str):
+        return self.buffer.tensors(layer)[name]
+
+    def stats(self) -> dict[str, Any]:
+        out = {"restarts": self.num_restarts, "backend": self.memory.name, "transfer": self.streams.transfer}
+        if self.weights:
+            out.update(self.weights.stats)
+        out["remote_bytes_per_forward"] = sum(self.buffer.remote_bytes_per_layer.values())
+        return out
+
+    # -- teardown ------------------------------------------------------------------------------------
+    def release(self, *, barrier: bool = True) -> None:
+        """Idempotent. The model must not run after this (its parameters point at unmapped memory)."""
+        if self._released:
+            return
+        self._released = True
+        self.weights = None
+        try:
+            self.streams.synchronize()
+        except Exception as exc:  # noqa: BLE001 - tear down regardless
+            log.warning("copy stream failed during release: %s", exc)
+        self.buffer.release()
+        self.transport.release(barrier=barrier)
+        self.streams.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        self.release(barrier=exc_type is None)
+
+
+class _progress:
+    """tqdm when asked for, a no-op otherwise (same ``update`` API)."""
+
+    def __init__(self, enabled: bool, total: int, desc: str):
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="handle", leave=False)
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.close()

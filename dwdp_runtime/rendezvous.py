@@ -1,0 +1,178 @@
+"""Group rendezvous: ``allgather(key, bytes)``, ``barrier(key)``, ``close()``. Setup-time only.
+
+DWDP has no collective communication at run time; the rendezvous exists only to exchange memory
+handles (and fd-server addresses) once at start.
+
+``StoreRendezvous`` — ``torch.distributed.TCPStore`` (replaces MPI inside a pod group):
+  * rank 0 hosts the store (``is_master``), others connect to ``host:port``;
+  * keys live under ``dwdp/<job>/<group>/<attempt>/<token-tag>/…`` so a rank of an older attempt
+    (or another group) never reads or writes this attempt's keys, and a client without the token
+    cannot even name them;
+  * every value is authenticated with HMAC-SHA256 under the shared token: an entry written by a
+    stranger is rejected with a message instead of being trusted;
+  * waits are bounded: a timeout names exactly the ranks that never arrived.
+
+``MpiRendezvous`` — mpi4py, for ``mpirun``/Slurm launches: the world is split into groups of
+``dwdp_size`` consecutive ranks (group = rank // dwdp_size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+log = logging.getLogger(__name__)
+
+_MAC_BYTES = 32
+
+
+def token_key(token: str) -> bytes:
+    """The 32-byte key every authenticated exchange of a group derives from its shared token."""
+    return hashlib.sha256(f"dwdp-token:{token}".encode()).digest()
+
+
+class RendezvousError(RuntimeError):
+    """The group could not be formed (a rank missing, a bad token, the store lost)."""
+
+
+class RendezvousTimeout(RendezvousError):
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+class Rendezvous(ABC):
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def allgather(self, key: str, value: bytes) -> list[bytes]:
+        """Every rank's ``value`` for ``key``, indexed by rank. Each key may be used once."""
+
+    def barrier(self, key: str) -> None:
+        self.allgather(f"barrier/{key}", b"")
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StoreRendezvous(Rendezvous):
+    def __init__(self, *, host: str, port: int, rank: int, world_size: int, job: str = "dwdp",
+                 group: int = 0, attempt: int = 0, token: str = "", timeout_s: float = 300.0,
+                 poll_s: float = 0.005):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        from torch.distributed import TCPStore
+
+        self.rank, self.world_size = rank, world_size
+        self.host, self.port, self.timeout_s, self._poll_s = host, port, timeout_s, poll_s
+        self._where = f"group {group} attempt {attempt} (store {host}:{port})"
+        self._key = token_key(token)
+        tag = hashlib.sha256(self._key).hexdigest()[:16]
+        self._prefix = f"dwdp/{job}/{group}/{attempt}/{tag}/"
+        try:
+            self._store = TCPStore(host, port, world_size, is_master=(rank == 0),
+                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        except Exception as exc:  # noqa: BLE001 - rewrap with the fix
+            who = "host" if rank == 0 else "reach"
+            raise RendezvousError(f"rank {rank} could not {who} the rendezvous store {host}:{port} "
+                                  f"within {timeout_s:.0f} s ({exc}); rank 0 hosts it: is it running and "
+                                  f"is the port free/reachable?") from exc
+        self._closed = False
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def allgather(self, key: str, value: bytes) -> list[bytes]:
+        if self._closed:
+            raise RendezvousError("rendezvous is closed")
+        base = self._prefix + key + "/"
+        mine = base + str(self.rank)
+        self._store.set(mine, self._mac(mine, value) + value)
+        keys = [base + str(r) for r in range(self.world_size)]
+        self._wait(keys, key)
+        out = []
+        for r, k in enumerate(keys):
+            raw = self._store.get(k)
+            mac, payload = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+            if not hmac.compare_digest(mac, self._mac(k, payload)):
+                raise RendezvousError(f"rank {r}'s entry for {key!r} failed the token check in {self._where}: "
+                                      f"it was written by a client without this group's token "
+                                      f"(check DWDP_TOKEN is the same Secret on every pod)")
+            out.append(bytes(payload))
+        return out
+
+    def _wait(self, keys: list[str], what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(range(self.world_size))
+        while True:
+            try:
+                pending = [r for r in pending if not self._store.check([keys[r]])]
+            except Exception as exc:  # noqa: BLE001
+                raise RendezvousError(f"lost the rendezvous store while waiting for {what!r} in {self._where}: "
+                                      f"{exc} (rank 0 hosts the store; did it die?)") from exc
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(
+                    f"rendezvous {what!r} timed out after {self.timeout_s:.0f} s in {self._where}: "
+                    f"rank(s) {pending} never arrived (of {self.world_size})", pending)
+            time.sleep(self._poll_s)
+
+    def close(self, *, linger_s: float = 10.0) -> None:
+        """Leave the group. Rank 0 hosts the store, so it lingers (bounded) until every rank left."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._store.set(f"{self._prefix}left/{self.rank}", b"1")
+            if self.rank == 0:
+                keys = [f"{self._prefix}left/{r}" for r in range(self.world_size)]
+                deadline = time.monotonic() + linger_s
+                while time.monotonic() < deadline and not self._store.check(keys):
+                    time.sleep(self._poll_s)
+        except Exception:  # noqa: BLE001 - a dead peer or store must not block teardown
+            pass
+        finally:
+            del self._store
+
+
+class MpiRendezvous(Rendezvous):
+    """Rendezvous over MPI: ``group = world_rank // dwdp_size``, allgather inside the group."""
+
+    def __init__(self, *, dwdp_size: int, comm=None):
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RendezvousError("MpiRendezvous needs mpi4py and an MPI library (pip install mpi4py mpich)") from exc
+        world = comm or MPI.COMM_WORLD
+        if world.Get_size() % dwdp_size:
+            raise RendezvousError(f"MPI world size {world.Get_size()} is not a multiple of dwdp_size={dwdp_size}")
+        self.group = world.Get_rank() // dwdp_size
+        self._comm = world.Split(color=self.group, key=world.Get_rank())
+        self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()
+
+    def allgather(self, key: str, value: bytes) -> list[bytes]:
+        got = self._comm.allgather((key, bytes(value)))
+        bad = [r for r, (k, _) in enumerate(got) if k != key]
+        if bad:
+            raise RendezvousError(f"ranks {bad} reached a different rendezvous step than {key!r}")
+        return [v for _, v in got]
+
+    def barrier(self, key: str) -> None:
+        self._comm.Barrier()
+
+    def close(self) -> None:
+        comm, self._comm = getattr(self, "_comm", None), None
+        if comm is not None:
+            comm.Free()

@@ -1,0 +1,159 @@
+"""WeightBuffer: the page pool and one composite [E, ...] tensor per (layer, weight).
+
+Setup (``build``):
+  1. page pool: per slot, ``slot_pool_pages`` allocations of PAGE = 8 × granularity bytes each
+     (the slot's pool is sized by the largest layer mapped to it; pages are always mapped whole);
+  2. per (layer, weight): reserve ``layout.total_bytes``; map the layer's slot pages before the
+     local allocation (experts [0, a)), the local allocation itself (zero-copy: the rank's own
+     experts are never copied), slot pages after it (experts [b, E)); **one** ``set_access`` over
+     the whole reservation (on GB200 each access-set call costs an NVLink routing-table entry);
+     the tensor starts at ``va + pre_padding`` so expert a sits at offset 0 of the local allocation;
+  3. per layer: the absolute copy list from the cached ``layout.copy_plan`` (src = peer view base
+     + src_offset, dst = reservation + dst_offset), compiled once by the streams backend;
+  4. edge fill: the straddling expert's head in the local allocation's padded tail, copied once.
+Layers that share a slot share physical pool pages: the schedule guarantees at most one of them
+holds live data at a time. Run time writes pool pages only and allocates nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+from .layout import CompositeLayout, copy_plan, slot_of, slot_pool_pages
+from .memory.base import Allocation, MemoryBackend
+from .streams import Streams
+from .transport import Transport
+
+
+@dataclass
+class WeightSpec:
+    """One expert weight of one MoE layer: ``[num_experts, *expert_shape]`` of ``dtype``."""
+
+    layer: Hashable
+    name: str
+    expert_shape: tuple[int, ...]
+    dtype: Any
+    expert_bytes: int
+
+
+@dataclass
+class _Composite:
+    spec: WeightSpec
+    layout: CompositeLayout
+    va: int
+    tensor: Any
+    mapped: list[tuple[int, int]] = field(default_factory=list)  # (va, nbytes) of each mapping
+
+
+class WeightBuffer:
+    def __init__(self, *, memory: MemoryBackend, streams: Streams, transport: Transport,
+                 rank: int, ranges: Sequence[tuple[int, int]], num_slots: int,
+                 page_multiplier: int = 8, contention_opt: bool = False):
+        self.memory, self.streams, self.transport = memory, streams, transport
+        self.rank, self.ranges, self.num_slots = rank, tuple(ranges), num_slots
+        self.page_multiplier, self.contention_opt = page_multiplier, contention_opt
+        self.page_bytes = memory.granularity * page_multiplier
+        self._pool: list[list[Allocation]] = [[] for _ in range(num_slots)]
+        self._composites: dict[Hashable, list[_Composite]] = {}
+        self._compiled: dict[Hashable, Any] = {}
+        self.remote_bytes_per_layer: dict[Hashable, int] = {}
+        self._released = False
+
+    def plan(self, spec: WeightSpec):
+        num_experts = self.ranges[-1][1]
+        return copy_plan(num_experts=num_experts, expert_bytes=spec.expert_bytes, rank=self.rank,
+                         ranges=self.ranges, granularity=self.memory.granularity,
+                         page_multiplier=self.page_multiplier, contention_opt=self.contention_opt)
+
+    def peers_needed(self, specs: Sequence[WeightSpec]) -> set[int]:
+        peers = set()
+        for spec in specs:
+            _, ops, setup = self.plan(spec)
+            peers.update(op.peer for op in ops)
+            peers.update(op.peer for op in setup)
+        return peers
+
+    def build(self, layers: Sequence[Hashable], specs_by_layer: dict[Hashable, list[WeightSpec]],
+              progress=None) -> None:
+        """Build pool, composites and copy lists for ``layers`` (in forward order). Rolls back on error."""
+        try:
+            pages = [sum(self.plan(s)[0].pool_pages for s in specs_by_layer[layer]) for layer in layers]
+            for slot, n in enumerate(slot_pool_pages(pages, self.num_slots)):
+                self._pool[slot] = [self.memory.create(self.page_bytes) for _ in range(n)]
+            setup_copies = []
+            for order, layer in enumerate(layers):
+                slot = slot_of(order, self.num_slots)
+                page_cursor = 0
+                copies = []
+                composites = []
+                for spec in specs_by_layer[layer]:
+                    layout, ops, setup = self.plan(spec)
+                    comp = self._map_composite(spec, layout, slot, page_cursor)
+                    composites.append(comp)
+                    page_cursor += layout.pool_pages
+                    for op in ops:
+                        copies.append((comp.va + op.dst_offset,
+                                       self.transport.peer_view(op.peer, (layer, spec.name)) + op.src_offset,
+                                       op.nbytes))
+                    for op in setup:
+                        setup_copies.append((comp.va + op.dst_offset,
+                                             self.transport.peer_view(op.peer, (layer, spec.name)) + op.src_offset,
+                                             op.nbytes))
+                self._composites[layer] = composites
+                self._compiled[layer] = self.streams.compile(copies)
+                self.remote_bytes_per_layer[layer] = sum(n for _, _, n in copies)
+                if progress:
+                    progress(1)
+            if setup_copies:
+                self.streams.copy_now(setup_copies)
+        except BaseException:
+            self.release()
+            raise
+
+    def _map_composite(self, spec: WeightSpec, layout: CompositeLayout, slot: int, page_cursor: int) -> _Composite:
+        va = self.memory.reserve(layout.total_bytes)
+        comp = _Composite(spec, layout, va, None)
+        self._composites.setdefault("__building__", []).append(comp)  # so release() can find it
+        pool = self._pool[slot]
+        cursor = va
+        for i in range(layout.n_pre):
+            self.memory.map(cursor, pool[page_cursor + i])
+            comp.mapped.append((cursor, self.page_bytes))
+            cursor += self.page_bytes
+        self.memory.map(cursor, self.transport.local_allocation((spec.layer, spec.name)))
+        comp.mapped.append((cursor, layout.local_bytes))
+        cursor += layout.local_bytes
+        for i in range(layout.n_post):
+            self.memory.map(cursor, pool[page_cursor + layout.n_pre + i])
+            comp.mapped.append((cursor, self.page_bytes))
+            cursor += self.page_bytes
+        self.memory.set_access(va, layout.total_bytes, writable=True)
+        comp.tensor = self.memory.as_tensor(va + layout.pre_padding,
+                                            (layout.num_experts, *spec.expert_shape), spec.dtype)
+        self._composites["__building__"].remove(comp)
+        return comp
+
+    def tensors(self, layer: Hashable) -> dict[str, Any]:
+        return {c.spec.name: c.tensor for c in self._composites[layer]}
+
+    def compiled_copies(self, layer: Hashable) -> Any:
+        return self._compiled[layer]
+
+    def release(self) -> None:
+        """Idempotent: unmap every mapping, free reservations, release the pool."""
+        if self._released:
+            return
+        self._released = True
+        for comps in self._composites.values():
+            for comp in comps:
+                comp.tensor = None
+                for va, n in comp.mapped:
+                    self.memory.unmap(va, n)
+                self.memory.free_reservation(comp.va, comp.layout.total_bytes)
+        self._composites.clear()
+        self._compiled.clear()
+        for pages in self._pool:
+            for alloc in pages:
+                self.memory.release(alloc)
+        self._pool = [[] for _ in range(self.num_slots)]

@@ -1,0 +1,58 @@
+"""Run a function on N real processes that form one DWDP group over a real TCPStore.
+
+Each rank runs ``fn(rank, world_size, port, **kw)`` in a fresh ``spawn`` process; its return
+value (picklable) or its exception text comes back through a queue. A rank may be told to die.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, kw, q):
+    try:
+        q.put((rank, "ok", fn(rank, world, port, **kw)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_group(fn, world: int, *, timeout_s: float = 120.0, ranks=None, **kw) -> dict[int, tuple[str, object]]:
+    """Start ranks (all by default), wait for them, return {rank: (status, value)}.
+
+    A rank that exits without reporting (killed) shows as ``("died", exitcode)``.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = kw.pop("port", None) or free_port()
+    procs = {r: ctx.Process(target=_entry, args=(fn, r, world, port, kw, q), daemon=True)
+             for r in (range(world) if ranks is None else ranks)}
+    for p in procs.values():
+        p.start()
+    results: dict[int, tuple[str, object]] = {}
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, status, value = q.get(timeout=0.2)
+            results[rank] = (status, value)
+        except _q.Empty:
+            for r, p in procs.items():
+                if r not in results and not p.is_alive() and p.exitcode not in (None, 0):
+                    results[r] = ("died", p.exitcode)
+    for r, p in procs.items():
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        results.setdefault(r, ("timeout", None))
+    return results

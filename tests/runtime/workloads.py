@@ -1,0 +1,61 @@
+"""Rank programs for the multi-process runtime tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def reference(layer: int, name: str, num_experts: int, shape, dtype):
+    """Deterministic expert weights: every rank computes the same reference without communication."""
+    import torch
+
+    g = torch.Generator().manual_seed(hash((layer, name)) & 0xFFFF_FFFF if False else layer * 131 + len(name))
+    return torch.randn((num_experts, *shape), generator=g).to(dtype)
+
+
+def composite_program(rank, world, port, *, num_experts, k, s, layers=4, forwards=3, shapes=None,
+                      granularity=4096, slots=2, contention_opt=False, copy_delay_s=0.0,
+                      skip=None, dtype_name="float32", token="t0k3n", timeout_s=60.0):
+    """Build composites for ``layers`` MoE layers and check them bitwise after every wait_and_bind."""
+    import torch
+
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_runtime.manager import DwdpManager
+    from dwdp_runtime.rendezvous import StoreRendezvous
+
+    dtype = getattr(torch, dtype_name)
+    shapes = shapes or {"gate_up_proj": (6, 5), "down_proj": (5, 3)}
+    cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts, num_experts_per_worker=k,
+                     num_prefetch_experts=s, num_prefetch_slots=slots, contention_opt=contention_opt)
+    rdzv = StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="test",
+                           token=token, timeout_s=timeout_s)
+    refs = {(l, n): reference(l, n, num_experts, shp, dtype) for l in range(layers) for n, shp in shapes.items()}
+    checks = 0
+    with DwdpManager.create(config=cfg, rank=rank, rendezvous=rdzv, backend="host", granularity=granularity,
+                            token=token, copy_delay_s=copy_delay_s) as mgr:
+        a, b = mgr.local_range
+        for l in range(layers):
+            mgr.add_layer(l)
+            for n, shp in shapes.items():
+                mgr.add_expert_weight(l, n, expert_shape=shp, dtype=dtype, fill=refs[(l, n)][a:b].clone())
+        mgr.setup()
+        creates = dict(mgr.memory.stats)
+        for f in range(forwards):
+            mgr.start_forward()
+            for l in range(layers):
+                if skip is not None and (f, l) == tuple(skip):
+                    continue
+                tensors = mgr.wait_and_bind(l)
+                for n, t in tensors.items():
+                    if not torch.equal(t, refs[(l, n)]):
+                        bad = [e for e in range(num_experts) if not torch.equal(t[e], refs[(l, n)][e])]
+                        raise AssertionError(f"rank {rank} forward {f} layer {l} {n}: experts {bad} differ")
+                    checks += 1
+                mgr.finish_layer(l)
+        stats = mgr.stats()
+        stats["allocations_after_setup"] = {k2: mgr.memory.stats[k2] - creates[k2] for k2 in creates}
+        stats["checks"] = checks
+        stats["local_range"] = (a, b)
+        stats["host_sync"] = mgr.streams.stats["synchronize"]
+    return stats
