@@ -10,13 +10,13 @@ def reference(layer: int, name: str, num_experts: int, shape, dtype):
     """Deterministic expert weights: every rank computes the same reference without communication."""
     import torch
 
-    g = torch.Generator().manual_seed(hash((layer, name)) & 0xFFFF_FFFF if False else layer * 131 + len(name))
+    g = torch.Generator().manual_seed(layer * 131 + len(name))
     return torch.randn((num_experts, *shape), generator=g).to(dtype)
 
 
 def composite_program(rank, world, port, *, num_experts, k, s, layers=4, forwards=3, shapes=None,
                       granularity=4096, slots=2, contention_opt=False, copy_delay_s=0.0,
-                      skip=None, dtype_name="float32", token="t0k3n", timeout_s=60.0):
+                      skip=None, dtype_name="float32", page_multiplier=8, token="t0k3n", timeout_s=60.0):
     """Build composites for ``layers`` MoE layers and check them bitwise after every wait_and_bind."""
     import torch
 
@@ -32,8 +32,9 @@ def composite_program(rank, world, port, *, num_experts, k, s, layers=4, forward
                            token=token, timeout_s=timeout_s)
     refs = {(l, n): reference(l, n, num_experts, shp, dtype) for l in range(layers) for n, shp in shapes.items()}
     checks = 0
-    with DwdpManager.create(config=cfg, rank=rank, rendezvous=rdzv, backend="host", granularity=granularity,
-                            token=token, copy_delay_s=copy_delay_s) as mgr:
+    with rdzv, DwdpManager.create(config=cfg, rank=rank, rendezvous=rdzv, backend="host",
+                                  granularity=granularity, token=token, copy_delay_s=copy_delay_s,
+                                  page_multiplier=page_multiplier) as mgr:
         a, b = mgr.local_range
         for l in range(layers):
             mgr.add_layer(l)
