@@ -129,6 +129,10 @@ class StoreRendezvous(Rendezvous):
                     f"rank(s) {pending} never arrived (of {self.world_size})", pending)
             time.sleep(self._poll_s)
 
+    def __exit__(self, exc_type, *_):
+        # after a failure the peers are failing too: do not hold the store open for long
+        self.close(linger_s=1.0 if exc_type else 10.0)
+
     def close(self, *, linger_s: float = 10.0) -> None:
         """Leave the group. Rank 0 hosts the store, so it lingers (bounded) until every rank left."""
         if self._closed:

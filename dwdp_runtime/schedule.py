@@ -79,7 +79,7 @@ class PrefetchSchedule:
                                  + (" and another layer is still bound" if self._bound is not None else ""))
         else:
             release = self._release_held()
-            step = ScheduleStep(False, release, self._issue() if release is not None else [])
+            step = ScheduleStep(False, release, self._issue())  # [] unless a slot just freed up
         if self._issued <= self._next_bind:
             raise RuntimeError(f"bind(order={order}) before its copy was issued: the schedule is corrupt")
         self._bound = self._next_bind

@@ -24,7 +24,7 @@ def _entry(fn, rank, world, port, kw, q):
         q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def run_group(fn, world: int, *, timeout_s: float = 120.0, ranks=None, **kw) -> dict[int, tuple[str, object]]:
+def run_group(fn, world: int, *, harness_timeout_s: float = 120.0, ranks=None, **kw) -> dict[int, tuple[str, object]]:
     """Start ranks (all by default), wait for them, return {rank: (status, value)}.
 
     A rank that exits without reporting (killed) shows as ``("died", exitcode)``.
@@ -40,7 +40,7 @@ def run_group(fn, world: int, *, timeout_s: float = 120.0, ranks=None, **kw) -> 
     import queue as _q
     import time
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + harness_timeout_s
     while len(results) < len(procs) and time.monotonic() < deadline:
         try:
             rank, status, value = q.get(timeout=0.2)

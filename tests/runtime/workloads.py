@@ -42,6 +42,7 @@ def composite_program(rank, world, port, *, num_experts, k, s, layers=4, forward
                 mgr.add_expert_weight(l, n, expert_shape=shp, dtype=dtype, fill=refs[(l, n)][a:b].clone())
         mgr.setup()
         creates = dict(mgr.memory.stats)
+        syncs_at_setup = mgr.streams.stats["synchronize"]
         for f in range(forwards):
             mgr.start_forward()
             for l in range(layers):
@@ -58,5 +59,18 @@ def composite_program(rank, world, port, *, num_experts, k, s, layers=4, forward
         stats["allocations_after_setup"] = {k2: mgr.memory.stats[k2] - creates[k2] for k2 in creates}
         stats["checks"] = checks
         stats["local_range"] = (a, b)
-        stats["host_sync"] = mgr.streams.stats["synchronize"]
+        stats["steady_syncs"] = mgr.streams.stats["synchronize"] - syncs_at_setup
+        stats["copy_wait_s"] = mgr.streams.stats["wait_s"]
     return stats
+
+
+def die_after_join(rank, world, port, *, victim, token="t0k3n", timeout_s=5.0, **kw):
+    """Every rank joins; ``victim`` dies right after joining; the others try to set up a manager."""
+    if rank == victim:
+        from dwdp_runtime.rendezvous import StoreRendezvous
+
+        StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="test", token=token,
+                        timeout_s=timeout_s)
+        time.sleep(0.5)
+        os._exit(17)
+    return composite_program(rank, world, port, token=token, timeout_s=timeout_s, **kw)
