@@ -50,6 +50,7 @@ class HostMemory(MemoryBackend):
         self._granularity = granularity
         self._libc = _libc()
         self.stats = {"create": 0, "reserve": 0, "map": 0}
+        self.live = {"allocations": 0, "reservations": 0}  # leak accounting (tests, metrics)
 
     @property
     def granularity(self) -> int:
@@ -81,6 +82,7 @@ class HostMemory(MemoryBackend):
             os.close(fd)
             raise
         self.stats["create"] += 1
+        self.live["allocations"] += 1
         return Allocation(nbytes=nbytes, native=fd)
 
     def export(self, alloc: Allocation) -> int:
@@ -93,11 +95,13 @@ class HostMemory(MemoryBackend):
         if size != nbytes:
             os.close(shareable)
             raise ValueError(f"imported allocation has {size} bytes, expected {nbytes}")
+        self.live["allocations"] += 1
         return Allocation(nbytes=nbytes, native=shareable, imported=True)
 
     def reserve(self, nbytes: int) -> int:
         self._check_size(nbytes)
         self.stats["reserve"] += 1
+        self.live["reservations"] += 1
         return self._mmap(None, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
     def map(self, va: int, alloc: Allocation) -> None:
@@ -119,11 +123,13 @@ class HostMemory(MemoryBackend):
         if self._libc.munmap(va, nbytes) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"munmap failed: {os.strerror(err)}")
+        self.live["reservations"] -= 1
 
     def release(self, alloc: Allocation) -> None:
         if not alloc.released:
             alloc.released = True
             os.close(alloc.native)
+            self.live["allocations"] -= 1
 
     def as_tensor(self, va: int, shape: tuple[int, ...], dtype):
         import torch
