@@ -1,0 +1,75 @@
+"""Recommend (dwdp_size, experts_per_worker, stride, slots) for a workload and a memory budget.
+
+Pure. Search space: ``d`` in 2..hardware.max_group, ``k`` from ``suggest_sharding``'s minimum up to
+``N``, stride ``s = ceil((N - k)/(d - 1))`` (the smallest that covers, spreading the overlap
+evenly), slots 2..4. A candidate is feasible when weights + local experts + pool slots +
+activations + reserve + the workload's KV cache (``isl·batch`` tokens) fit one GPU.
+
+Objective, in order (DWDP ranks are independent, so per-GPU throughput = tokens / per-rank time):
+  1. the per-MoE-layer ``T_DWDP`` (cv = 0) — lower is better;
+  2. among candidates within 1 % of the best: the most memory left for KV cache;
+  3. then the smaller ``d`` (smaller failure domain).
+Slots: more slots never lower the steady-state per-layer time; they can only help the forward
+(prefetch running ahead through dense layers). The forward pipeline is simulated for slots 2..4 of
+the winner and the fewest slots within 0.5 % of the best forward kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from ..config import suggest_sharding
+from . import memory, pipeline, prefetch
+
+if TYPE_CHECKING:
+    from .plan import Evaluator
+
+TIE = 0.01
+SLOT_TIE = 0.005
+MAX_SLOTS = 4
+
+
+def candidates(num_experts: int, max_group: int):
+    for d in range(2, max_group + 1):
+        k_min, _ = suggest_sharding(dwdp_size=d, num_experts=num_experts)
+        for k in range(k_min, num_experts + 1):
+            s = max(1, min(k, math.ceil((num_experts - k) / (d - 1))))
+            yield d, k, s
+
+
+def recommend(ev: "Evaluator", *, isl: int, batch: int) -> dict[str, Any] | None:
+    shape, hw = ev.shape, ev.hw
+    n = shape.num_experts
+    tokens = isl * batch
+    tc = ev.layer_compute(seq=isl, batch=batch, moe=True)
+    scored = []
+    for d, k, s in candidates(n, hw.max_group):
+        ranges = prefetch.expert_ranges(dwdp_size=d, num_experts=n, experts_per_worker=k, stride=s)
+        mem = memory.breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
+                               prefetch_slots=2, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens)
+        if not mem.fits:
+            continue
+        pf = ev.prefetch(dwdp_size=d, k=k, s=s)
+        t = max(ev.taxed(tc, pf.time_s), pf.time_s)
+        scored.append((t, -mem.kv_cache_available, d, k, s, pf, mem))
+    if not scored:
+        return None
+    best_t = min(c[0] for c in scored)
+    t, _, d, k, s, pf, mem = min((c for c in scored if c[0] <= best_t * (1 + TIE)), key=lambda c: (c[1], c[2], c[3]))
+    ranges = prefetch.expert_ranges(dwdp_size=d, num_experts=n, experts_per_worker=k, stride=s)
+    pre, moe, post = ev.forward_segments(seq=isl, batch=batch, t_prefetch=pf.time_s)
+    fwd = {}
+    for slots in range(2, MAX_SLOTS + 1):
+        m = memory.breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
+                             prefetch_slots=slots, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens)
+        if m.fits:
+            fwd[slots] = (pipeline.simulate(pre=pre, moe=moe, post=post, t_prefetch=pf.time_s, slots=slots).steady_s, m)
+    best_f = min(v[0] for v in fwd.values())
+    slots = min(sl for sl, v in fwd.items() if v[0] <= best_f * (1 + SLOT_TIE))
+    f, mem = fwd[slots]
+    return {"dwdp_size": d, "experts_per_worker": k, "prefetch_stride": s, "prefetch_slots": slots,
+            "t_dwdp_us": t * 1e6, "forward_dwdp_us": f * 1e6,
+            "kv_cache_available_gib": round(mem.kv_cache_available / memory.GIB, 3),
+            "why": "lowest per-layer T_DWDP that fits with this workload's KV cache; ties (1 %) broken by "
+                   "KV headroom, then smaller group"}
