@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `dwdp plan --json | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -61,6 +61,13 @@ def expected_slowest(work: Callable[[float], float], *, d: int, cv: float) -> fl
     return expected_max_of(lambda z: work(max(0.0, 1.0 + cv * z)), d)
 
 
+def expected_mean(work: Callable[[float], float], *, cv: float) -> float:
+    """``E[work(max(0, 1 + cv·Z))]`` for one rank; ``work(1.0)`` when cv == 0."""
+    if cv <= 0:
+        return work(1.0)
+    return expected_max_of(lambda z: work(max(0.0, 1.0 + cv * z)), 1)
+
+
 def experts_per_rank(num_experts: int, d: int) -> list[int]:
     base, extra = divmod(num_experts, d)
     return [base + (1 if r < extra else 0) for r in range(d)]

@@ -117,18 +117,15 @@ class Evaluator:
             tcx = self.taxed(tc, tp)
             return tc, tcx, max(tcx, tp)
 
-        if cv > 0:
-            tc = dep.expected_max_of(lambda z: dwdp_terms(max(0.0, 1 + cv * z))[0], 1)
-            tcx = dep.expected_max_of(lambda z: dwdp_terms(max(0.0, 1 + cv * z))[1], 1)
-            t_dwdp = dep.expected_max_of(lambda z: dwdp_terms(max(0.0, 1 + cv * z))[2], 1)
-        else:
-            tc, tcx, t_dwdp = dwdp_terms(1.0)
+        tc = dep.expected_mean(lambda x: dwdp_terms(x)[0], cv=cv)
+        tcx = dep.expected_mean(lambda x: dwdp_terms(x)[1], cv=cv)
+        t_dwdp = dep.expected_mean(lambda x: dwdp_terms(x)[2], cv=cv)
 
         @lru_cache(maxsize=None)
         def dep_work(scale: float) -> float:
             return self.layer_compute(seq=isl * scale, batch=batch, moe=True, dep_d=d, route_seq=isl)
 
-        tc_dep = dep.expected_max_of(dep_work, 1) if cv > 0 else dep_work(1.0)
+        tc_dep = dep.expected_mean(dep_work, cv=cv)
         slowest = dep.expected_slowest(dep_work, d=d, cv=cv)
         a2a = self.all2all(seq=isl, batch=batch, d=d)
         return LayerTimes(t_compute=tc, t_compute_dwdp=tcx, t_prefetch=tp, t_prefetch_ideal=pf.ideal_s,
@@ -171,7 +168,7 @@ class Evaluator:
                     + dense_layers * (self.layer_compute(seq=s, batch=batch, moe=False) if dense_layers else 0.0)
                     + self.head_compute(seq=s, batch=batch))
 
-        t_dwdp = dep.expected_max_of(lambda z: dwdp_fwd(max(0.0, 1 + cv * z)), 1) if cv > 0 else dwdp_fwd(1.0)
+        t_dwdp = dep.expected_mean(dwdp_fwd, cv=cv)
         t_dep = dep.expected_slowest(dep_fwd, d=d, cv=cv) + m * self.all2all(seq=isl, batch=batch, d=d)
         return {"dwdp_us": t_dwdp * US, "dep_us": t_dep * US, "speedup": t_dep / t_dwdp}
 
