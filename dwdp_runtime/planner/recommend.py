@@ -3,7 +3,9 @@
 Pure. Search space: ``d`` in 2..hardware.max_group, ``k`` from ``suggest_sharding``'s minimum up to
 ``N``, stride ``s = ceil((N - k)/(d - 1))`` (the smallest that covers, spreading the overlap
 evenly), slots 2..4. A candidate is feasible when weights + local experts + pool slots +
-activations + reserve + the workload's KV cache (``isl·batch`` tokens) fit one GPU.
+activations + reserve fit one GPU and leave at least ``max(KV of the workload (isl·batch tokens),
+MIN_KV_FRACTION × memory)`` for the KV cache — a serving policy (room for more than one batch in
+flight), not physics: without it the search trades every spare byte for local experts.
 
 Objective, in order (DWDP ranks are independent, so per-GPU throughput = tokens / per-rank time):
   1. the per-MoE-layer ``T_DWDP`` (cv = 0) — lower is better;
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from .plan import Evaluator
 
 TIE = 0.01
+MIN_KV_FRACTION = 0.10
 SLOT_TIE = 0.005
 MAX_SLOTS = 4
 
@@ -43,12 +46,13 @@ def recommend(ev: "Evaluator", *, isl: int, batch: int) -> dict[str, Any] | None
     n = shape.num_experts
     tokens = isl * batch
     tc = ev.layer_compute(seq=isl, batch=batch, moe=True)
+    kv_floor = max(tokens * shape.kv_bytes_per_token(), MIN_KV_FRACTION * hw.memory_bytes)
     scored = []
     for d, k, s in candidates(n, hw.max_group):
         ranges = prefetch.expert_ranges(dwdp_size=d, num_experts=n, experts_per_worker=k, stride=s)
         mem = memory.breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
                                prefetch_slots=2, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens)
-        if not mem.fits:
+        if mem.kv_cache_available < kv_floor:
             continue
         pf = ev.prefetch(dwdp_size=d, k=k, s=s)
         t = max(ev.taxed(tc, pf.time_s), pf.time_s)
@@ -63,7 +67,7 @@ def recommend(ev: "Evaluator", *, isl: int, batch: int) -> dict[str, Any] | None
     for slots in range(2, MAX_SLOTS + 1):
         m = memory.breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
                              prefetch_slots=slots, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens)
-        if m.fits:
+        if m.kv_cache_available >= kv_floor:
             fwd[slots] = (pipeline.simulate(pre=pre, moe=moe, post=post, t_prefetch=pf.time_s, slots=slots).steady_s, m)
     best_f = min(v[0] for v in fwd.values())
     slots = min(sl for sl, v in fwd.items() if v[0] <= best_f * (1 + SLOT_TIE))
@@ -71,5 +75,6 @@ def recommend(ev: "Evaluator", *, isl: int, batch: int) -> dict[str, Any] | None
     return {"dwdp_size": d, "experts_per_worker": k, "prefetch_stride": s, "prefetch_slots": slots,
             "t_dwdp_us": t * 1e6, "forward_dwdp_us": f * 1e6,
             "kv_cache_available_gib": round(mem.kv_cache_available / memory.GIB, 3),
-            "why": "lowest per-layer T_DWDP that fits with this workload's KV cache; ties (1 %) broken by "
-                   "KV headroom, then smaller group"}
+            "why": (f"lowest per-layer T_DWDP leaving >= {kv_floor / memory.GIB:.1f} GiB for KV cache "
+                    f"(max of this workload's KV and {MIN_KV_FRACTION:.0%} of memory); ties (1 %) broken by "
+                    f"KV headroom, then smaller group")}

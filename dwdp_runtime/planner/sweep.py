@@ -44,6 +44,8 @@ def write_png(path: str, points: dict[int, list[tuple[int, float, float]]], *, t
     for ax, yl in ((a1, "T_compute / T_prefetch"), (a2, "T_DEP / T_DWDP")):
         ax.axhline(1.0, ls="--", c="k", lw=1)
         ax.set_xscale("log", base=2)
+        if ax is a1:
+            ax.set_yscale("log")
         ax.set_xlabel("input length (tokens)")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
