@@ -4,15 +4,13 @@ Pure. Parts (bytes):
   dense_weights  replicated on every rank: embedding (+ LM head unless tied) in bf16, attention
                  projections and dense FFNs at ``dense_dtype``, routers bf16, shared experts at
                  ``dtype``, RMSNorm weights bf16.
-  local_experts  ``k`` experts × MoE layers, per (layer, tensor) rounded up to the 2 MiB VMM
-                 granularity (the local handle; HARDWARE.md: granularity 2 MiB). Two tensors per
-                 layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``; quantisation scales folded in.
-  pool_slots     ``slots`` × one MoE layer's remote experts, in 16 MiB pool pages (8 × granularity,
-                 DESIGN §3). Per (layer, tensor) the composite layout maps ``ceil(a·eb / PAGE)``
-                 pages before the local handle and enough pages after it to reach expert N
-                 (``a`` = first local expert, ``eb`` = bytes of one expert in that tensor). Pages of
-                 a slot are shared by the layers that use the slot, so the pool is per slot, not
-                 per layer. Worst rank reported.
+  local_experts  the local handle of ``layout.composite_layout`` per (MoE layer, tensor): the
+                 rank's experts rounded up to the 2 MiB VMM granularity (HARDWARE.md). Two tensors
+                 per layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``; scales folded in.
+  pool_slots     ``slots`` × the pool pages (16 MiB = 8 × granularity) one MoE layer's composite
+                 layouts map (``CompositeLayout.pool_pages``: pre pages up to the first local expert,
+                 post pages up to expert N). A slot's pages are reused by every layer mapped to it,
+                 so the pool is per slot, not per layer. Worst rank reported.
   activations    a rough peak for ``max_num_tokens`` tokens in flight (residual stream + the larger
                  of the attention and MoE stages, bf16).
   reserved       the hardware preset's ``reserved_bytes`` (CUDA context, workspaces; assumed).
@@ -25,11 +23,13 @@ import math
 
 from pydantic import BaseModel
 
+from .. import layout
+
 from .model_shapes import ModelShape, load_model
 from .presets import ACT_BYTES, GIB, MIB, Hardware, WeightDtype, get_dtype, get_hardware
 
-GRANULARITY = 2 * MIB
-POOL_PAGE = 8 * GRANULARITY
+GRANULARITY = 2 * MIB  # HARDWARE.md: minimum = recommended VMM granularity on H200
+POOL_PAGE = layout.DEFAULT_PAGE_MULTIPLIER * GRANULARITY
 
 
 def _round_up(x: float, m: int) -> int:
@@ -80,29 +80,25 @@ def dense_weight_bytes(shape: ModelShape, *, dtype: WeightDtype, dense_dtype: We
     return float(b)
 
 
-def _tensor_expert_bytes(shape: ModelShape, dtype: WeightDtype) -> tuple[float, float]:
-    """Bytes of one expert in gate_up (2·I·H) and in down (H·I)."""
+def _tensor_expert_bytes(shape: ModelShape, dtype: WeightDtype) -> tuple[int, int]:
+    """Bytes of one expert in gate_up (2·I·H) and in down (H·I), scales included, rounded up."""
     per = shape.hidden * shape.moe_inter * dtype.bytes_per_element
-    return 2 * per, per
+    return math.ceil(2 * per), math.ceil(per)
+
+
+def _layouts(shape: ModelShape, dtype: WeightDtype, local_range: tuple[int, int]) -> list[layout.CompositeLayout]:
+    return [layout.composite_layout(num_experts=shape.num_experts, expert_bytes=eb, local_range=local_range,
+                                    granularity=GRANULARITY) for eb in _tensor_expert_bytes(shape, dtype)]
 
 
 def local_expert_bytes(shape: ModelShape, *, dtype: WeightDtype, experts_per_worker: int) -> float:
-    per_layer = sum(_round_up(experts_per_worker * eb, GRANULARITY) for eb in _tensor_expert_bytes(shape, dtype))
+    per_layer = sum(c.local_bytes for c in _layouts(shape, dtype, (0, experts_per_worker)))
     return float(per_layer * shape.num_moe_layers)
 
 
 def pool_slot_bytes(shape: ModelShape, *, dtype: WeightDtype, ranges: list[tuple[int, int]], slots: int) -> float:
-    """``slots`` × the worst rank's pages for one MoE layer (see module docstring)."""
-    n = shape.num_experts
-    worst = 0
-    for a, b in ranges:
-        pages = 0
-        for eb in _tensor_expert_bytes(shape, dtype):
-            n_pre = math.ceil(a * eb / POOL_PAGE)
-            local = _round_up((b - a) * eb, GRANULARITY)
-            post = max(0.0, (n - a) * eb - local)
-            pages += n_pre + math.ceil(post / POOL_PAGE)
-        worst = max(worst, pages)
+    """``slots`` × the worst rank's pool pages for one MoE layer (see module docstring)."""
+    worst = max(sum(c.pool_pages for c in _layouts(shape, dtype, r)) for r in ranges)
     return float(slots * worst * POOL_PAGE)
 
 

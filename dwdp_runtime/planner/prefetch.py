@@ -1,8 +1,8 @@
 """Which experts each rank pulls from whom, and how long one MoE layer's prefetch takes.
 
-Pure. Ranges follow the runtime's rule (``dwdp_runtime.config``): rank r owns
-``[r*s, min(r*s + k, N))``; an expert owned by several ranks is pulled from the lowest rank
-(``lookup_owner``: identical on all ranks). Every non-local expert is pulled once per MoE layer
+Pure. Ranges and owners come from the runtime's own ``dwdp_runtime.layout`` (``peer_ranges``:
+rank r owns ``[r*s, min(r*s + k, N))``; ``lookup_owner``: an expert held by several ranks is pulled
+from the lowest one, identical on all ranks), validated by ``config.sharding_errors``. Every non-local expert is pulled once per MoE layer
 into the slot pool, i.e. ``remote = N - local`` experts × bytes per expert, independent of routing
 (DWDP pulls whole layers, not only the routed experts).
 
@@ -13,24 +13,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import layout
 from ..config import sharding_errors
 from . import contention
 
 
 def expert_ranges(*, dwdp_size: int, num_experts: int, experts_per_worker: int, stride: int) -> list[tuple[int, int]]:
-    """Mirror of ``layout.peer_ranges``: ``[(r*s, min(r*s + k, N))]`` (validated by ``sharding_errors``)."""
+    """``layout.peer_ranges`` after ``sharding_errors`` (ValueError with the runtime's message)."""
     errs = sharding_errors(dwdp_size=dwdp_size, num_experts=num_experts, num_experts_per_worker=experts_per_worker,
                            num_prefetch_experts=stride)
     if errs:
         raise ValueError("invalid DWDP sharding: " + "; ".join(errs))
-    return [(r * stride, min(r * stride + experts_per_worker, num_experts)) for r in range(dwdp_size)]
+    return list(layout.peer_ranges(dwdp_size=dwdp_size, num_experts=num_experts,
+                                   num_experts_per_worker=experts_per_worker, num_prefetch_experts=stride))
 
 
-def owner(expert: int, ranges: list[tuple[int, int]]) -> int:
-    for r, (a, b) in enumerate(ranges):
-        if a <= expert < b:
-            return r
-    raise ValueError(f"expert {expert} is owned by no rank")
+owner = layout.lookup_owner
 
 
 def owned(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

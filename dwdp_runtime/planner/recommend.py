@@ -2,8 +2,8 @@
 
 Pure. Search space: ``d`` in 2..hardware.max_group, ``k`` from ``suggest_sharding``'s minimum up to
 ``N``, stride ``s = ceil((N - k)/(d - 1))`` (the smallest that covers, spreading the overlap
-evenly), slots 2..4. A candidate is feasible when weights + local experts + pool slots +
-activations + reserve fit one GPU and leave at least ``max(KV of the workload (isl·batch tokens),
+evenly), slots 2..4; only triples ``config.sharding_errors`` accepts. A candidate is feasible when
+weights + local experts + pool slots + activations + reserve fit one GPU and leave at least ``max(KV of the workload (isl·batch tokens),
 MIN_KV_FRACTION × memory)`` for the KV cache — a serving policy (room for more than one batch in
 flight), not physics: without it the search trades every spare byte for local experts.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..config import suggest_sharding
+from ..config import sharding_errors, suggest_sharding
 from . import memory, pipeline, prefetch
 
 if TYPE_CHECKING:
@@ -38,7 +38,9 @@ def candidates(num_experts: int, max_group: int):
         k_min, _ = suggest_sharding(dwdp_size=d, num_experts=num_experts)
         for k in range(k_min, num_experts + 1):
             s = max(1, min(k, math.ceil((num_experts - k) / (d - 1))))
-            yield d, k, s
+            if not sharding_errors(dwdp_size=d, num_experts=num_experts, num_experts_per_worker=k,
+                                   num_prefetch_experts=s):
+                yield d, k, s
 
 
 def recommend(ev: "Evaluator", *, isl: int, batch: int) -> dict[str, Any] | None:

@@ -108,3 +108,14 @@ def test_bad_inputs_raise_value_errors():
             plan(model="qwen3-235b-a22b", with_crossover=False, with_recommendation=False, **kw)
     assert math.isfinite(plan(model="mixtral-8x22b", dtype="fp8", dwdp_size=2, with_crossover=False,
                               with_recommendation=False).speedup)
+
+
+def test_candidates_obey_the_runtime_rules():
+    from dwdp_runtime.config import sharding_errors
+    from dwdp_runtime.planner.recommend import candidates
+
+    cands = list(candidates(8, 8))
+    assert cands and all(not sharding_errors(dwdp_size=d, num_experts=8, num_experts_per_worker=k,
+                                             num_prefetch_experts=s) for d, k, s in cands)
+    # d = 5 of 8 experts needs s = 1 (rank 4 must start below 8), hence k >= 4
+    assert min(k for d, k, s in cands if d == 5) == 4
