@@ -7,7 +7,7 @@ import pytest
 from dwdp_runtime.planner import plan
 from dwdp_runtime.planner.plan import find_crossover
 
-from planner_toy import TOY, toy_gpu
+from .planner_toy import TOY, toy_gpu
 
 
 def test_toy_plan_by_hand():

@@ -7,7 +7,7 @@ import pytest
 from dwdp_runtime.planner import roofline
 from dwdp_runtime.planner.presets import DTYPES
 
-from planner_toy import TOY, toy_gpu
+from .planner_toy import TOY, toy_gpu
 
 
 def test_op_is_max_of_compute_and_memory():

@@ -9,7 +9,7 @@ from dwdp_runtime.planner.model_shapes import ModelConfigError, from_hf_config, 
 from dwdp_runtime.planner.presets import DTYPES, GIB, MIB
 from dwdp_runtime.planner.prefetch import expert_ranges
 
-from planner_toy import TOY, TOY_CONFIG, toy_gpu
+from .planner_toy import TOY, TOY_CONFIG, toy_gpu
 
 
 def test_deepseek_preset_fields():
