@@ -1,0 +1,172 @@
+"""Per-GPU memory of a DWDP rank, by part, and the fit check the operator calls.
+
+Pure. Parts (bytes):
+  dense_weights  replicated on every rank: embedding (+ LM head unless tied) in bf16, attention
+                 projections and dense FFNs at ``dense_dtype``, routers bf16, shared experts at
+                 ``dtype``, RMSNorm weights bf16.
+  local_experts  the local handle of ``layout.composite_layout`` per (MoE layer, tensor): the
+                 rank's experts rounded up to the 2 MiB VMM granularity (HARDWARE.md). Two tensors
+                 per layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``; scales folded in.
+  pool_slots     ``slots`` × the pool pages (16 MiB = 8 × granularity) one MoE layer's composite
+                 layouts map (``CompositeLayout.pool_pages``: pre pages up to the first local expert,
+                 post pages up to expert N). A slot's pages are reused by every layer mapped to it,
+                 so the pool is per slot, not per layer. Worst rank reported.
+  activations    a rough peak for ``max_num_tokens`` tokens in flight (residual stream + the larger
+                 of the attention and MoE stages, bf16).
+  reserved       the hardware preset's ``reserved_bytes`` (CUDA context, workspaces; assumed).
+  kv_cache       what remains; ``kv_needed`` = tokens × KV bytes/token for the planned workload.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel
+
+from .. import layout
+
+from .model_shapes import ModelShape, load_model
+from .presets import ACT_BYTES, GIB, MIB, Hardware, WeightDtype, get_dtype, get_hardware
+
+GRANULARITY = 2 * MIB  # HARDWARE.md: minimum = recommended VMM granularity on H200
+POOL_PAGE = layout.DEFAULT_PAGE_MULTIPLIER * GRANULARITY
+
+
+def _round_up(x: float, m: int) -> int:
+    return int(math.ceil(x / m)) * m
+
+
+class MemoryBreakdown(BaseModel):
+    """Bytes per GPU (worst rank). ``*_gib`` views are in the JSON output."""
+
+    capacity: float
+    dense_weights: float
+    local_experts: float
+    pool_slots: float
+    activations: float
+    reserved: float
+    kv_cache_available: float
+    kv_needed: float = 0.0
+
+    @property
+    def used(self) -> float:
+        return self.dense_weights + self.local_experts + self.pool_slots + self.activations + self.reserved
+
+    @property
+    def fits_weights(self) -> bool:
+        return self.kv_cache_available >= 0
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_cache_available >= self.kv_needed
+
+    def gib(self) -> dict[str, float]:
+        parts = ("capacity", "dense_weights", "local_experts", "pool_slots", "activations", "reserved",
+                 "kv_cache_available", "kv_needed")
+        return {p: round(getattr(self, p) / GIB, 3) for p in parts}
+
+
+def dense_weight_bytes(shape: ModelShape, *, dtype: WeightDtype, dense_dtype: WeightDtype) -> float:
+    h = shape.hidden
+    b = shape.vocab * h * ACT_BYTES * (1 if shape.tie_embeddings else 2) + h * ACT_BYTES  # + final norm
+    attn = sum(i * o for i, o in shape.attention_linear_dims()) * dense_dtype.bytes_per_element
+    moe_set = set(shape.moe_layers)
+    for layer in range(shape.num_layers):
+        b += attn + 2 * h * ACT_BYTES
+        if layer in moe_set:
+            b += h * shape.num_experts * ACT_BYTES + 3 * h * shape.shared_inter * dtype.bytes_per_element
+        else:
+            b += 3 * h * shape.dense_inter * dense_dtype.bytes_per_element
+    return float(b)
+
+
+def _tensor_expert_bytes(shape: ModelShape, dtype: WeightDtype) -> tuple[int, int]:
+    """Bytes of one expert in gate_up (2·I·H) and in down (H·I), scales included, rounded up."""
+    per = shape.hidden * shape.moe_inter * dtype.bytes_per_element
+    return math.ceil(2 * per), math.ceil(per)
+
+
+def _layouts(shape: ModelShape, dtype: WeightDtype, local_range: tuple[int, int]) -> list[layout.CompositeLayout]:
+    return [layout.composite_layout(num_experts=shape.num_experts, expert_bytes=eb, local_range=local_range,
+                                    granularity=GRANULARITY) for eb in _tensor_expert_bytes(shape, dtype)]
+
+
+def local_expert_bytes(shape: ModelShape, *, dtype: WeightDtype, experts_per_worker: int) -> float:
+    per_layer = sum(c.local_bytes for c in _layouts(shape, dtype, (0, experts_per_worker)))
+    return float(per_layer * shape.num_moe_layers)
+
+
+def pool_slot_bytes(shape: ModelShape, *, dtype: WeightDtype, ranges: list[tuple[int, int]], slots: int) -> float:
+    """``slots`` × the worst rank's pool pages for one MoE layer (see module docstring)."""
+    worst = max(sum(c.pool_pages for c in _layouts(shape, dtype, r)) for r in ranges)
+    return float(slots * worst * POOL_PAGE)
+
+
+def activation_bytes(shape: ModelShape, *, tokens: float) -> float:
+    h = shape.hidden
+    q_k_v_o = shape.num_heads * (2 * shape.qk_dim + 2 * shape.v_dim) if shape.is_mla else \
+        2 * shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim
+    attn_stage = q_k_v_o
+    moe_stage = shape.top_k * (h + 3 * shape.moe_inter) + 3 * max(shape.shared_inter, 0)
+    return float(tokens * (2 * h + max(attn_stage, moe_stage)) * ACT_BYTES)
+
+
+def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_per_worker: int,
+              prefetch_slots: int, dense_dtype=None, max_num_tokens: float = 8192,
+              kv_tokens: float = 0) -> MemoryBreakdown:
+    shape = load_model(model)
+    hw: Hardware = get_hardware(hardware)
+    dt = get_dtype(dtype)
+    ddt = get_dtype(dense_dtype) if dense_dtype is not None else dt
+    parts = dict(
+        dense_weights=dense_weight_bytes(shape, dtype=dt, dense_dtype=ddt),
+        local_experts=local_expert_bytes(shape, dtype=dt, experts_per_worker=experts_per_worker),
+        pool_slots=pool_slot_bytes(shape, dtype=dt, ranges=ranges, slots=prefetch_slots),
+        activations=activation_bytes(shape, tokens=max_num_tokens),
+        reserved=float(hw.reserved_bytes),
+    )
+    avail = hw.memory_bytes - sum(parts.values())
+    return MemoryBreakdown(capacity=float(hw.memory_bytes), kv_cache_available=avail,
+                           kv_needed=float(kv_tokens * shape.kv_bytes_per_token()), **parts)
+
+
+def memory_fit(*, model, dtype, hardware, dwdp_size: int, experts_per_worker: int, prefetch_stride: int,
+               prefetch_slots: int, dense_dtype=None, max_num_tokens: int = 8192,
+               min_kv_gib: float = 0.0) -> tuple[bool, str, MemoryBreakdown | None]:
+    """Can this DWDP group's weights, experts and pool slots fit one GPU?
+
+    Arguments: ``model`` a preset name, config.json path, dict or ``ModelShape``; ``dtype`` and
+    ``hardware`` preset names; the four DWDP numbers as in the CRD (dwdpSize, numExpertsPerWorker,
+    numPrefetchExperts, numPrefetchSlots). ``max_num_tokens`` sizes the activation estimate;
+    ``min_kv_gib`` the KV cache the deployment insists on keeping.
+
+    Returns ``(fits, message, breakdown)``: the message is one line with the numbers (suitable for a
+    status condition). An invalid sharding or unknown preset returns ``(False, why, None)`` instead
+    of raising, so the operator can mark the group Invalid with it.
+    """
+    from .model_shapes import ModelConfigError
+    from .presets import PresetError
+    from .prefetch import expert_ranges
+
+    try:
+        shape = load_model(model)
+        hw = get_hardware(hardware)
+        ranges = expert_ranges(dwdp_size=dwdp_size, num_experts=shape.num_experts,
+                               experts_per_worker=experts_per_worker, stride=prefetch_stride)
+        if prefetch_slots < 2:
+            raise ValueError(f"num_prefetch_slots={prefetch_slots}: at least 2 slots are needed")
+        bd = breakdown(model=shape, dtype=dtype, hardware=hw, ranges=ranges, experts_per_worker=experts_per_worker,
+                       prefetch_slots=prefetch_slots, dense_dtype=dense_dtype, max_num_tokens=max_num_tokens)
+    except (ModelConfigError, PresetError, ValueError) as e:
+        return False, str(e), None
+    g = bd.gib()
+    need_kv = min_kv_gib * GIB
+    fits = bd.kv_cache_available >= need_kv
+    detail = (f"dense {g['dense_weights']:.1f} + local experts {g['local_experts']:.1f} (k={experts_per_worker}) "
+              f"+ pool {g['pool_slots']:.1f} ({prefetch_slots} slots) + activations {g['activations']:.1f} "
+              f"+ reserved {g['reserved']:.1f} GiB of {g['capacity']:.1f} GiB on {hw.name}")
+    if fits:
+        return True, f"fits: {detail}; {g['kv_cache_available']:.1f} GiB left for KV cache", bd
+    short = (need_kv - bd.kv_cache_available) / GIB
+    hint = "raise dwdpSize, lower numExpertsPerWorker or numPrefetchSlots, or use a smaller dtype"
+    return False, f"does not fit: {detail}; short by {short:.1f} GiB; {hint}", bd

@@ -1,0 +1,111 @@
+"""config.json parsing and the per-GPU memory breakdown, by hand."""
+
+import json
+
+import pytest
+
+from dwdp_runtime.planner import memory
+from dwdp_runtime.planner.model_shapes import ModelConfigError, from_hf_config, load_model
+from dwdp_runtime.planner.presets import DTYPES, GIB, MIB
+from dwdp_runtime.planner.prefetch import expert_ranges
+
+from .planner_toy import TOY, TOY_CONFIG, toy_gpu
+
+
+def test_deepseek_preset_fields():
+    m = load_model("DeepSeek-R1")
+    assert m.is_mla and m.num_experts == 256 and m.top_k == 8 and m.moe_inter == 2048
+    assert m.moe_layers == tuple(range(3, 61))                     # first_k_dense_replace = 3
+    assert m.expert_params == 3 * 7168 * 2048
+    assert m.qk_dim == 128 + 64 and m.v_dim == 128
+    assert m.shared_inter == 2048                                   # 1 shared expert
+    assert m.kv_bytes_per_token() == (512 + 64) * 61 * 2            # MLA latent + rope key, bf16
+
+
+def test_qwen_sparse_step_and_mlp_only_layers():
+    cfg = {"hidden_size": 8, "num_hidden_layers": 6, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 4, "intermediate_size": 16, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "vocab_size": 10, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    m = from_hf_config(cfg)
+    # (i + 1) % 2 == 0 -> 1, 3, 5; minus mlp_only 3 -> (1, 5)
+    assert m.moe_layers == (1, 5) and m.head_dim == 4 and m.kv_bytes_per_token() == 2 * 1 * 4 * 6 * 2
+
+
+def test_mixtral_every_layer_moe():
+    m = load_model("mixtral-8x22b")
+    assert m.num_moe_layers == 56 and m.num_experts == 8 and m.moe_inter == 16384 and not m.is_mla
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ModelConfigError, match="no routed experts"):
+        from_hf_config({"hidden_size": 8, "num_hidden_layers": 1, "num_experts_per_tok": 1,
+                        "num_attention_heads": 1, "vocab_size": 2})
+    with pytest.raises(ModelConfigError, match="neither a preset"):
+        load_model(str(tmp_path / "missing.json"))
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ModelConfigError, match="cannot read JSON"):
+        load_model(str(tmp_path))
+    bad.write_text(json.dumps(dict(TOY_CONFIG, num_experts_per_tok=5)))
+    with pytest.raises(ModelConfigError, match="num_experts_per_tok=5"):
+        load_model(str(bad))
+
+
+def test_toy_dense_weight_bytes():
+    # embedding 4x2 + lm_head 4x2 (untied) bf16 = 32 B, final norm 2 x 2 B = 4 B
+    # layer: 4 projections of 2x2 bf16 = 32 B, 2 norms = 8 B, router 2x2 bf16 = 8 B -> total 84 B
+    b = memory.dense_weight_bytes(TOY, dtype=DTYPES["bf16"], dense_dtype=DTYPES["bf16"])
+    assert b == 84
+
+
+def _shape(**over):
+    cfg = {"hidden_size": 1024, "num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "intermediate_size": 1024, "num_attention_heads": 8, "vocab_size": 16}
+    cfg.update(over)
+    return from_hf_config(cfg)
+
+
+def test_local_experts_and_pool_pages_by_hand():
+    """H = I = 1024, bf16: one expert is 4 MiB in gate_up (2*I*H*2 B) and 2 MiB in down.
+    d = 2, k = s = 4 of 8: ranges (0,4), (4,8). Local per layer: 4*4 + 4*2 = 24 MiB; 3 layers = 72 MiB.
+    Pool pages (16 MiB) per layer, rank 0 (a = 0): gate_up: 0 pre, post (8-0)*4 - 16 = 16 MiB -> 1 page;
+    down: post 16 - 8 = 8 MiB -> 1 page.  Rank 1 (a = 4): gate_up: ceil(16/16) = 1 pre page, post 0;
+    down: ceil(8/16) = 1 pre page.  Worst rank: 2 pages; 2 slots -> 4 pages = 64 MiB."""
+    shape = _shape()
+    ranges = expert_ranges(dwdp_size=2, num_experts=8, experts_per_worker=4, stride=4)
+    assert memory.local_expert_bytes(shape, dtype=DTYPES["bf16"], experts_per_worker=4) == 72 * MIB
+    assert memory.pool_slot_bytes(shape, dtype=DTYPES["bf16"], ranges=ranges, slots=2) == 64 * MIB
+    assert memory.pool_slot_bytes(shape, dtype=DTYPES["bf16"], ranges=ranges, slots=3) == 96 * MIB
+
+
+def test_local_experts_round_to_granularity():
+    # H = 1024, I = 512, bf16: gate_up expert 2 MiB, down 1 MiB; k = 3: 6 MiB + round_up(3 MiB, 2) = 4 MiB
+    shape = _shape(num_hidden_layers=1, intermediate_size=512)
+    assert memory.local_expert_bytes(shape, dtype=DTYPES["bf16"], experts_per_worker=3) == 10 * MIB
+
+
+def test_breakdown_sums_to_capacity():
+    ranges = expert_ranges(dwdp_size=2, num_experts=2, experts_per_worker=1, stride=1)
+    bd = memory.breakdown(model=TOY, dtype="bf16", hardware=toy_gpu(memory=1 * GIB), ranges=ranges,
+                          experts_per_worker=1, prefetch_slots=2, max_num_tokens=3, kv_tokens=3)
+    assert bd.used + bd.kv_cache_available == pytest.approx(1 * GIB)
+    assert bd.kv_needed == 3 * (2 * 1 * 2 * 1 * 2)   # 3 tokens * K and V, 1 head of 2, 1 layer, bf16
+
+
+def test_memory_fit_for_the_operator():
+    ok, msg, bd = memory.memory_fit(model="qwen3-235b-a22b", dtype="fp8", hardware="h200-hgx", dwdp_size=4,
+                                    experts_per_worker=32, prefetch_stride=32, prefetch_slots=2)
+    assert ok and msg.startswith("fits:") and bd.kv_cache_available > 0
+    # DeepSeek-R1 in bf16 is ~1.3 TB: 64 experts x 58 layers x 88 MB alone exceed a 141 GB H200
+    ok, msg, bd = memory.memory_fit(model="deepseek-r1", dtype="bf16", hardware="h200", dwdp_size=4,
+                                    experts_per_worker=64, prefetch_stride=64, prefetch_slots=2)
+    assert not ok and "does not fit" in msg and "short by" in msg and bd.local_experts > bd.capacity
+    ok, msg, bd = memory.memory_fit(model="deepseek-r1", dtype="nvfp4", hardware="h200", dwdp_size=4,
+                                    experts_per_worker=10, prefetch_stride=10, prefetch_slots=2)
+    assert not ok and "coverage rule" in msg and bd is None
+    ok, msg, _ = memory.memory_fit(model="deepseek-r1", dtype="nvfp4", hardware="h200", dwdp_size=4,
+                                   experts_per_worker=64, prefetch_stride=64, prefetch_slots=1)
+    assert not ok and "slots" in msg
+    ok, msg, _ = memory.memory_fit(model="nope", dtype="nvfp4", hardware="h200", dwdp_size=4,
+                                   experts_per_worker=64, prefetch_stride=64, prefetch_slots=2)
+    assert not ok and "neither a preset" in msg
