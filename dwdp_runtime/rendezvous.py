@@ -90,6 +90,19 @@ class StoreRendezvous(Rendezvous):
                                   f"is the port free/reachable?") from exc
         self._closed = False
 
+    @property
+    def where(self) -> str:
+        return self._where
+
+    def store_set(self, key: str, value: bytes) -> None:
+        """A raw, namespaced set (used by the peer monitor's heartbeats)."""
+        self._store.set(self._prefix + key, value)
+
+    def store_get_nowait(self, key: str) -> bytes | None:
+        """A raw, namespaced get that returns None instead of waiting for a missing key."""
+        full = self._prefix + key
+        return bytes(self._store.get(full)) if self._store.check([full]) else None
+
     def _mac(self, key: str, value: bytes) -> bytes:
         return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
 

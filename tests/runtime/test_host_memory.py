@@ -1,6 +1,7 @@
 """Host backend: real memfd + mmap, whole-allocation mapping, zero-copy tensors, fd passing."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -69,6 +70,9 @@ def test_fd_passing_requires_the_token():
         mem.set_access(va_a, 4096)
         mem.as_tensor(va_a, (1024,), torch.int32).fill_(7)
         assert int(mem.as_tensor(va, (1024,), torch.int32).sum()) == 7 * 1024
+        deadline = time.monotonic() + 5  # the server thread counts after the client's ack
+        while server.served < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.refused == 1 and server.served == 1
     finally:
         server.close()

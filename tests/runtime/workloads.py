@@ -74,3 +74,26 @@ def die_after_join(rank, world, port, *, victim, token="t0k3n", timeout_s=5.0, *
         time.sleep(0.5)
         os._exit(17)
     return composite_program(rank, world, port, token=token, timeout_s=timeout_s, **kw)
+
+
+def monitored_rank(rank, world, port, *, victim, token="t0k3n", die_after_s=1.0, wait_s=15.0):
+    """Ranks heart-beat through the store; ``victim`` dies; the survivors report how they noticed."""
+    from dwdp_runtime.monitor import PeerLost, PeerMonitor
+    from dwdp_runtime.rendezvous import StoreRendezvous
+
+    rdzv = StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="mon", token=token,
+                           timeout_s=10)
+    rdzv.barrier("joined")
+    mon = PeerMonitor(rdzv, interval_s=0.1, dead_after_s=1.0).start()
+    t0 = time.monotonic()
+    if rank == victim:
+        time.sleep(die_after_s)
+        os._exit(17)
+    deadline = t0 + wait_s
+    while time.monotonic() < deadline:
+        try:
+            mon.check()
+        except PeerLost as exc:
+            return {"message": str(exc), "after_s": time.monotonic() - t0}
+        time.sleep(0.05)
+    return {"message": None}
