@@ -1,0 +1,160 @@
+"""CudaMemory and CudaStreams in one process: real driver calls, zero-copy tensors, clear failures."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _mem(device, handle_type="posix_fd"):
+    from dwdp_runtime.memory.cuda import CudaMemory
+
+    return CudaMemory(device=device, handle_type=handle_type)
+
+
+def test_granularity_and_zero_copy_composite(cuda_device):
+    """Two whole handles mapped back to back, one access-set call, tensors with data_ptr == va."""
+    import torch
+
+    mem = _mem(cuda_device)
+    g = mem.granularity
+    assert g == 2 << 20, f"H200 granularity is 2 MiB (HARDWARE.md), got {g}"
+    a1, a2 = mem.create(g), mem.create(2 * g)
+    va = mem.reserve(3 * g)
+    try:
+        mem.map(va, a1)
+        mem.map(va + g, a2)
+        mem.set_access(va, 3 * g, writable=True)
+        for dtype in (torch.bfloat16, torch.float32, torch.uint8, torch.float16):
+            item = torch.empty((), dtype=dtype).element_size()
+            n = 3 * g // item
+            t = mem.as_tensor(va, (n,), dtype)
+            assert t.data_ptr() == va and t.device == cuda_device and t.dtype == dtype
+        t = mem.as_tensor(va, (3 * g // 2,), torch.bfloat16)
+        ref = torch.randn(t.shape, device=cuda_device).to(torch.bfloat16)
+        t.copy_(ref)
+        # a second, independent view over the second handle sees the same bytes: memory, not a copy
+        t2 = mem.as_tensor(va + g, (g,), torch.bfloat16)
+        assert torch.equal(t2, ref[g // 2:])
+        assert mem.stats["set_access"] == 1
+    finally:
+        mem.unmap(va, g)
+        mem.unmap(va + g, 2 * g)
+        mem.free_reservation(va, 3 * g)
+        mem.release(a1)
+        mem.release(a2)
+
+
+def test_partial_map_is_refused(cuda_device):
+    """The driver maps a handle only whole (HARDWARE.md): a wrong-size import fails in map()."""
+    from dwdp_runtime.memory.cuda import CudaError
+
+    mem = _mem(cuda_device)
+    g = mem.granularity
+    alloc = mem.create(2 * g)
+    fd = mem.export(alloc)
+    peer = mem.import_(fd, g)  # claims half the size
+    va = mem.reserve(g)
+    try:
+        with pytest.raises(CudaError, match="cuMemMap"):
+            mem.map(va, peer)
+    finally:
+        mem.free_reservation(va, g)
+        mem.release(peer)
+        mem.release(alloc)
+
+
+def test_export_import_read_only_view(cuda_device):
+    """An fd export imported again maps to a second address with the same bytes (read view)."""
+    import torch
+
+    mem = _mem(cuda_device)
+    g = mem.granularity
+    alloc = mem.create(g)
+    va = mem.reserve(g)
+    mem.map(va, alloc)
+    mem.set_access(va, g)
+    src = mem.as_tensor(va, (g // 4,), torch.float32)
+    src.copy_(torch.arange(g // 4, device=cuda_device, dtype=torch.float32))
+    fd = mem.export(alloc)
+    assert isinstance(fd, int)
+    peer = mem.import_(fd, g)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # import_ consumed (closed) the fd
+    pva = mem.reserve(g)
+    try:
+        mem.map(pva, peer)
+        mem.set_access(pva, g, writable=False)
+        view = mem.as_tensor(pva, (g // 4,), torch.float32)
+        assert view.data_ptr() == pva != va
+        assert torch.equal(view, src)
+    finally:
+        mem.unmap(pva, g)
+        mem.free_reservation(pva, g)
+        mem.release(peer)
+        mem.unmap(va, g)
+        mem.free_reservation(va, g)
+        mem.release(alloc)
+
+
+def test_fabric_fails_with_a_clear_message(cuda_device):
+    from dwdp_runtime.memory import BackendUnavailable, imex_channel_present, select_backend
+
+    if imex_channel_present():
+        pytest.skip("this machine has an IMEX channel: fabric may work here")
+    with pytest.raises(BackendUnavailable) as info:
+        select_backend("fabric", device=cuda_device)
+    msg = str(info.value)
+    assert "IMEX" in msg and "posix_fd" in msg, msg
+
+
+def test_auto_picks_posix_fd_and_logs_once(cuda_device, caplog):
+    from dwdp_runtime.memory import select_backend
+
+    with caplog.at_level(logging.INFO, logger="dwdp_runtime.memory"):
+        mem = select_backend("auto", device=cuda_device)
+    assert mem.name == "cuda/posix_fd" and mem.handle_transport == "fd"
+    choices = [r for r in caplog.records if "DWDP memory backend" in r.getMessage()]
+    assert len(choices) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("transfer", ["copy_engine", "batched"])
+def test_streams_copy_and_events(cuda_device, transfer):
+    """Compiled copies on the copy stream, ordered by events only; bitwise result; no allocation."""
+    import torch
+
+    from dwdp_runtime.cuda_streams import CudaStreams
+
+    st = CudaStreams(device=cuda_device, transfer=transfer)
+    src = torch.randn(1 << 22, device=cuda_device)
+    dst = torch.zeros_like(src)
+    n = src.numel() * 4
+    step = 1 << 20  # 1 MiB pieces, shuffled order: a batch has no internal order
+    pieces = [(dst.data_ptr() + o, src.data_ptr() + o, min(step, n - o)) for o in range(0, n, step)][::-1]
+    compiled = st.compile(pieces)
+    ready, done = st.new_event(), st.new_event()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats(cuda_device).get("allocation.all.allocated", 0)
+    for _ in range(3):
+        st.wait_copy(done)
+        st.enqueue_copies(compiled)
+        st.record_copy(ready)
+        st.wait_compute(ready)
+        st.record_compute(done)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats(cuda_device).get("allocation.all.allocated", 0) == before
+    assert torch.equal(dst, src)
+    assert st.stats["synchronize"] == 0 and st.stats["copy_bytes"] == 3 * n
+    st.close()
+
+
+def test_sm_gather_is_refused_at_setup(cuda_device):
+    from dwdp_runtime.cuda_streams import CudaStreams
+    from dwdp_runtime.sm_gather import SmGatherUnavailable
+
+    with pytest.raises(SmGatherUnavailable, match="copy_engine"):
+        CudaStreams(device=cuda_device, transfer="sm_gather")

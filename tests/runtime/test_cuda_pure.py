@@ -1,0 +1,104 @@
+"""CPU-only checks of the CUDA backend's pure parts and of its lazy imports (no GPU, no cuda-python)."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pytest
+
+
+@pytest.fixture
+def no_cuda_python(monkeypatch):
+    """Make ``from cuda.bindings import driver`` fail even where cuda-python is installed."""
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.driver"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_modules_import_without_cuda_python(no_cuda_python):
+    import importlib
+
+    for mod in ("dwdp_runtime.memory.cuda", "dwdp_runtime.cuda_streams", "dwdp_runtime.sm_gather"):
+        importlib.reload(importlib.import_module(mod))
+
+
+def test_cuda_memory_without_cuda_python_says_how_to_install(no_cuda_python):
+    from dwdp_runtime.memory.base import BackendUnavailable
+    from dwdp_runtime.memory.cuda import CudaMemory
+
+    with pytest.raises(BackendUnavailable, match="pip install cuda-python"):
+        CudaMemory(device="cuda:0")
+
+
+def test_cuda_streams_without_cuda_is_refused(no_cuda_python):
+    from dwdp_runtime.cuda_streams import CudaStreams
+
+    with pytest.raises(ValueError, match="copy_engine"):
+        CudaStreams(transfer="nvlink_magic")
+    with pytest.raises(RuntimeError, match="cuda-python|CUDA GPU"):
+        CudaStreams(transfer="copy_engine")
+
+
+def test_bad_handle_type_is_refused():
+    from dwdp_runtime.memory.cuda import CudaMemory
+
+    with pytest.raises(ValueError, match="posix_fd"):
+        CudaMemory(handle_type="ipc")
+
+
+def test_select_cuda_backend_without_gpu_fails_at_start():
+    import torch
+
+    from dwdp_runtime.memory import BackendUnavailable, select_backend
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    for name in ("cuda", "posix_fd", "fabric"):
+        with pytest.raises(BackendUnavailable, match="host"):
+            select_backend(name)
+
+
+def test_int_typestr_covers_every_torch_width():
+    import torch
+
+    from dwdp_runtime.memory.cuda import _CudaArray, int_typestr
+
+    for dtype, want in ((torch.bfloat16, "<i2"), (torch.float16, "<i2"), (torch.float32, "<i4"),
+                        (torch.uint8, "|u1"), (torch.float64, "<i8"), (torch.int32, "<i4")):
+        assert int_typestr(torch.empty((), dtype=dtype).element_size()) == want
+    with pytest.raises(TypeError, match="16-byte"):
+        int_typestr(16)
+    cai = _CudaArray(0x7F0000000000, (4, 3), "<i2").__cuda_array_interface__
+    assert cai == {"shape": (4, 3), "typestr": "<i2", "data": (0x7F0000000000, False), "strides": None,
+                   "version": 3}
+
+
+def test_batch_arrays_pack_the_plan_verbatim():
+    from dwdp_runtime.cuda_streams import batch_arrays
+
+    copies = [(0x7F00_0000_0000 + i * (2 << 20), 0x7E00_0000_0000 + i * 4096, (2 << 20) - i) for i in range(5)]
+    dsts, srcs, sizes = batch_arrays(copies)
+    assert list(dsts) == [d for d, _, _ in copies]
+    assert list(srcs) == [s for _, s, _ in copies]
+    assert list(sizes) == [n for _, _, n in copies]
+    assert ctypes.sizeof(dsts) == 8 * 5 and ctypes.sizeof(sizes) == ctypes.sizeof(ctypes.c_size_t) * 5
+
+
+def test_sm_gather_descriptors_and_alignment():
+    from dwdp_runtime.sm_gather import build_descriptors, total_lines
+
+    rows = build_descriptors([(0x1000, 0x2000, 64), (0x3000, 0x4010, 16), (0x5000, 0x6000, 0)])
+    assert rows == [(0x100, 0x200, 4), (0x300, 0x401, 1)]
+    assert total_lines(rows) == 5
+    with pytest.raises(ValueError, match="src=0x2008"):
+        build_descriptors([(0x1000, 0x2008, 16)])
+    with pytest.raises(ValueError, match="nbytes"):
+        build_descriptors([(0x1000, 0x2000, 8)])
+
+
+def test_sm_gather_refuses_with_the_reason():
+    from dwdp_runtime.sm_gather import SmGather, SmGatherUnavailable
+
+    with pytest.raises(SmGatherUnavailable, match="copy_engine"):
+        SmGather()
+
