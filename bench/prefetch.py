@@ -70,7 +70,25 @@ def _timed(torch, fn, stream=None, reps=1):
     return start.elapsed_time(end)
 
 
-def _variant(torch, rdzv, rank, args, dev, transfer, contention_opt, tag, want_timeline):
+def _section(sub, rank, shared_gpu, name, fn):
+    """Run a timed section on all ranks at once (distinct GPUs) or one rank at a time (shared GPU).
+
+    Hardware reason: processes sharing one GPU without MPS are time-sliced, not concurrent, so
+    "both at once" on one GPU would measure context switches, not DWDP.
+    """
+    if not shared_gpu:
+        sub.barrier(name)
+        return fn()
+    out = None
+    for r in range(sub.world_size):
+        sub.barrier(f"{name}/{r}")
+        if r == rank:
+            out = fn()
+    sub.barrier(f"{name}/end")
+    return out
+
+
+def _variant(torch, rdzv, rank, args, dev, transfer, contention_opt, tag, want_timeline, shared_gpu):
     from dwdp_runtime.config import DwdpConfig
     from dwdp_runtime.manager import DwdpManager
 
@@ -120,8 +138,7 @@ def _variant(torch, rdzv, rank, args, dev, transfer, contention_opt, tag, want_t
         for _ in range(2):
             prefetch_only()
         torch.cuda.synchronize()
-        sub.barrier("pref")
-        t_pref = _timed(torch, prefetch_only, reps=F) / F
+        t_pref = _section(sub, rank, shared_gpu, "pref", lambda: _timed(torch, prefetch_only, reps=F) / F)
         res["prefetch_GBps"] = bytes_fwd / (t_pref * 1e-3) / 1e9
 
         # --- plain copy_ of the same (dst, src, n) list on a side stream ---
@@ -142,8 +159,7 @@ def _variant(torch, rdzv, rank, args, dev, transfer, contention_opt, tag, want_t
 
         plain_copy()
         torch.cuda.synchronize()
-        sub.barrier("plain")
-        t_plain = _timed(torch, plain_copy, stream=side, reps=F) / F
+        t_plain = _section(sub, rank, shared_gpu, "plain", lambda: _timed(torch, plain_copy, stream=side, reps=F) / F)
         res["copy__GBps"] = bytes_fwd / (t_plain * 1e-3) / 1e9
         res["prefetch_over_copy_"] = res["prefetch_GBps"] / res["copy__GBps"]
 
@@ -154,65 +170,80 @@ def _variant(torch, rdzv, rank, args, dev, transfer, contention_opt, tag, want_t
             x = torch.randn(per * E, H, device=dev, dtype=dt)
             return x, offs
 
+        inputs = make_inputs(E)
+
         def moe(l, x, offs):
             w = comps[l]
             h = torch._grouped_mm(x, w["gate_up_proj"].transpose(-2, -1), offs=offs)
             act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
             return torch._grouped_mm(act, w["down_proj"].transpose(-2, -1), offs=offs)
 
-        T = args.tokens
-        if not T:
-            x, offs = make_inputs(4096)
-            moe(0, x, offs)
-            t_c = _timed(torch, lambda: [moe(l, x, offs) for l in range(L)], reps=3) / 3 / L
-            T = int(min(max(4096 * (t_pref / L) / t_c, 256), 131072)) // E * E
-        x, offs = make_inputs(T)
-        res["tokens_per_layer"] = int(offs[-1])
-
         def compute_only():
             for l in range(L):
-                moe(l, x, offs)
-
-        compute_only()
-        torch.cuda.synchronize()
-        sub.barrier("comp")
-        t_comp = _timed(torch, compute_only, reps=F) / F
+                moe(l, *inputs)
 
         def overlapped():
             mgr.start_forward()
             for l in range(L):
                 mgr.wait_and_bind(l)
-                moe(l, x, offs)
+                moe(l, *inputs)
                 mgr.finish_layer(l)
 
-        overlapped()
-        torch.cuda.synchronize()
-        sub.barrier("over")
-        t_over = _timed(torch, overlapped, reps=F) / F
         hp = torch.cuda.Stream(device=dev, priority=-1)  # higher priority than the copy stream (0)
-        with torch.cuda.stream(hp):
+
+        def overlapped_hp():
+            with torch.cuda.stream(hp):
+                overlapped()
+                torch.cuda.synchronize()
+                return _timed(torch, overlapped, stream=hp, reps=F) / F
+
+        if args.tokens:
+            sizes = [int(t) for t in args.tokens.split(",")]
+        else:
+            # calibrate: the sweep point whose compute time is closest to the prefetch time, plus a
+            # compute-bound point (≥ 256 tokens per expert: grouped GEMM past the HBM roofline).
+            sweep = {}
+            for T in (512, 1024, 2048, 4096, 8192, 16384, 32768):
+                inputs = make_inputs(T)
+                moe(0, *inputs)
+                sweep[T] = _section(sub, rank, shared_gpu, f"sweep{T}",
+                                    lambda: _timed(torch, compute_only, reps=2) / 2)
+            best = min(sweep, key=lambda T: abs(sweep[T] - t_pref))
+            sizes = sorted({best, 256 * E})
+            res["compute_sweep_ms_per_layer"] = {T: v / L for T, v in sweep.items()}
+        res["runs"] = []
+        for T in sizes:
+            inputs = make_inputs(T)
+            compute_only()
             overlapped()
             torch.cuda.synchronize()
-            sub.barrier("over-hp")
-            t_over_hp = _timed(torch, overlapped, stream=hp, reps=F) / F
-        res.update(compute_ms_per_layer=t_comp / L, prefetch_ms_per_layer=t_pref / L,
-                   overlap_ms_per_layer=t_over / L, overlap_hp_ms_per_layer=t_over_hp / L,
-                   overlap_ratio=t_over / max(t_comp, t_pref), overlap_hp_ratio=t_over_hp / max(t_comp, t_pref),
-                   plain_copy_ms_per_layer=t_plain / L)
+            t_comp = _section(sub, rank, shared_gpu, f"comp{T}", lambda: _timed(torch, compute_only, reps=F) / F)
+            t_over = _section(sub, rank, shared_gpu, f"over{T}", lambda: _timed(torch, overlapped, reps=F) / F)
+            t_over_hp = _section(sub, rank, shared_gpu, f"overhp{T}", overlapped_hp)
+            res["runs"].append(dict(tokens_per_layer=int(inputs[1][-1]), compute_ms_per_layer=t_comp / L,
+                                    overlap_ms_per_layer=t_over / L, overlap_hp_ms_per_layer=t_over_hp / L,
+                                    overlap_ratio=t_over / max(t_comp, t_pref),
+                                    overlap_hp_ratio=t_over_hp / max(t_comp, t_pref)))
+        res.update(prefetch_ms_per_layer=t_pref / L, plain_copy_ms_per_layer=t_plain / L)
 
         # --- bind cost: DWDP bind vs naive merge into one contiguous buffer ---
         torch.cuda.synchronize()
-        binds, bind_s = 0, 0.0
-        for _ in range(F):
-            mgr.start_forward()
-            for l in range(L):
-                t0 = time.perf_counter()
-                mgr.wait_and_bind(l)
-                bind_s += time.perf_counter() - t0
-                binds += 1
-                mgr.finish_layer(l)
-        torch.cuda.synchronize()
-        res["bind_host_us"] = 1e6 * bind_s / binds
+
+        def bind_loop():
+            binds, bind_s = 0, 0.0
+            for _ in range(F):
+                mgr.start_forward()
+                for l in range(L):
+                    t0 = time.perf_counter()
+                    mgr.wait_and_bind(l)
+                    bind_s += time.perf_counter() - t0
+                    binds += 1
+                    mgr.finish_layer(l)
+            torch.cuda.synchronize()
+            return bind_s / binds
+
+        bind_loop()
+        res["bind_host_us"] = 1e6 * _section(sub, rank, shared_gpu, "bind", bind_loop)
         merged = {n: torch.empty((E, *shp), dtype=dt, device=dev) for n, shp in shapes.items()}
 
         def naive_bind(l):
@@ -223,12 +254,21 @@ def _variant(torch, rdzv, rank, args, dev, transfer, contention_opt, tag, want_t
                 merged[n][b:].copy_(t[b:], non_blocking=True)
             return merged
 
+        def naive_loop():
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            t0 = time.perf_counter()
+            for _ in range(F):
+                for l in range(L):
+                    naive_bind(l)
+            host = time.perf_counter() - t0  # enqueue only, before waiting for the device
+            e1.record()
+            e1.synchronize()
+            return 1e6 * host / (F * L), e0.elapsed_time(e1) / (F * L)
+
         naive_bind(0)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        t_naive_dev = _timed(torch, lambda: [naive_bind(l) for l in range(L)], reps=F) / F / L
-        res["naive_bind_host_us"] = 1e6 * (time.perf_counter() - t0) / (F * L)
-        res["naive_bind_device_ms"] = t_naive_dev
+        res["naive_bind_host_us"], res["naive_bind_device_ms"] = _section(sub, rank, shared_gpu, "naive", naive_loop)
         eb_sum = sum(2 * I * H * 2 if n == "gate_up_proj" else H * I * 2 for n in shapes)
         res["naive_local_bytes_per_layer"] = (b - a) * eb_sum
         res["dwdp_local_bytes_per_layer"] = 0  # the local handle is mapped, never copied
@@ -259,7 +299,7 @@ def _variant(torch, rdzv, rank, args, dev, transfer, contention_opt, tag, want_t
                 mgr.wait_and_bind(l)
                 e0, e1 = pool.pop(), pool.pop()
                 e0.record(cur)
-                moe(l, x, offs)
+                moe(l, *inputs)
                 e1.record(cur)
                 marks["compute"].append((l, e0, e1))
                 mgr.finish_layer(l)
@@ -278,7 +318,8 @@ def _rank(rank, world, port, args, q):
         from dwdp_runtime.rendezvous import StoreRendezvous
 
         ngpu = torch.cuda.device_count()
-        dev = torch.device("cuda", rank if ngpu >= world else 0)
+        shared_gpu = ngpu < world
+        dev = torch.device("cuda", 0 if shared_gpu else rank)
         torch.cuda.set_device(dev)
         out = {"device": str(dev), "gpu": torch.cuda.get_device_name(dev), "variants": []}
         with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="bench",
@@ -287,7 +328,8 @@ def _rank(rank, world, port, args, q):
                 if args.only and transfer not in args.only.split(","):
                     continue
                 want_tl = rank == 0 and i == 0
-                out["variants"].append(_variant(torch, rdzv, rank, args, dev, transfer, copt, f"v{i}", want_tl))
+                out["variants"].append(_variant(torch, rdzv, rank, args, dev, transfer, copt, f"v{i}", want_tl,
+                                                 shared_gpu))
         q.put((rank, "ok", out))
     except BaseException as exc:  # noqa: BLE001
         q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -299,36 +341,43 @@ def _fmt(v, nd=2):
 
 def table(results: dict, meta: dict) -> str:
     world = len(results)
+    mode = "one rank at a time (shared GPU: processes are time-sliced)" if meta["shared_gpu"] else "all ranks at once"
     lines = [f"DWDP prefetch bench — {meta['gpu']} ×{meta['ngpu']} visible, {world} ranks on {meta['devices']}, "
-             f"{meta['date']}",
+             f"{meta['date']}; timed sections: {mode}",
              f"layers={meta['layers']} experts={meta['experts']} hidden={meta['hidden']} inter={meta['inter']} "
-             f"bf16; values are 'rank0 / rank1 …'",
+             f"bf16, d={world}; values are 'rank0 / rank1 …'",
              "",
              "| transfer | contention_opt | remote MiB/layer | copies/layer | prefetch GB/s | copy_ GB/s | "
-             "prefetch÷copy_ (goal ≥0.95) | tokens/layer | compute ms/layer | prefetch ms/layer | "
-             "overlap ms/layer | overlap÷max (goal ≤1.10) | same, compute hi-prio | bind host µs (goal <10) | "
-             "naive bind host µs | naive bind device ms | local bytes copied DWDP / naive |",
-             "|" + "---|" * 17]
-    nvar = len(results[0]["variants"])
-    for i in range(nvar):
+             "prefetch÷copy_ (goal ≥0.95) | bind host µs (goal <10) | naive merge host µs | naive merge device ms "
+             "| local bytes copied DWDP / naive |",
+             "|" + "---|" * 11]
+    over = ["", "| transfer | contention_opt | tokens/layer | compute ms/layer | prefetch ms/layer | "
+            "overlap ms/layer | overlap÷max(compute, prefetch) (goal ≤1.10) | same, compute on hi-prio stream |",
+            "|" + "---|" * 8]
+    for i in range(len(results[0]["variants"])):
         rows = [results[r]["variants"][i] for r in range(world)]
         v0 = rows[0]
         if "error" in v0:
-            lines.append(f"| {v0['transfer']} | {v0['contention_opt']} | " + " | ".join(["—"] * 15)
-                         + f" |\n|  ↳ refused at setup: {v0['error']} |")
+            lines.append(f"| {v0['transfer']} | {v0['contention_opt']} | refused at setup: {v0['error']} |"
+                         + " |" * 8)
             continue
 
-        def j(key, nd=2):
-            return " / ".join(_fmt(r.get(key), nd) for r in rows)
+        def j(key, nd=2, src=rows):
+            return " / ".join(_fmt(r.get(key), nd) for r in src)
 
         lines.append(
             f"| {v0['transfer']} | {v0['contention_opt']} | {_fmt(v0['remote_MiB_per_layer'], 0)} | "
             f"{_fmt(v0['copies_per_layer'], 0)} | {j('prefetch_GBps', 0)} | {j('copy__GBps', 0)} | "
-            f"{j('prefetch_over_copy_')} | {j('tokens_per_layer')} | {j('compute_ms_per_layer', 3)} | "
-            f"{j('prefetch_ms_per_layer', 3)} | {j('overlap_ms_per_layer', 3)} | {j('overlap_ratio')} | "
-            f"{j('overlap_hp_ratio')} | {j('bind_host_us', 1)} | {j('naive_bind_host_us', 1)} | "
+            f"{j('prefetch_over_copy_')} | {j('bind_host_us', 1)} | {j('naive_bind_host_us', 1)} | "
             f"{j('naive_bind_device_ms', 3)} | 0 / {v0['naive_local_bytes_per_layer'] / 2**20:.0f} MiB |")
-    return "\n".join(lines)
+        for k in range(len(v0["runs"])):
+            runs = [r["runs"][k] for r in rows]
+            over.append(
+                f"| {v0['transfer']} | {v0['contention_opt']} | {j('tokens_per_layer', 0, runs)} | "
+                f"{j('compute_ms_per_layer', 3, runs)} | {j('prefetch_ms_per_layer', 3)} | "
+                f"{j('overlap_ms_per_layer', 3, runs)} | {j('overlap_ratio', 2, runs)} | "
+                f"{j('overlap_hp_ratio', 2, runs)} |")
+    return "\n".join(lines + over)
 
 
 def plot_timeline(tl: dict, path: str, title: str) -> None:
@@ -358,7 +407,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--forwards", type=int, default=10)
-    ap.add_argument("--tokens", type=int, default=0, help="tokens per layer (0: calibrate compute ≈ prefetch)")
+    ap.add_argument("--tokens", default="", help="comma-separated tokens per layer (default: calibrate)")
     ap.add_argument("--only", default="", help="comma-separated transfers to run")
     ap.add_argument("--token", default="bench-token")
     args = ap.parse_args(argv)
@@ -395,7 +444,7 @@ def main(argv=None) -> int:
     ngpu = torch.cuda.device_count()
     meta = {"gpu": results[0]["gpu"], "ngpu": ngpu, "devices": ",".join(results[r]["device"] for r in range(args.world)),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
-            "experts": args.experts, "hidden": args.hidden, "inter": args.inter}
+            "experts": args.experts, "hidden": args.hidden, "inter": args.inter, "shared_gpu": ngpu < args.world}
     text = table(results, meta)
     print(text)
     with open(os.path.join(args.out, "prefetch.md"), "w") as f:

@@ -130,6 +130,7 @@ def test_streams_copy_and_events(cuda_device, transfer):
     from dwdp_runtime.cuda_streams import CudaStreams
 
     st = CudaStreams(device=cuda_device, transfer=transfer)
+    assert st._raw_stream is not None, "raw event path should resolve on torch 2.11 + CUDA 13"
     src = torch.randn(1 << 22, device=cuda_device)
     dst = torch.zeros_like(src)
     n = src.numel() * 4
@@ -148,7 +149,21 @@ def test_streams_copy_and_events(cuda_device, transfer):
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats(cuda_device).get("allocation.all.allocated", 0) == before
     assert torch.equal(dst, src)
-    assert st.stats["synchronize"] == 0 and st.stats["copy_bytes"] == 3 * n
+    # the raw record/wait path honours the caller's current stream (a higher-priority one here)
+    hp = torch.cuda.Stream(device=cuda_device, priority=-1)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(hp):
+        torch.cuda._sleep(1_000_000)  # the compute stream's write to dst lands late...
+        dst.zero_()
+        st.record_compute(done)
+        st.wait_copy(done)  # ...and the copy must still come after it (WAR through `done`)
+        st.enqueue_copies(compiled)
+        st.record_copy(ready)
+        st.wait_compute(ready)  # RAW: the clone reads the copied bytes
+        got = dst.clone()
+    torch.cuda.synchronize()
+    assert torch.equal(got, src)
+    assert st.stats["synchronize"] == 0 and st.stats["copy_bytes"] == 4 * n
     st.close()
 
 
