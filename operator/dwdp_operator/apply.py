@@ -121,10 +121,7 @@ class Applier:
 
     def _patch_pod(self, ns: str, name: str, patch: dict) -> int:
         try:
-            self.core.api_client.call_api(
-                f"/api/v1/namespaces/{ns}/pods/{name}", "PATCH", body=patch,
-                header_params={"Content-Type": "application/merge-patch+json", "Accept": "application/json"},
-                auth_settings=["BearerToken"], _preload_content=False)
+            self.core.patch_namespaced_pod(name, ns, patch, _content_type="application/merge-patch+json")
             return 1
         except ApiException as e:
             if e.status != 404:

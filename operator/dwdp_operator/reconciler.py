@@ -41,6 +41,7 @@ class Settings:
 class _KeyState:
     running: bool = False
     dirty: bool = False
+    retry: asyncio.Handle | None = None
 
 
 @dataclass
@@ -72,10 +73,17 @@ class Reconciler:
                     metrics.RECONCILES.labels("error").inc()
                     log.warning("reconcile %s/%s failed (%s: %s); retrying in %.0fs", *key,
                                 type(e).__name__, e, self.settings.retry_seconds)
-                    asyncio.get_running_loop().call_later(
-                        self.settings.retry_seconds, lambda: asyncio.ensure_future(self.request(key)))
+                    if st.retry is None or st.retry.cancelled():
+                        st.retry = asyncio.get_running_loop().call_later(
+                            self.settings.retry_seconds, self._retry, key)
         finally:
             st.running = False
+
+    def _retry(self, key: Key) -> None:
+        st = self._state.get(key)
+        if st is not None:
+            st.retry = None
+            asyncio.ensure_future(self.request(key))
 
     def forget(self, key: Key) -> None:
         self.keys.discard(key)

@@ -36,6 +36,8 @@ async def startup(settings: kopf.OperatorSettings, **_):
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="dwdp.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="dwdp.io")
 
+    _load_kube_config()
+
     def pods_of(key):
         index = STATE.get("index")
         if index is None:
@@ -47,6 +49,15 @@ async def startup(settings: kopf.OperatorSettings, **_):
     r = Reconciler(settings=SETTINGS, pods_of=pods_of)
     STATE["reconciler"] = r
     STATE["resync"] = asyncio.ensure_future(r.resync_forever())
+
+
+def _load_kube_config() -> None:
+    """The kubernetes client used by apply.py: in-cluster service account, else KUBECONFIG."""
+    from kubernetes import config
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
 
 
 @kopf.on.cleanup()
