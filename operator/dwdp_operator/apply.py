@@ -107,9 +107,11 @@ class Applier:
     def _delete(self, ns: str, kind: str, name: str) -> int:
         try:
             if kind == "Pod":
-                self.core.delete_namespaced_pod(name, ns)
+                # _preload_content=False: a 1.20 server answers some deletes with a Status that the
+                # typed client cannot parse into the object type
+                self.core.delete_namespaced_pod(name, ns, _preload_content=False)
             elif kind == "Service":
-                self.core.delete_namespaced_service(name, ns)
+                self.core.delete_namespaced_service(name, ns, _preload_content=False)
                 self._known = {k: v for k, v in self._known.items() if k[:3] != (kind, ns, name)}
             else:
                 raise ValueError(f"unknown kind {kind}")
