@@ -1,0 +1,61 @@
+"""``dwdp-operator``: run the DwdpGroup operator (kopf, standalone: one replica, Recreate).
+
+Exit codes: 0 on a clean stop, 1 on a startup error (message on stderr, no traceback), 2 on usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dwdp-operator", description="Run the DwdpGroup operator.")
+    p.add_argument("-n", "--namespace", action="append", default=[],
+                   help="watch this namespace (repeatable; globs like 'team-*' work); default: all")
+    p.add_argument("--resync-seconds", type=float, default=5.0,
+                   help="level-triggered resync period of every DwdpGroup (default 5)")
+    p.add_argument("--drain-seconds", type=float, default=5.0,
+                   help="how long a scaled-away group stays out of the client Service before deletion")
+    p.add_argument("--health-interval", type=float, default=10.0,
+                   help="min seconds between two /healthz reads of one pod (default 10)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
+    p.add_argument("--liveness", default=None,
+                   help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("kopf.objects", "kopf.activities.probe", "kopf._core.engines.peering"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        import kopf
+
+        from . import handlers
+    except ImportError as e:
+        print(f"dwdp-operator: missing dependency ({e}); install with: pip install 'dwdp-k8s[operator]'",
+              file=sys.stderr)
+        return 1
+    s = handlers.SETTINGS
+    s.resync_seconds, s.drain_seconds, s.health_interval = args.resync_seconds, args.drain_seconds, args.health_interval
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port)
+    try:
+        kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
+                 liveness_endpoint=args.liveness)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:  # noqa: BLE001 — a message, never a traceback, for the user
+        print(f"dwdp-operator: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

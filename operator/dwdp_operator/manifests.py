@@ -1,0 +1,184 @@
+"""Pure builders of every child object of a DwdpGroup (plain dicts, ready for the API).
+
+Children of DwdpGroup ``<name>`` in namespace ``<ns>`` (DESIGN §5):
+  1. Secret ``<name>-token``            — the group token (DWDP_TOKEN), created once, never rotated here.
+  2. Service ``<name>``                 — client Service over ready pods with ``dwdp.io/serving=true``.
+  3. ComputeDomain ``<name>-imex``      — one IMEX domain per DwdpGroup (imex.mode=ComputeDomain); pods
+                                          claim its channel through ``spec.resourceClaims`` with the
+                                          ResourceClaimTemplate ``<name>-imex-channel`` it creates.
+  4. per group g: headless Service ``<name>-g<g>`` (publishNotReadyAddresses, so ranks find rank 0's
+     store before readiness) and pods ``<name>-g<g>-p<i>``, i < dwdpSize/gpusPerPod.
+Invariants:
+  * every child carries one controller ownerReference to the DwdpGroup (garbage collection);
+  * the pod env is exactly docs/ENV_CONTRACT.md, then the user's template.env (DWDP_* refused by
+    validation) — tests compare the names with the contract table;
+  * pods are created gated (scheduling gate ``dwdp.io/gang``) and labelled ``dwdp.io/gang=pending``;
+    ``lift_gate_patch`` ungates them once every pod of the attempt exists (gang);
+  * ``template_hash`` covers every spec field that shapes a pod, and nothing else (numGroups,
+    restartPolicy and rollout changes never roll pods).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from . import labels as L
+from .spec import GROUP, KIND, VERSION, DwdpGroupSpec
+
+CD_API_VERSION = "resource.nvidia.com/v1beta1"
+IMEX_CLAIM = "imex-channel"
+STARTUP_FAILURE_THRESHOLD = 360  # x 10 s = 1 h for weight loading before liveness takes over
+
+
+def token_secret_name(name: str) -> str:
+    return f"{name}-token"
+
+
+def group_service_name(name: str, g: int) -> str:
+    return f"{name}-g{g}"
+
+
+def pod_name(name: str, g: int, i: int) -> str:
+    return f"{name}-g{g}-p{i}"
+
+
+def compute_domain_name(name: str) -> str:
+    return f"{name}-imex"
+
+
+def claim_template_name(name: str) -> str:
+    return f"{name}-imex-channel"
+
+
+def template_hash(spec: DwdpGroupSpec) -> str:
+    shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout"})
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def owner_ref(name: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(name: str, ns: str, owner: str, uid: str, component: str, extra: dict | None = None) -> dict:
+    labels = {L.NAME: owner, L.MANAGED_BY: L.MANAGER, L.COMPONENT: component, **(extra or {})}
+    return {"name": name, "namespace": ns, "labels": labels, "ownerReferences": [owner_ref(owner, uid)]}
+
+
+def token_secret(*, name: str, ns: str, uid: str, token: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(token_secret_name(name), ns, name, uid, "token"),
+            "stringData": {"token": token}}
+
+
+def client_service(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(name, ns, name, uid, "client"),
+            "spec": {"selector": {L.NAME: name, L.SERVING: "true"},
+                     "ports": [{"name": "http", "port": spec.httpPort, "targetPort": "http"}]}}
+
+
+def group_service(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(group_service_name(name, g), ns, name, uid, "group", {L.GROUP: str(g)}),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {L.NAME: name, L.GROUP: str(g)},
+                     "ports": [{"name": "store", "port": spec.storePort, "targetPort": "store"},
+                               {"name": "http", "port": spec.httpPort, "targetPort": "http"}]}}
+
+
+def compute_domain(*, name: str, ns: str, uid: str) -> dict[str, Any]:
+    # numNodes: 0 lets the domain follow the pods that claim its channel (groups scale without an
+    # edit here); the NVIDIA DRA driver then runs IMEX daemons on exactly the nodes of those pods.
+    return {"apiVersion": CD_API_VERSION, "kind": "ComputeDomain",
+            "metadata": _meta(compute_domain_name(name), ns, name, uid, "imex"),
+            "spec": {"numNodes": 0,
+                     "channel": {"resourceClaimTemplate": {"name": claim_template_name(name)}}}}
+
+
+def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec) -> list[dict]:
+    """The env of docs/ENV_CONTRACT.md, in the contract's order."""
+    e, m = spec.experts, spec.model
+    store = f"{pod_name(name, g, 0)}.{group_service_name(name, g)}.{ns}.svc"
+    plain = [
+        ("DWDP_JOB", name), ("DWDP_NAMESPACE", ns), ("DWDP_GROUP", g), ("DWDP_POD_INDEX", i),
+        ("DWDP_RANK_BASE", i * spec.gpusPerPod), ("DWDP_GPUS_PER_POD", spec.gpusPerPod),
+        ("DWDP_SIZE", spec.dwdpSize), ("DWDP_STORE_ADDR", store), ("DWDP_STORE_PORT", spec.storePort),
+        ("DWDP_ATTEMPT", attempt),
+    ]
+    env = [{"name": k, "value": str(v)} for k, v in plain]
+    env.append({"name": "DWDP_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": "token"}}})
+    rest = [
+        ("DWDP_NUM_EXPERTS", e.numExperts), ("DWDP_EXPERTS_PER_WORKER", e.numExpertsPerWorker),
+        ("DWDP_PREFETCH_STRIDE", e.numPrefetchExperts), ("DWDP_PREFETCH_SLOTS", e.numPrefetchSlots),
+        ("DWDP_CONTENTION_OPT", "true" if e.contentionOpt else "false"), ("DWDP_TRANSFER", e.transfer),
+        ("DWDP_MODEL", m.path or ""), ("DWDP_MODEL_SYNTHETIC", m.synthetic or ""), ("DWDP_DTYPE", m.dtype),
+        ("DWDP_BACKEND", "auto"), ("DWDP_HTTP_PORT", spec.httpPort),
+    ]
+    env += [{"name": k, "value": str(v)} for k, v in rest]
+    return env
+
+
+def _resources(spec: DwdpGroupSpec) -> dict[str, Any]:
+    res = json.loads(json.dumps(spec.resources or {}))
+    gpus = str(spec.gpusPerPod)
+    res.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+    res.setdefault("requests", {})["nvidia.com/gpu"] = gpus  # extended resources: requests == limits
+    if spec.imex.mode == "ComputeDomain":
+        res["claims"] = [{"name": IMEX_CLAIM}]
+    return res
+
+
+def _probe(path: str, *, period: int, failures: int, initial: int = 0) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "initialDelaySeconds": initial, "timeoutSeconds": 5}
+
+
+def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec,
+               thash: str) -> dict[str, Any]:
+    group_sel = {L.NAME: name, L.GROUP: str(g)}
+    labels = {**group_sel, L.POD_INDEX: str(i), L.ATTEMPT: str(attempt), L.TEMPLATE_HASH: thash,
+              L.GANG: "pending", L.SERVING: "true", "app.kubernetes.io/name": "dwdp-worker"}
+    container = {
+        "name": "worker", "image": spec.image, "command": ["dwdp-worker", "pod"],
+        "env": worker_env(name=name, ns=ns, g=g, i=i, attempt=attempt, spec=spec) + list(spec.template.env),
+        "ports": [{"name": "http", "containerPort": spec.httpPort},
+                  {"name": "store", "containerPort": spec.storePort}],
+        "resources": _resources(spec),
+        "startupProbe": _probe("/healthz", period=10, failures=STARTUP_FAILURE_THRESHOLD),
+        "livenessProbe": _probe("/healthz", period=10, failures=3),
+        "readinessProbe": _probe("/readyz", period=5, failures=2),
+        "volumeMounts": list(spec.template.volumeMounts),
+    }
+    pod_spec: dict[str, Any] = {
+        "hostname": pod_name(name, g, i), "subdomain": group_service_name(name, g),
+        "restartPolicy": "Never",  # a dead rank restarts its whole group (operator), never alone
+        "containers": [container],
+        "volumes": list(spec.template.volumes),
+        "tolerations": list(spec.template.tolerations),
+        "nodeSelector": dict(spec.template.nodeSelector),
+        "schedulingGates": [{"name": L.GANG_GATE}],
+        "affinity": {
+            # the whole group in one NVLink clique (the first pod matches its own selector: free choice)
+            "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": group_sel}, "topologyKey": spec.topologyKey}]},
+            # one pod of a group per node
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": group_sel}, "topologyKey": "kubernetes.io/hostname"}]},
+        },
+    }
+    if spec.imex.mode == "ComputeDomain":
+        pod_spec["resourceClaims"] = [{"name": IMEX_CLAIM, "resourceClaimTemplateName": claim_template_name(name)}]
+    meta = _meta(pod_name(name, g, i), ns, name, uid, "worker", labels)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def lift_gate_patch() -> dict[str, Any]:
+    """Merge patch: gang complete, scheduling gates removed (allowed on 1.27+; dropped by older servers)."""
+    return {"metadata": {"labels": {L.GANG: "complete"}}, "spec": {"schedulingGates": None}}
+
+
+def serving_patch(serving: bool) -> dict[str, Any]:
+    return {"metadata": {"labels": {L.SERVING: "true" if serving else "false"}}}

@@ -1,0 +1,165 @@
+"""The DwdpGroup spec as a pydantic model, and ``validate_spec``: every rule the operator enforces.
+
+Invariants:
+  1. Field names, types, bounds and defaults mirror ``crds/dwdpgroup.yaml`` (a unit test compares
+     the CRD's defaults with this model's).
+  2. The expert-sharding rules are NOT written here: ``dwdp_runtime.config.sharding_errors`` is the
+     one implementation, shared with the runtime's ``DwdpConfig``.
+  3. ``validate_spec`` never raises on user input; it returns human messages (``[]`` = valid).
+  4. More checks plug in with ``@register_check``: a function ``(DwdpGroupSpec) -> list[str]``
+     (e.g. the planner's memory-fit check). Checks run in registration order, only on specs that
+     parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dwdp_runtime.config import sharding_errors
+
+GROUP = "dwdp.io"
+VERSION = "v1alpha1"
+PLURAL = "dwdpgroups"
+KIND = "DwdpGroup"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class Experts(_Model):
+    numExperts: int = Field(ge=1)
+    numExpertsPerWorker: int = Field(ge=1)
+    numPrefetchExperts: int = Field(ge=1)
+    numPrefetchSlots: int = Field(default=2, ge=2)
+    contentionOpt: bool = False
+    transfer: Literal["copy_engine", "batched", "sm_gather"] = "copy_engine"
+
+
+class Model(_Model):
+    path: str | None = Field(default=None, min_length=1)
+    synthetic: Literal["qwen3_moe", "mixtral", "deepseek_v3"] | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class Imex(_Model):
+    mode: Literal["ComputeDomain", "None"] = "ComputeDomain"
+
+
+class RestartPolicy(_Model):
+    maxRestarts: int = Field(default=5, ge=0)
+    backoffSeconds: int = Field(default=10, ge=0, le=3600)
+
+
+class Rollout(_Model):
+    maxUnavailableGroups: int = Field(default=1, ge=1)
+
+
+class Template(_Model):
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volumeMounts: list[dict[str, Any]] = Field(default_factory=list)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+
+
+class DwdpGroupSpec(_Model):
+    numGroups: int = Field(default=1, ge=0)
+    dwdpSize: int = Field(ge=2)
+    gpusPerPod: int = Field(default=1, ge=1)
+    experts: Experts
+    model: Model
+    image: str = Field(min_length=1)
+    resources: dict[str, Any] = Field(default_factory=dict)
+    imex: Imex = Field(default_factory=Imex)
+    topologyKey: str = Field(default="nvidia.com/gpu.clique", min_length=1)
+    restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
+    rollout: Rollout = Field(default_factory=Rollout)
+    template: Template = Field(default_factory=Template)
+    httpPort: int = Field(default=8000, ge=1, le=65535)
+    storePort: int = Field(default=29500, ge=1, le=65535)
+
+    @property
+    def pods_per_group(self) -> int:
+        return self.dwdpSize // self.gpusPerPod
+
+
+Check = Callable[[DwdpGroupSpec], list[str]]
+CHECKS: list[Check] = []
+
+
+def register_check(fn: Check) -> Check:
+    """Add a rule to ``validate_spec`` (decorator). ``fn(spec) -> list[str]`` of messages."""
+    CHECKS.append(fn)
+    return fn
+
+
+@register_check
+def check_sharding(spec: DwdpGroupSpec) -> list[str]:
+    e = spec.experts
+    # num_groups=1: 0 groups is a valid scale-to-zero for the CRD; the group count is not a sharding rule here.
+    return [f"spec.experts: {m}" for m in sharding_errors(
+        dwdp_size=spec.dwdpSize, num_experts=e.numExperts, num_experts_per_worker=e.numExpertsPerWorker,
+        num_prefetch_experts=e.numPrefetchExperts, num_prefetch_slots=e.numPrefetchSlots, num_groups=1)]
+
+
+@register_check
+def check_gpus_per_pod(spec: DwdpGroupSpec) -> list[str]:
+    if spec.dwdpSize % spec.gpusPerPod:
+        return [f"spec.gpusPerPod={spec.gpusPerPod} must divide spec.dwdpSize={spec.dwdpSize} "
+                f"(every pod runs the same number of ranks); e.g. gpusPerPod=1"]
+    return []
+
+
+@register_check
+def check_model_source(spec: DwdpGroupSpec) -> list[str]:
+    if (spec.model.path is None) == (spec.model.synthetic is None):
+        return ["spec.model: set exactly one of model.path (a model directory) or model.synthetic "
+                "(qwen3_moe, mixtral, deepseek_v3)"]
+    return []
+
+
+@register_check
+def check_template_env(spec: DwdpGroupSpec) -> list[str]:
+    out = []
+    for i, var in enumerate(spec.template.env):
+        name = var.get("name")
+        if not isinstance(name, str) or not name:
+            out.append(f"spec.template.env[{i}]: every env entry needs a name")
+        elif name.startswith("DWDP_"):
+            out.append(f"spec.template.env[{i}]: {name} is set by the operator (DWDP_* is reserved); remove it")
+    return out
+
+
+@register_check
+def check_ports(spec: DwdpGroupSpec) -> list[str]:
+    if spec.httpPort == spec.storePort:
+        return [f"spec.httpPort and spec.storePort are both {spec.httpPort}; pick two different ports"]
+    return []
+
+
+def _pydantic_messages(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        out.append(f"spec.{loc}: {e['msg']}" if loc else f"spec: {e['msg']}")
+    return out
+
+
+def parse_spec(raw: dict[str, Any] | None) -> tuple[DwdpGroupSpec | None, list[str]]:
+    """Parse and validate; returns (spec, []) or (None or spec, messages)."""
+    try:
+        spec = DwdpGroupSpec.model_validate(dict(raw or {}))
+    except ValidationError as err:
+        return None, _pydantic_messages(err)
+    errors: list[str] = []
+    for check in CHECKS:
+        errors.extend(check(spec))
+    return spec, errors
+
+
+def validate_spec(raw: dict[str, Any] | None) -> list[str]:
+    """Every problem with a DwdpGroup spec as a message; ``[]`` when valid."""
+    return parse_spec(raw)[1]

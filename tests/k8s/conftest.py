@@ -1,0 +1,196 @@
+"""Session fixtures for the k8s suite: one real control plane, fake GPU nodes, the test kubelet, a
+fake /healthz on 127.0.0.1 and the real ``dwdp-operator`` as a subprocess (restartable).
+
+Binaries come from ``scripts/k8s-install.sh`` (``~/.cache/k8s-test/bin`` or ``$K8S_TEST_BIN``).
+Missing binaries: the suite is skipped locally with the command to run, and FAILS when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(os.environ.get("K8S_TEST_BIN") or Path.home() / ".cache/k8s-test/bin")
+NEEDED = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
+NS_PREFIX = "dwdp-t-"
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if Path(str(item.fspath)).parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.k8s)
+
+
+def _require_binaries() -> None:
+    missing = [b for b in NEEDED if not (BIN / b).exists()]
+    if missing:
+        msg = (f"k8s test binaries missing in {BIN}: {', '.join(missing)}; "
+               f"build them once with: bash scripts/k8s-install.sh (~10 min)")
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def wait_for(fn, *, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        try:
+            last = fn()
+        except Exception as e:  # noqa: BLE001 — keep polling through transient API errors
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+class Operator:
+    """The real ``dwdp-operator`` console script as a subprocess."""
+
+    def __init__(self, env: dict, log_dir: Path):
+        self.env, self.log_dir, self.proc, self.n = env, log_dir, None, 0
+        exe = Path(sys.executable).parent / "dwdp-operator"
+        self.cmd = [str(exe) if exe.exists() else "dwdp-operator", "--namespace", f"{NS_PREFIX}*",
+                    "--resync-seconds", "1", "--drain-seconds", "1", "--health-interval", "0.3"]
+
+    def start(self) -> None:
+        self.n += 1
+        log = open(self.log_dir / f"operator-{self.n}.log", "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def kill(self) -> None:  # SIGKILL: no cleanup, like a crashed pod
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return (self.log_dir / f"operator-{self.n}.log").read_text()
+
+
+class Cluster:
+    def __init__(self, kubeconfig: str, tmp: Path):
+        from kubernetes import client, config
+        self.kubeconfig, self.tmp = kubeconfig, tmp
+        self.api = config.new_client_from_config(kubeconfig)
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.rbac = client.RbacAuthorizationV1Api(self.api)
+        self.kubelet = None
+        self.health = None
+        self.operator: Operator | None = None
+
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "kubectl"), "--kubeconfig", self.kubeconfig, *args],
+                              capture_output=True, text=True, check=check, timeout=60)
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(os.environ, KUBECONFIG=self.kubeconfig, HELM_CACHE_HOME=str(self.tmp / "helm-cache"),
+                   HELM_CONFIG_HOME=str(self.tmp / "helm-config"), HELM_DATA_HOME=str(self.tmp / "helm-data"))
+        return subprocess.run([str(BIN / "helm"), *args], capture_output=True, text=True, check=check,
+                              timeout=120, env=env)
+
+    # -- DwdpGroup helpers ------------------------------------------------------------------
+    def create_group(self, ns: str, body: dict) -> dict:
+        return self.custom.create_namespaced_custom_object("dwdp.io", "v1alpha1", ns, "dwdpgroups", body)
+
+    def get_group(self, ns: str, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object("dwdp.io", "v1alpha1", ns, "dwdpgroups", name)
+
+    def patch_spec(self, ns: str, name: str, spec: dict) -> dict:
+        return self.custom.patch_namespaced_custom_object("dwdp.io", "v1alpha1", ns, "dwdpgroups", name,
+                                                          {"spec": spec})
+
+    def pods(self, ns: str, selector: str = "dwdp.io/name") -> list:
+        return self.core.list_namespaced_pod(ns, label_selector=selector).items
+
+    def live_pods(self, ns: str, selector: str = "dwdp.io/name") -> list:
+        return [p for p in self.pods(ns, selector) if not p.metadata.deletion_timestamp]
+
+    def events(self, ns: str, reason: str | None = None) -> list:
+        evs = self.core.list_namespaced_event(ns).items
+        return [e for e in evs if reason is None or e.reason == reason]
+
+    def condition(self, ns: str, name: str, ctype: str) -> dict | None:
+        st = self.get_group(ns, name).get("status") or {}
+        return next((c for c in st.get("conditions") or [] if c["type"] == ctype), None)
+
+
+def group_body(name: str, **spec_over) -> dict:
+    spec = {"numGroups": 2, "dwdpSize": 4, "image": "dwdp:test",
+            "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4},
+            "model": {"synthetic": "qwen3_moe"},
+            "restartPolicy": {"maxRestarts": 3, "backoffSeconds": 1}}
+    spec.update(spec_over)
+    return {"apiVersion": "dwdp.io/v1alpha1", "kind": "DwdpGroup", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    _require_binaries()
+    tmp = Path(tempfile.mkdtemp(prefix="dwdp-k8s-"))
+    env = dict(os.environ, BIN=str(BIN), STATE=str(tmp / "state"),
+               PRE_APPLY=f"{ROOT / 'crds/dwdpgroup.yaml'} {ROOT / 'tests/k8s/crds/computedomain.yaml'}")
+    for k, default in (("API_PORT", "16443"), ("ETCD_PORT", "12379"), ("ETCD_PEER", "12380"),
+                       ("KCM_PORT", "20257"), ("SCHED_PORT", "20259")):
+        env[k] = os.environ.get(f"DWDP_TEST_{k}", default)
+    up = subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "up"], env=env, capture_output=True,
+                        text=True, timeout=900)
+    if up.returncode != 0:
+        subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "down"], env=env, capture_output=True)
+        pytest.fail(f"scripts/test-cluster up failed:\n{up.stdout}\n{up.stderr}")
+    kubeconfig = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    from kubelet import HealthServer, Kubelet, make_nodes
+    c = Cluster(kubeconfig, tmp)
+    try:
+        make_nodes(c.core)
+        c.kubelet = Kubelet(c.api).start()
+        c.health = HealthServer()
+        op_env = dict(os.environ, KUBECONFIG=kubeconfig, DWDP_OPERATOR_HEALTH_URL=c.health.url_template)
+        c.operator = Operator(op_env, tmp)
+        c.operator.start()
+        yield c
+    finally:
+        if c.operator:
+            c.operator.stop()
+            if os.environ.get("DWDP_TEST_KEEP_LOGS"):
+                print(f"operator logs in {tmp}", file=sys.stderr)
+        if c.kubelet:
+            c.kubelet.stop()
+        if c.health:
+            c.health.stop()
+        subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "down"], env=env, capture_output=True)
+        if not os.environ.get("DWDP_TEST_KEEP_LOGS"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def ns(cluster):
+    name = f"{NS_PREFIX}{uuid.uuid4().hex[:6]}"
+    cluster.core.create_namespace({"metadata": {"name": name}})
+    yield name
+    try:
+        cluster.core.delete_namespace(name)
+    except Exception:  # noqa: BLE001
+        pass

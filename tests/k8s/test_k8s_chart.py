@@ -1,0 +1,86 @@
+"""The Helm chart: lint, template, install against the test API server, and the operator running
+with exactly the chart's ServiceAccount + ClusterRole (least privilege, checked for real)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from conftest import ROOT, Operator, group_body, wait_for
+
+CHART = str(ROOT / "charts/dwdp-operator")
+
+
+def test_helm_lint_and_template(cluster):
+    c = cluster
+    assert c.helm("lint", CHART, "--strict").returncode == 0
+    docs = [d for d in yaml.safe_load_all(c.helm("template", "rel", CHART, "--set", "example.enabled=true",
+                                                 "--set", "watchNamespaces={a,b-*}").stdout) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "DwdpGroup", "ServiceAccount"]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=a" in args and "--namespace=b-*" in args
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    bad = c.helm("template", "rel", CHART, "--set", "operator.resyncSeconds=0", check=False)
+    assert bad.returncode != 0 and "resyncSeconds" in bad.stderr  # values.schema.json refuses it
+
+
+def _sa_kubeconfig(c, ns: str, sa: str, path: Path) -> Path:
+    def token():
+        for s in c.core.list_namespaced_secret(ns).items:
+            if s.type == "kubernetes.io/service-account-token" and \
+                    (s.metadata.annotations or {}).get("kubernetes.io/service-account.name") == sa:
+                return base64.b64decode(s.data["token"]).decode()
+        return None
+    tok = wait_for(token, timeout=30, what="service account token")
+    admin = yaml.safe_load(Path(c.kubeconfig).read_text())
+    cfg = {**admin, "users": [{"name": sa, "user": {"token": tok}}],
+           "contexts": [{"name": "local", "context": {"cluster": "local", "user": sa, "namespace": ns}}]}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_helm_install_and_operator_runs_with_chart_rbac(cluster, tmp_path):
+    c = cluster
+    ns = "dwdp-chart"  # outside the session operator's dwdp-t-* namespaces
+    rel = "dwdp"
+    out = c.helm("install", rel, CHART, "-n", ns, "--create-namespace", "--wait", "--timeout", "90s",
+                 "--set", f"watchNamespaces={{{ns}}}", check=False)
+    assert out.returncode == 0, out.stderr
+    try:
+        assert "kubectl apply -f examples/dwdpgroup.yaml" in out.stdout  # NOTES.txt
+        dep = c.apps.read_namespaced_deployment("dwdp-dwdp-operator", ns)
+        assert dep.status.available_replicas == 1
+        sa = "dwdp-dwdp-operator"
+        who = f"system:serviceaccount:{ns}:{sa}"
+        assert c.kubectl("auth", "can-i", "create", "pods", "--as", who, "-n", ns).stdout.strip() == "yes"
+        for verb, res in (("get", "secrets"), ("delete", "dwdpgroups.dwdp.io"), ("create", "nodes"),
+                          ("update", "pods")):
+            assert c.kubectl("auth", "can-i", verb, res, "--as", who, "-n", ns, check=False).stdout.strip() == "no"
+        # the real operator, with the chart's identity, reconciles a DwdpGroup to Ready
+        kc = _sa_kubeconfig(c, ns, sa, tmp_path / "sa.kubeconfig")
+        env = dict(os.environ, KUBECONFIG=str(kc), DWDP_OPERATOR_HEALTH_URL=c.health.url_template)
+        op = Operator(env, tmp_path)
+        op.cmd = [a if a != "dwdp-t-*" else ns for a in op.cmd]
+        op.start()
+        try:
+            c.create_group(ns, group_body("rb", numGroups=1))
+            wait_for(lambda: (c.get_group(ns, "rb").get("status") or {}).get("readyGroups") == 1, timeout=60,
+                     what="group ready under the chart's RBAC")
+            c.core.delete_namespaced_pod("rb-g0-p1", ns)  # restart path: delete + create + events
+            wait_for(lambda: c.get_group(ns, "rb")["status"]["groups"][0]["attempt"] == 1
+                     and c.get_group(ns, "rb")["status"]["readyGroups"] == 1, timeout=60, what="restart")
+            log = op.log()
+            assert "Forbidden" not in log and "failed (" not in log, log[-3000:]
+            assert c.events(ns, "GroupRestart"), "Events posted with the chart's RBAC"
+        finally:
+            op.stop()
+    finally:
+        c.helm("uninstall", rel, "-n", ns, check=False)
