@@ -95,20 +95,22 @@ def run_dwdp(cfg, dense, dwdp, x, seqlens):
 
 
 def correctness_program(rank, world, port, *, store_port, cfg_kw, seqlens, steps=2, dtype_name="float32",
-                        threads=1):
-    """``seqlens[rank]``: this rank's packed sequence lengths. Returns outputs of every step as numpy
-    arrays (a torch tensor would cross the queue as shared memory that dies with this process)."""
+                        threads=1, backend="host", impl="auto"):
+    """``seqlens[rank]``: this rank's packed sequence lengths. Returns outputs of every step as float32
+    numpy arrays (a torch tensor would cross the queue as shared memory that dies with this process)."""
     cfg, dtype = StackConfig(**cfg_kw), getattr(torch, dtype_name)
     out = {"dep": [], "dwdp": []}
-    with both_methods(rank, world, port, store_port=store_port, cfg=cfg, backend="host", dtype=dtype,
-                      timeout_s=60, threads=threads) as (env, dense, dep, dwdp):
+    with both_methods(rank, world, port, store_port=store_port, cfg=cfg, backend=backend, dtype=dtype,
+                      impl=impl, timeout_s=60, threads=threads) as (env, dense, dep, dwdp):
         for step in range(steps):
-            x = make_inputs(cfg, seqlens[rank], rank=rank, step=step, dtype=dtype)
-            out["dep"].append(run_dep(cfg, dense, dep, x, seqlens[rank]).numpy())
-            out["dwdp"].append(run_dwdp(cfg, dense, dwdp, x, seqlens[rank]).numpy())
+            x = make_inputs(cfg, seqlens[rank], rank=rank, step=step, device=env["device"], dtype=dtype)
+            for name, y in (("dep", run_dep(cfg, dense, dep, x, seqlens[rank])),
+                            ("dwdp", run_dwdp(cfg, dense, dwdp, x, seqlens[rank]))):
+                out[name].append(y.float().cpu().numpy())
         out["dep_stats"] = dict(dep.stats)
         out["dwdp_stats"] = env["mgr"].stats()
         out["dwdp_range"], out["dep_range"] = env["dwdp_range"], env["dep_range"]
+        out["impl"], out["device"] = env["impl"], str(env["device"])
     return out
 
 
