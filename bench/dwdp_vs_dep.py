@@ -82,6 +82,9 @@ def parse_args(argv=None):
                    help="machine kind for the table header (e.g. nvidia-h200-x4)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per group before giving up")
     p.add_argument("--out", default="out/dwdp_vs_dep")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="print the table and write the PNG from a dwdp_vs_dep.json of an earlier run "
+                        "(e.g. fetched from a GPU machine without matplotlib), then exit")
     args = p.parse_args(argv)
     if args.backend is None:
         import torch
@@ -163,8 +166,28 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def write_plot(rows: list[dict], out: str, header: str) -> None:
+    try:
+        plot(rows, os.path.join(out, "dwdp_vs_dep.png"), header.split("\n")[0])
+        print(f"wrote {out}/dwdp_vs_dep.png")
+    except ImportError as exc:   # the GPU images may lack matplotlib: --replot the JSON elsewhere
+        print(f"PNG skipped ({exc}); run: python bench/dwdp_vs_dep.py --replot {out}/dwdp_vs_dep.json")
+
+
+def replot(path: str, out: str) -> int:
+    with open(path) as f:
+        saved = json.load(f)
+    print(saved["header"])
+    print(table(saved["rows"]))
+    os.makedirs(out, exist_ok=True)
+    write_plot(saved["rows"], out, saved["header"])
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot, args.out)
     from bench.moe_ranks import bench_program
     from bench.moe_stack import StackConfig
     from tests.runtime.group import free_port, run_group
@@ -211,11 +234,11 @@ def main(argv=None) -> int:
         notes = {r.get("plan_note") for r in rows if r.get("plan_note")}
         for n in notes:
             print(f"plan: {n}")
-        plot(rows, os.path.join(args.out, "dwdp_vs_dep.png"), header.split("\n")[0])
+        write_plot(rows, args.out, header)
     with open(os.path.join(args.out, "dwdp_vs_dep.json"), "w") as f:
         json.dump({"header": header, "args": vars(args), "rows": rows, "failed": failed,
                    "raw": {str(d): v for d, v in raw.items()}}, f, indent=1, default=str)
-    print(f"wrote {args.out}/dwdp_vs_dep.json" + (" and dwdp_vs_dep.png" if rows else ""))
+    print(f"wrote {args.out}/dwdp_vs_dep.json")
     return 1 if failed else 0
 
 
