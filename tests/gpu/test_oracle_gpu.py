@@ -46,7 +46,7 @@ def test_gpu_sharded_logits_match_unsharded(d, gpu_checkpoints):
     k, s = SHARDING[d]
     runs = [(f"{a}-d{d}", str(gpu_checkpoints[a]), k, s, None) for a in ARCHS]
     res = run_group(oracle_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
-                    backend="auto", gpus=torch.cuda.device_count(), timeout_s=600)
+                    backend="auto", gpus=torch.cuda.device_count(), harness_timeout_s=600)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     for a in ARCHS:

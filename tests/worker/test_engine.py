@@ -12,7 +12,7 @@ from dwdp_worker.engine import Engine, num_experts_of
 
 
 def test_engine_contract(checkpoints):
-    res = run_group(engine_api_program, 2, model_dir=str(checkpoints["qwen3_moe"]), timeout_s=120)
+    res = run_group(engine_api_program, 2, model_dir=str(checkpoints["qwen3_moe"]), harness_timeout_s=120)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     for rank, (_, out) in res.items():

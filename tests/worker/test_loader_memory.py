@@ -28,7 +28,7 @@ def big_experts(tmp_path_factory):
 
 
 def test_peak_memory_is_the_local_share(big_experts):
-    res = run_group(memory_program, 4, model_dir=str(big_experts), k=4, s=4, timeout_s=180)
+    res = run_group(memory_program, 4, model_dir=str(big_experts), k=4, s=4, harness_timeout_s=180)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     for rank, (_, r) in sorted(res.items()):

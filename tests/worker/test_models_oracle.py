@@ -66,7 +66,7 @@ def test_sharded_logits_equal_unsharded_bitwise(d, checkpoints, references):
     runs = [(f"{n}-d{d}", str(checkpoints[n.split("@")[0]]), k, s, n.split("@")[1] if "@" in n else None)
             for n in names]
     res = run_group(oracle_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
-                    timeout_s=240)
+                    harness_timeout_s=240)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
