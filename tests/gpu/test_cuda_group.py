@@ -12,7 +12,7 @@ def _run(world, **kw):
 
     from gpu_workloads import gpu_composite_program
 
-    results = run_group(gpu_composite_program, world, harness_timeout_s=240, **kw)
+    results = run_group(gpu_composite_program, world, timeout_s=240, **kw)
     errors = {r: v for r, (status, v) in results.items() if status != "ok"}
     assert not errors, "\n".join(f"rank {r}: {v}" for r, v in errors.items())
     return {r: v for r, (_, v) in results.items()}
