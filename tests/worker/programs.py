@@ -1,0 +1,84 @@
+"""Rank programs for the worker tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _rdzv(rank, world, port, job, timeout_s=60.0):
+    from dwdp_runtime.rendezvous import StoreRendezvous
+
+    return StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job=job, token="tok",
+                           timeout_s=timeout_s)
+
+
+def oracle_program(rank, world, port, *, runs, batches, threads=1):
+    """For each (job, model_dir, k, s, dtype) in ``runs``: build an Engine, run every batch, return the logits.
+
+    One process serves several models in turn (import cost paid once); each run is its own rendezvous job.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_worker.engine import Engine, num_experts_of
+
+    out = {}
+    for job, model_dir, k, s, dtype in runs:
+        cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
+                         num_prefetch_experts=s)
+        with _rdzv(rank, world, port, job) as rdzv:
+            engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
+                                  token="tok", dtype=dtype, progress=False)
+            try:
+                results = [engine.forward(b) for b in batches]
+                out[job] = {"logits": [r.logits.numpy() for r in results], "restarts": [r.restarts for r in results],
+                            "stats": engine.stats(), "local": engine.manager.local_range}
+            finally:
+                engine.close()
+    return out
+
+
+def _vm_hwm_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM")
+
+
+def _vm_rss_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def memory_program(rank, world, port, *, model_dir, k, s):
+    """Peak RSS growth of Engine.build (dense + this rank's experts), measured with the kernel's high-water mark."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(1)
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_worker.engine import Engine, num_experts_of
+    import transformers  # noqa: F401 - import cost outside the measurement
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
+                     num_prefetch_experts=s)
+    with _rdzv(rank, world, port, "mem") as rdzv:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS high-water mark
+            f.write("5")
+        base = _vm_rss_kib()
+        engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
+                              token="tok", progress=False)
+        peak = _vm_hwm_kib()
+        report = engine.load_report
+        result = {"peak_growth": (peak - base) * 1024, "local_expert_bytes": report.local_expert_bytes,
+                  "total_expert_bytes": report.total_expert_bytes, "dense_bytes": report.dense_bytes,
+                  "pid": os.getpid()}
+        engine.forward([[1, 2, 3]])
+        engine.close()
+    return result

@@ -1,0 +1,160 @@
+"""Engine: one rank's MoE model + its DWDP manager; one packed prefill forward per call.
+
+Build (``Engine.build``):
+  1. read config.json; ``config.num_experts`` must equal the model's routed expert count (ValueError otherwise);
+  2. ``DwdpManager.create`` (memory backend, copy stream) on the rank's device;
+  3. ``loader.load_sharded``: meta model → dense weights → this rank's experts into transport handles →
+     ``manager.setup()`` (handle exchange with progress bars) → experts bound to composites;
+  4. ``hooks.install_hooks``: start_forward / wait_and_bind / finish_layer around every experts module.
+
+Forward (``Engine.forward(sequences)``): validate → pack into one row (``packing``) → model forward without KV
+cache → last-position logits of each sequence, float32 on CPU. Timings per forward:
+  * ``compute_s``        — wall time of the whole forward (device synchronised at the end);
+  * ``prefetch_wait_s``  — host time blocked in ``wait_and_bind`` (host backend: waiting on the copy thread;
+                           CUDA: the wait is a stream wait, so the host-side figure is ~0 and the exposed
+                           wait shows up in ``compute_s`` instead);
+  * ``restarts``         — the prefetch schedule's restart count so far.
+
+Invariants: ``close()`` is idempotent, removes the hooks, releases the manager and points expert
+parameters back to meta (a forward after close raises RuntimeError instead of reading unmapped memory).
+``forward`` is serialised by a lock (the model and the prefetch schedule are single-stream state).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import models as arch
+from .hooks import install_hooks
+from .loader import has_tokenizer, load_config, load_sharded, read_config_json, unbind_experts
+from .packing import packed_logits, validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardResult:
+    logits: Any             # torch.Tensor [num_sequences, vocab] float32 on CPU: last-position logits
+    compute_s: float        # wall time of the forward
+    prefetch_wait_s: float  # exposed prefetch wait (host backend: time blocked on copies)
+    restarts: int           # the prefetch schedule's restart count so far
+
+
+def num_experts_of(model_dir) -> int:
+    """The routed expert count of the checkpoint in ``model_dir`` (from config.json)."""
+    raw = read_config_json(model_dir)
+    spec = arch.arch_spec(raw.get("model_type"))
+    # transformers 5 may serialise the alias (Qwen3-MoE writes num_local_experts for num_experts)
+    n = next((raw[k] for k in (spec.num_experts_attr, *arch.NUM_EXPERTS_KEYS) if raw.get(k)), None)
+    if not n:
+        raise arch.UnsupportedModelError(f"{model_dir}: config.json has no {spec.num_experts_attr}")
+    return int(n)
+
+
+class Engine:
+    def __init__(self, *, model, manager, hooks, hf_config, model_dir, tokenizer=None, load_report=None):
+        self.model, self.manager, self._hooks = model, manager, hooks
+        self.hf_config = hf_config
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.load_report = load_report
+        self.vocab_size: int = int(hf_config.vocab_size)
+        self.max_positions: int = int(getattr(hf_config, "max_position_embeddings", 1 << 30))
+        self.device = manager.device
+        self._lock = threading.Lock()
+        self._closed = False
+        self._forwards = 0
+        self._last_forward_s = 0.0
+        self._tokens = 0
+
+    @classmethod
+    def build(cls, *, model_dir, config, rank: int, rendezvous, backend: str = "auto", device=None,
+              token: str = "", dtype: str | None = None, progress: bool = True) -> "Engine":
+        from dwdp_runtime.manager import DwdpManager
+
+        hf_config = load_config(model_dir)
+        n = arch.num_experts_in_config(hf_config)
+        if config.num_experts != n:
+            raise ValueError(f"DWDP config num_experts={config.num_experts} but the model in {model_dir} has {n} "
+                             f"routed experts per layer; set num_experts={n} (and experts-per-worker/stride to match)")
+        manager = DwdpManager.create(config=config, rank=rank, rendezvous=rendezvous, backend=backend,
+                                     device=device, token=token, progress=progress)
+        try:
+            _set_cuda_device(manager.device)
+            model, report = load_sharded(model_dir, manager, dtype=dtype, progress=progress, config=hf_config)
+            hooks = install_hooks(model, manager)
+        except BaseException:
+            manager.release(barrier=False)
+            raise
+        tokenizer = None
+        if has_tokenizer(model_dir):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        return cls(model=model, manager=manager, hooks=hooks, hf_config=hf_config, model_dir=model_dir,
+                   tokenizer=tokenizer, load_report=report)
+
+    # -- run ------------------------------------------------------------------------------------------------
+    def _bind_wait_s(self) -> float:
+        w = self.manager.weights
+        return float(w.stats.get("bind_wait_s", 0.0)) if w is not None else 0.0
+
+    def forward(self, sequences: list[list[int]]) -> ForwardResult:
+        """One packed forward (no KV cache). Raises ``packing.BadBatchError`` (a ValueError) for bad input."""
+        sequences = validate(sequences, vocab_size=self.vocab_size, max_positions=self.max_positions)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            wait0 = self._bind_wait_s()
+            t0 = time.perf_counter()
+            logits = packed_logits(self.model, sequences, self.device)  # .cpu() synchronises the device
+            elapsed = time.perf_counter() - t0
+            self._forwards += 1
+            self._tokens += sum(len(s) for s in sequences)
+            self._last_forward_s = elapsed
+            return ForwardResult(logits=logits, compute_s=elapsed, prefetch_wait_s=self._bind_wait_s() - wait0,
+                                 restarts=self.manager.num_restarts)
+
+    def stats(self) -> dict:
+        m = self.manager.stats() if not self._closed else {"restarts": self.manager.num_restarts,
+                                                           "backend": self.manager.memory.name}
+        return {
+            "forwards": self._forwards,
+            "tokens": self._tokens,
+            "prefetch_restarts": m.get("restarts", 0),
+            "prefetch_bytes": m.get("prefetch_bytes", 0),
+            "remote_bytes_per_forward": m.get("remote_bytes_per_forward", 0),
+            "last_forward_s": self._last_forward_s,
+            "backend": m.get("backend"),
+            "local_experts": list(self.manager.local_range),
+        }
+
+    # -- teardown -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._hooks.remove()
+            try:
+                self.manager.release()
+            finally:
+                unbind_experts(self.model)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _set_cuda_device(device) -> None:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
