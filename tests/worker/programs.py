@@ -12,10 +12,11 @@ def _rdzv(rank, world, port, job, timeout_s=60.0):
                            timeout_s=timeout_s)
 
 
-def oracle_program(rank, world, port, *, runs, batches, threads=1):
+def oracle_program(rank, world, port, *, runs, batches, ports, threads=1):
     """For each (job, model_dir, k, s, dtype) in ``runs``: build an Engine, run every batch, return the logits.
 
-    One process serves several models in turn (import cost paid once); each run is its own rendezvous job.
+    One process serves several models in turn (import cost paid once); each run is its own rendezvous job
+    on its own store port (``ports[job]``; rank 0's store of the previous run may still be shutting down).
     """
     import torch
 
@@ -27,7 +28,7 @@ def oracle_program(rank, world, port, *, runs, batches, threads=1):
     for job, model_dir, k, s, dtype in runs:
         cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
                          num_prefetch_experts=s)
-        with _rdzv(rank, world, port, job) as rdzv:
+        with _rdzv(rank, world, ports[job], job) as rdzv:
             engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
                                   token="tok", dtype=dtype, progress=False)
             try:
