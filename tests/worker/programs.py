@@ -63,8 +63,10 @@ def memory_program(rank, world, port, *, model_dir, k, s):
     torch.set_num_threads(1)
     from dwdp_runtime.config import DwdpConfig
     from dwdp_worker.engine import Engine, num_experts_of
-    import transformers  # noqa: F401 - import cost outside the measurement
-    from transformers import AutoModelForCausalLM  # noqa: F401
+    from dwdp_worker.loader import build_meta_model, load_config
+
+    # import the modeling code (~130 MiB of interpreter/library state) before measuring weights
+    build_meta_model(load_config(model_dir), torch.float32)
 
     cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
                      num_prefetch_experts=s)
@@ -79,6 +81,7 @@ def memory_program(rank, world, port, *, model_dir, k, s):
         report = engine.load_report
         result = {"peak_growth": (peak - base) * 1024, "local_expert_bytes": report.local_expert_bytes,
                   "total_expert_bytes": report.total_expert_bytes, "dense_bytes": report.dense_bytes,
+                  "largest_local_weight": report.largest_local_weight,
                   "pid": os.getpid()}
         engine.forward([[1, 2, 3]])
         engine.close()

@@ -40,8 +40,9 @@ def references(checkpoints):
     torch.set_num_threads(1)
     try:
         out = {}
-        for name, path in checkpoints.items():
-            ref = Reference(path)
+        for name, path, dtype in [(n, p, None) for n, p in checkpoints.items()] + [
+                ("qwen3_moe@bfloat16", checkpoints["qwen3_moe"], "bfloat16")]:
+            ref = Reference(path, dtype=dtype)
             hit: dict[int, set[int]] = {}
             handles = [s.module.register_forward_pre_hook(
                 lambda m, args, layer=s.layer: hit.setdefault(layer, set()).update(args[1].flatten().tolist()))
@@ -57,8 +58,10 @@ def references(checkpoints):
 @pytest.mark.parametrize("d", sorted(SHARDING))
 def test_sharded_logits_equal_unsharded_bitwise(d, checkpoints, references):
     k, s = SHARDING[d]
-    names = list(ARCHS) + (["qwen3_moe_bf16", "qwen3_moe_fused"] if d == 2 else [])
-    runs = [(f"{n}-d{d}", str(checkpoints[n]), k, s, None) for n in names]
+    # d=2 also: a bf16 checkpoint, a fused-expert checkpoint, and a float32 checkpoint run in bfloat16
+    names = list(ARCHS) + (["qwen3_moe_bf16", "qwen3_moe_fused", "qwen3_moe@bfloat16"] if d == 2 else [])
+    runs = [(f"{n}-d{d}", str(checkpoints[n.split("@")[0]]), k, s, n.split("@")[1] if "@" in n else None)
+            for n in names]
     res = run_group(oracle_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
                     timeout_s=240)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}

@@ -10,12 +10,13 @@ Pipeline (``load_sharded``):
      — the same path `from_pretrained` takes for them;
   5. for each experts module (forward order) register the layer with DWDP and a ``fill`` callback per
      fused weight that reads **only experts [a, b)** of this rank from safetensors (one expert at a time,
-     or ``get_slice`` of a fused tensor) straight into the transport handle;
+     or the row range of a fused tensor) straight into the transport handle with ``pread``;
   6. ``manager.setup()`` (handle exchange, composites), then bind each experts parameter to its
      composite ``[E, ...]`` tensor (zero-copy).
 
-Memory invariant: at no point does a rank hold more than its local experts plus one expert's
-projection in flight; the safetensors files are mmapped and only the local experts' pages are touched.
+Memory invariant: a rank holds its local experts (in the transport handles) and the dense weights, plus at
+most one expert projection in a staging buffer when a dtype/device conversion is needed. Files are read
+with ``pread``, not mapped, so no file page stays resident in the rank (see ``SafetensorsIndex``).
 A failure anywhere releases the manager's handles (``manager.setup`` rolls back; callers own ``manager``).
 """
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,50 +60,132 @@ def load_config(model_dir):
     return config
 
 
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: pathlib.Path
+    dtype: Any
+    shape: tuple[int, ...]
+    start: int          # absolute byte offset of the tensor in the file
+    nbytes: int
+
+
 class SafetensorsIndex:
-    """key → file over a checkpoint's safetensors files; opens each file lazily (mmap), closes on exit."""
+    """key → (file, dtype, shape, byte range) over a checkpoint's safetensors files; reads with ``pread``.
+
+    Why not ``safe_open`` (mmap): a tensor read through a mapping leaves its file pages resident in this
+    process (they count in RSS as long as the file stays mapped), so reading the local experts through mmap
+    holds them twice. ``pread`` into the destination tensor moves the bytes from the page cache straight into
+    the transport handle: nothing else stays resident. The format is the documented one: an 8-byte
+    little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets: [begin, end]}}``
+    relative to the end of the header, then the data. Row slices of a row-major tensor are one byte range.
+    """
 
     def __init__(self, model_dir):
         self.dir = pathlib.Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {k: self.dir / f for k, f in weight_map.items()}
+            files = sorted({self.dir / f for f in json.loads(index.read_text())["weight_map"].values()})
         else:
             files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{model_dir}: no *.safetensors files")
-            from safetensors import safe_open
-
-            self.file_of = {}
+        if not files:
+            raise CheckpointError(f"{model_dir}: no *.safetensors files")
+        self.entries: dict[str, _Entry] = {}
+        self._fds: dict[pathlib.Path, int] = {}
+        try:
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():
-                        self.file_of[k] = f
-        self._handles: dict[pathlib.Path, Any] = {}
-        self._stack = ExitStack()
+                self._read_header(f)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self, path: pathlib.Path) -> None:
+        import os
+        import struct
+
+        import torch
+
+        fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, 8, 0)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path}: truncated safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, 100 * 2**20):
+            raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(os.pread(fd, n, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+        base = 8 + n
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            name = _ST_DTYPES.get(info["dtype"])
+            if name is None or not hasattr(torch, name):
+                raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            if base + end > size:
+                raise CheckpointError(f"{path}: tensor {key} extends past the end of the file (truncated download?)")
+            self.entries[key] = _Entry(path, getattr(torch, name), tuple(info["shape"]), base + begin, end - begin)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.file_of
+        return key in self.entries
 
-    def _handle(self, key: str):
-        from safetensors import safe_open
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.entries[key].shape
 
-        f = self.file_of[key]
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-        return h
+    def _pread_into(self, e: _Entry, offset: int, nbytes: int, dst) -> None:
+        """Read ``nbytes`` at ``e.start + offset`` into the contiguous CPU tensor ``dst`` (same byte size)."""
+        import os
+
+        buf = dst.reshape(-1).view(__import__("torch").uint8).numpy()
+        mv = memoryview(buf)
+        fd, pos, done = self._fds[e.path], e.start + offset, 0
+        while done < nbytes:
+            got = os.preadv(fd, [mv[done:]], pos + done)
+            if got <= 0:
+                raise CheckpointError(f"{e.path}: short read at byte {pos + done}")
+            done += got
+
+    def read_rows(self, key: str, begin: int, end: int, dst) -> None:
+        """``dst.copy_(tensor[begin:end])`` without materialising the tensor: a direct read when ``dst`` is a
+        contiguous CPU tensor of the checkpoint dtype, else through one staging buffer of that size."""
+        import torch
+
+        e = self.entries[key]
+        rows = e.shape[0] if e.shape else 1
+        if not 0 <= begin <= end <= rows:
+            raise CheckpointError(f"{key}: rows [{begin}, {end}) outside [0, {rows})")
+        row_bytes = e.nbytes // max(rows, 1)
+        shape = (end - begin, *e.shape[1:]) if e.shape else ()
+        if tuple(dst.shape) != shape:
+            raise CheckpointError(f"{key}[{begin}:{end}]: shape {shape} does not fit {tuple(dst.shape)}")
+        if dst.device.type == "cpu" and dst.dtype == e.dtype and dst.is_contiguous():
+            self._pread_into(e, begin * row_bytes, (end - begin) * row_bytes, dst)
+            return
+        staging = torch.empty(shape, dtype=e.dtype)
+        self._pread_into(e, begin * row_bytes, (end - begin) * row_bytes, staging)
+        dst.copy_(staging)
 
     def get(self, key: str):
-        return self._handle(key).get_tensor(key)
+        import torch
 
-    def get_slice(self, key: str):
-        return self._handle(key).get_slice(key)
+        e = self.entries[key]
+        out = torch.empty(e.shape, dtype=e.dtype)
+        self._pread_into(e, 0, e.nbytes, out)
+        return out
 
     def close(self) -> None:
-        self._handles.clear()
-        self._stack.close()
+        import os
+
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self):
         return self
@@ -153,6 +235,7 @@ class LoadReport:
     dense_bytes: int
     local_expert_bytes: int
     total_expert_bytes: int
+    largest_local_weight: int   # bytes of the largest single (layer, weight) local share
     layers: list[int]
 
 
@@ -212,24 +295,20 @@ def _expert_reader(spec, ckpt: SafetensorsIndex, site: arch.ExpertsSite, weight:
     fused = arch.fused_ckpt_key(spec, site.name, weight)
 
     def fill(view, a: int, b: int) -> None:
-        if fused in ckpt:
-            view.copy_(ckpt.get_slice(fused)[a:b])
+        if fused in ckpt:  # one byte range: experts [a, b) of the fused tensor
+            ckpt.read_rows(fused, a, b, view)
             progress_bar.update(b - a)
             return
         for e in range(a, b):
-            keys = arch.expert_ckpt_keys(spec, site.name, weight, e)
             row = 0
-            for key in keys:
+            for key in arch.expert_ckpt_keys(spec, site.name, weight, e):
                 if key not in ckpt:
                     raise CheckpointError(f"checkpoint lacks expert tensor {key} (and the fused {fused})")
-                t = ckpt.get(key)  # one expert's projection: the only transient copy
-                n = t.shape[0]
-                if row + n > view.shape[1] or tuple(t.shape[1:]) != tuple(view.shape[2:]):
-                    raise CheckpointError(f"{key}: shape {tuple(t.shape)} does not fit {weight} expert "
-                                          f"shape {tuple(view.shape[1:])}")
-                view[e - a, row:row + n].copy_(t)
+                n = ckpt.shape(key)[0]
+                if row + n > view.shape[1]:
+                    raise CheckpointError(f"{key}: {n} rows overflow {weight} expert shape {tuple(view.shape[1:])}")
+                ckpt.read_rows(key, 0, n, view[e - a, row:row + n])
                 row += n
-                del t
             if row != view.shape[1]:
                 raise CheckpointError(f"{weight} expert {e}: checkpoint rows {row} != {view.shape[1]}")
             progress_bar.update(1)
@@ -259,7 +338,7 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
         from tqdm.auto import tqdm
 
         total_local = len(sites) * len(arch.EXPERT_WEIGHTS) * (b - a)
-        local_bytes = total_bytes = 0
+        local_bytes = total_bytes = largest = 0
         with tqdm(total=total_local, desc=f"dwdp: loading local experts [{a}, {b})", unit="expert", leave=False,
                   disable=not progress) as bar:
             for site in sites:
@@ -270,6 +349,7 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
                                               fill=_expert_reader(spec, ckpt, site, w, bar))
                     per_expert = meta[0].numel() * meta.element_size()
                     local_bytes += (b - a) * per_expert
+                    largest = max(largest, (b - a) * per_expert)
                     total_bytes += meta.shape[0] * per_expert
     manager.setup()
     for site in sites:
@@ -278,7 +358,7 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
             site.module._parameters[w] = torch.nn.Parameter(composite, requires_grad=False)
     log.info("loaded %s from %s: dense %.1f MiB, local experts [%d, %d) %.1f MiB of %.1f MiB", spec.model_type,
              model_dir, dense / 2**20, a, b, local_bytes / 2**20, total_bytes / 2**20)
-    return model, LoadReport(dense, local_bytes, total_bytes, [s.layer for s in sites])
+    return model, LoadReport(dense, local_bytes, total_bytes, largest, [s.layer for s in sites])
 
 
 def unbind_experts(model) -> None:

@@ -4,6 +4,10 @@
 (every expert resident, no DWDP), runs one packed forward (``packing.packed_logits``) and returns the
 last-position logits ``[num_sequences, vocab]`` in float32 on CPU. On the same device, dtype and thread
 count the DWDP engine must match it bitwise: DWDP only changes *where* expert bytes live, never the math.
+
+Bitwise preconditions (all hold for real checkpoints): same thread count (GEMM reductions may split by
+thread), same operand alignment modulo 16 bytes (``realign``; the composite puts every expert at
+``base + e * expert_bytes``, so expert sizes must be multiples of 64 bytes, as every real model's are).
 """
 
 from __future__ import annotations
@@ -12,6 +16,22 @@ from typing import Sequence
 
 from .loader import load_config, resolve_dtype
 from .packing import packed_logits
+
+
+def realign(model) -> None:
+    """Give every parameter/buffer fresh (allocator-aligned) storage.
+
+    ``from_pretrained`` on CPU may leave tensors inside the mmapped safetensors file at 8-byte alignment;
+    CPU GEMM kernels take alignment-dependent paths (measured: operands shifted by 4 or 8 bytes change the
+    last bits of float32 results, 16 bytes and more do not). The engine's tensors are freshly allocated and
+    its composite experts are page-aligned at the local range, so the oracle aligns its own the same way.
+    """
+    import torch
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.data = t.data.clone()
+    model.tie_weights()
 
 
 class Reference:
@@ -25,6 +45,7 @@ class Reference:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(config, dtype))
         self.model.to(self.device).eval()
+        realign(self.model)
 
     def logits(self, sequences: Sequence[Sequence[int]]):
         return packed_logits(self.model, sequences, self.device)
