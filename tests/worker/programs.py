@@ -86,3 +86,37 @@ def memory_program(rank, world, port, *, model_dir, k, s):
         engine.forward([[1, 2, 3]])
         engine.close()
     return result
+
+
+def engine_api_program(rank, world, port, *, model_dir):
+    """Exercise the Engine's contract on a real group: bad input, timings, stats, tokenizer, close."""
+    import torch
+
+    torch.set_num_threads(1)
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.packing import BadBatchError
+
+    cfg = DwdpConfig.even(dwdp_size=world, num_experts=num_experts_of(model_dir))
+    out = {"errors": []}
+    with _rdzv(rank, world, port, "api") as rdzv:
+        engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
+                              token="tok", progress=(rank == 0))
+        for bad in ([], [[]], [[1, 2, engine.vocab_size]], [[-1]], [["a"]], "text", [[1] * (engine.max_positions + 1)]):
+            try:
+                engine.forward(bad)
+            except BadBatchError as exc:
+                out["errors"].append(str(exc))
+        r = engine.forward([[1, 2, 3], [4, 5]])
+        out.update(shape=tuple(r.logits.shape), dtype=str(r.logits.dtype), compute_s=r.compute_s,
+                   wait_s=r.prefetch_wait_s, restarts=r.restarts, vocab=engine.vocab_size,
+                   max_positions=engine.max_positions)
+        out["tokens"] = engine.tokenizer("hello world the model")["input_ids"] if engine.tokenizer else None
+        out["stats"] = engine.stats()
+        engine.close()
+        engine.close()  # idempotent
+        try:
+            engine.forward([[1]])
+        except RuntimeError as exc:
+            out["after_close"] = str(exc)
+    return out
