@@ -12,7 +12,7 @@ def _rdzv(rank, world, port, job, timeout_s=60.0):
                            timeout_s=timeout_s)
 
 
-def oracle_program(rank, world, port, *, runs, batches, ports, threads=1):
+def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backend="host", gpus=0):
     """For each (job, model_dir, k, s, dtype) in ``runs``: build an Engine, run every batch, return the logits.
 
     One process serves several models in turn (import cost paid once); each run is its own rendezvous job
@@ -29,8 +29,9 @@ def oracle_program(rank, world, port, *, runs, batches, ports, threads=1):
         cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
                          num_prefetch_experts=s)
         with _rdzv(rank, world, ports[job], job) as rdzv:
-            engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
-                                  token="tok", dtype=dtype, progress=False)
+            device = f"cuda:{rank % gpus}" if gpus else None
+            engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
+                                  device=device, token="tok", dtype=dtype, progress=False)
             try:
                 results = [engine.forward(b) for b in batches]
                 out[job] = {"logits": [r.logits.numpy() for r in results], "restarts": [r.restarts for r in results],

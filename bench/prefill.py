@@ -1,0 +1,210 @@
+"""Prefill throughput, DWDP-sharded vs unsharded, measured side by side in one run (reports, never asserts).
+
+  1. write (or reuse) a synthetic MoE checkpoint sized so that experts dominate and everything fits one H200
+     (default: Qwen3-MoE, 8 layers, hidden 2048, 64 experts x moe_intermediate 768, top-8, bf16 ≈ 5 GB);
+  2. start ``--dwdp-size`` rank processes (rank r on ``cuda:(r % --gpus)``), each builds a DWDP ``Engine``;
+  3. rank 0 also loads the unsharded model with plain ``transformers`` (``oracle.Reference``) on its device;
+  4. rank 0 alternates sharded / unsharded forwards of one ``--isl``-token sequence (warm-up first), the other
+     ranks stay idle holding their handles (peers of one GPU would otherwise compete for its SMs);
+  5. prints a table: tokens/s of each, the ratio sharded ÷ unsharded, exposed prefetch wait, restarts, and the
+     max |Δlogits| between the two (a correctness sanity check, bf16).
+
+Run on a GPU:   python bench/prefill.py --isl 8192 --dwdp-size 4
+CPU smoke test: python bench/prefill.py --device cpu --isl 256 --hidden-size 64 --num-experts 8 --num-layers 2 \
+                    --moe-intermediate-size 64 --vocab-size 512 --iters 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for _p in (ROOT / "worker", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", help="checkpoint directory (default: write a synthetic one under --work-dir)")
+    p.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
+    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dwdp-bench"))
+    p.add_argument("--isl", type=int, default=8192, help="input sequence length (tokens)")
+    p.add_argument("--batch", type=int, default=1, help="sequences of --isl tokens packed in one forward")
+    p.add_argument("--dwdp-size", type=int, default=4)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on cuda:r%%gpus)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--iters", type=int, default=5, help="timed forwards of each kind (after 2 warm-ups)")
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=2048)
+    p.add_argument("--num-experts", type=int, default=64)
+    p.add_argument("--moe-intermediate-size", type=int, default=768)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--slots", type=int, default=2, help="num_prefetch_slots")
+    p.add_argument("--timeout", type=float, default=1800.0, help="rendezvous timeout (s)")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_model(args) -> pathlib.Path:
+    if args.model:
+        return pathlib.Path(args.model)
+    from dwdp_worker.synth import write_synthetic
+
+    name = (f"{args.arch}-L{args.num_layers}-H{args.hidden_size}-E{args.num_experts}-I{args.moe_intermediate_size}"
+            f"-k{args.top_k}-V{args.vocab_size}-{args.dtype}-P{args.isl}")
+    out = pathlib.Path(args.work_dir) / name
+    if not (out / "config.json").is_file():
+        print(f"writing synthetic checkpoint {out} ...", flush=True)
+        write_synthetic(args.arch, out, seed=0, num_experts=args.num_experts, num_layers=args.num_layers,
+                        hidden_size=args.hidden_size, vocab_size=args.vocab_size, dtype=args.dtype,
+                        moe_intermediate_size=args.moe_intermediate_size, intermediate_size=4 * args.hidden_size,
+                        max_positions=max(args.isl, 4096), top_k=args.top_k,
+                        num_heads=max(2, args.hidden_size // 128))
+    return out
+
+
+def _sync(device):
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def rank_main(rank: int, args, model_dir: str, port: int, q) -> None:
+    try:
+        q.put((rank, run_rank(rank, args, model_dir, port)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        q.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+
+
+def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
+    import torch
+
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_runtime.rendezvous import StoreRendezvous
+    from dwdp_worker.engine import Engine, num_experts_of
+
+    device = f"cuda:{rank % args.gpus}" if args.device == "cuda" else "cpu"
+    backend = "auto" if args.device == "cuda" else "host"
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    cfg = DwdpConfig.even(dwdp_size=args.dwdp_size, num_experts=num_experts_of(model_dir),
+                          num_prefetch_slots=args.slots)
+    gen = torch.Generator().manual_seed(1)
+    with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=args.dwdp_size, job="bench",
+                         token="bench", timeout_s=args.timeout) as rdzv:
+        engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
+                              device=device if args.device == "cuda" else None, token="bench",
+                              progress=(rank == 0))
+        out: dict = {"local": engine.manager.local_range}
+        try:
+            if rank == 0:
+                from dwdp_worker.oracle import Reference
+
+                ref = Reference(model_dir, device=device)
+                seqs = [torch.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()
+                        for _ in range(args.batch)]
+                tokens = args.isl * args.batch
+                for _ in range(2):  # warm-up (kernels, allocator, the prefetch schedule)
+                    engine.forward(seqs)
+                    ref.logits(seqs)
+                sharded, unsharded, waits = [], [], []
+                diff = 0.0
+                for _ in range(args.iters):
+                    _sync(device)
+                    r = engine.forward(seqs)
+                    sharded.append(r.compute_s)
+                    waits.append(r.prefetch_wait_s)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    want = ref.logits(seqs)
+                    unsharded.append(time.perf_counter() - t0)
+                    diff = max(diff, (r.logits - want).abs().max().item())
+                out.update(tokens=tokens, sharded_s=statistics.median(sharded),
+                           unsharded_s=statistics.median(unsharded), wait_s=statistics.median(waits),
+                           restarts=engine.manager.num_restarts, max_abs_diff=diff, stats=engine.stats(),
+                           local_expert_bytes=engine.load_report.local_expert_bytes,
+                           total_expert_bytes=engine.load_report.total_expert_bytes)
+                del ref
+            rdzv.barrier("bench/done")  # peers keep their handles mapped until rank 0 is done
+        finally:
+            engine.close()
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: run on a GPU machine, or pass --device cpu for a smoke test", file=sys.stderr)
+            return 2
+        args.gpus = max(1, min(args.gpus, torch.cuda.device_count()))
+    try:
+        model_dir = ensure_model(args)
+    except (ValueError, OSError) as exc:
+        print(f"bench/prefill.py: error: {exc}", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, args, str(model_dir), port, q), daemon=True)
+             for r in range(args.dwdp_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    while len(results) < len(procs):
+        try:
+            rank, value = q.get(timeout=5)
+            results[rank] = value
+        except Exception:  # noqa: BLE001 - queue.Empty
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results]
+            if dead:
+                print(f"rank(s) {dead} died", file=sys.stderr)
+                break
+    for p in procs:
+        p.join(timeout=30)
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    if errors or 0 not in results:
+        for r, e in sorted(errors.items()):
+            print(f"rank {r} failed:\n{e}", file=sys.stderr)
+        return 1
+    r0 = results[0]
+    tps_sharded, tps_unsharded = r0["tokens"] / r0["sharded_s"], r0["tokens"] / r0["unsharded_s"]
+    print()
+    print(f"model {model_dir.name}: experts {r0['total_expert_bytes'] / 2**30:.2f} GiB, "
+          f"rank 0 holds [{r0['local'][0]}, {r0['local'][1]}) = {r0['local_expert_bytes'] / 2**30:.2f} GiB; "
+          f"dwdp_size={args.dwdp_size} on {args.gpus if args.device == 'cuda' else 0} GPU(s), "
+          f"remote bytes/forward {r0['stats']['remote_bytes_per_forward'] / 2**30:.2f} GiB")
+    hdr = f"{'ISL':>6} {'tokens':>7} {'unsharded tok/s':>16} {'sharded tok/s':>14} {'ratio':>6} " \
+          f"{'unsharded ms':>12} {'sharded ms':>10} {'wait ms':>8} {'restarts':>8} {'max|dlogit|':>11}"
+    print(hdr)
+    print("-" * len(hdr))
+    print(f"{args.isl:>6} {r0['tokens']:>7} {tps_unsharded:>16.0f} {tps_sharded:>14.0f} "
+          f"{tps_sharded / tps_unsharded:>6.3f} {r0['unsharded_s'] * 1e3:>12.2f} {r0['sharded_s'] * 1e3:>10.2f} "
+          f"{r0['wait_s'] * 1e3:>8.2f} {r0['restarts']:>8} {r0['max_abs_diff']:>11.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
