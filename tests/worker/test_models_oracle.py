@@ -41,7 +41,8 @@ def references(checkpoints):
     try:
         out = {}
         for name, path, dtype in [(n, p, None) for n, p in checkpoints.items()] + [
-                ("qwen3_moe@bfloat16", checkpoints["qwen3_moe"], "bfloat16")]:
+                ("qwen3_moe@bfloat16", checkpoints["qwen3_moe"], "bfloat16"),
+                ("deepseek_v3@bfloat16", checkpoints["deepseek_v3"], "bfloat16")]:
             ref = Reference(path, dtype=dtype)
             hit: dict[int, set[int]] = {}
             handles = [s.module.register_forward_pre_hook(
@@ -58,8 +59,10 @@ def references(checkpoints):
 @pytest.mark.parametrize("d", sorted(SHARDING))
 def test_sharded_logits_equal_unsharded_bitwise(d, checkpoints, references):
     k, s = SHARDING[d]
-    # d=2 also: a bf16 checkpoint, a fused-expert checkpoint, and a float32 checkpoint run in bfloat16
-    names = list(ARCHS) + (["qwen3_moe_bf16", "qwen3_moe_fused", "qwen3_moe@bfloat16"] if d == 2 else [])
+    # d=2 also: a bf16 checkpoint, a fused-expert checkpoint, and float32 checkpoints run in bfloat16
+    # (DeepSeek-V3's score-correction bias must stay float32 then, as from_pretrained keeps it)
+    extra = ["qwen3_moe_bf16", "qwen3_moe_fused", "qwen3_moe@bfloat16", "deepseek_v3@bfloat16"]
+    names = list(ARCHS) + (extra if d == 2 else [])
     runs = [(f"{n}-d{d}", str(checkpoints[n.split("@")[0]]), k, s, n.split("@")[1] if "@" in n else None)
             for n in names]
     res = run_group(oracle_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},

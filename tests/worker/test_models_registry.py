@@ -93,3 +93,22 @@ def test_unsupported_and_quantized_models_are_refused():
     q.quantization_config = {"quant_method": "fp8"}
     with pytest.raises(arch.UnsupportedModelError, match="quantized"):
         arch.check_supported_config(q)
+
+
+@pytest.mark.parametrize("name", sorted(MOE_LAYERS))
+def test_dense_weights_match_from_pretrained_in_bf16(name, checkpoints):
+    """Values and dtypes of every dense tensor equal from_pretrained's (incl. DeepSeek-V3's fp32-kept bias)."""
+    from dwdp_worker.loader import load_dense
+    from dwdp_worker.oracle import Reference
+
+    config = load_config(checkpoints[name])
+    model = build_meta_model(config, torch.bfloat16)
+    with SafetensorsIndex(checkpoints[name]) as ckpt:
+        load_dense(model, arch.arch_spec(name), ckpt, torch.device("cpu"), dtype=torch.bfloat16)
+    ref = dict(Reference(checkpoints[name], dtype="bfloat16").model.state_dict())
+    ours = {k: v for k, v in model.state_dict().items() if not arch.is_expert_param(k)}
+    assert set(ours) == {k for k in ref if not arch.is_expert_param(k)}
+    for k, v in ours.items():
+        assert v.dtype == ref[k].dtype and torch.equal(v, ref[k]), k
+    if name == "deepseek_v3":
+        assert ours["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32

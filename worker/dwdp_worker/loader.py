@@ -239,9 +239,27 @@ class LoadReport:
     layers: list[int]
 
 
-def load_dense(model, spec, ckpt: SafetensorsIndex, device, *, progress: bool = False) -> int:
+def dtype_plan(model, dtype) -> dict:
+    """``from_pretrained``'s per-tensor dtype overrides: ``_keep_in_fp32_modules_strict`` stays float32 in
+    bf16/fp16 (DeepSeek-V3's ``e_score_correction_bias``), ``_keep_in_fp32_modules`` in fp16."""
+    get = getattr(model, "_get_dtype_plan", None)
+    return dict(get(dtype)) if get is not None else {}
+
+
+def target_dtype(name: str, default, plan: dict):
+    import re
+
+    for pattern, dt in plan.items():
+        if pattern in name or re.search(pattern, name):
+            return dt
+    return default
+
+
+def load_dense(model, spec, ckpt: SafetensorsIndex, device, *, progress: bool = False, dtype=None) -> int:
     """Load every non-expert parameter/persistent buffer; rebuild non-persistent buffers. Returns bytes."""
     import torch
+
+    plan = dtype_plan(model, dtype) if dtype is not None else {}
 
     non_persistent = {n for n, _ in model.named_non_persistent_buffers()} if hasattr(
         model, "named_non_persistent_buffers") else set()
@@ -264,7 +282,8 @@ def load_dense(model, spec, ckpt: SafetensorsIndex, device, *, progress: bool = 
         if tuple(value.shape) != tuple(meta.shape):
             raise CheckpointError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(meta.shape)} "
                                   f"(config.json does not match the weights)")
-        value = value.to(device=device, dtype=meta.dtype)
+        want = target_dtype(name, meta.dtype, plan) if meta.is_floating_point() else meta.dtype
+        value = value.to(device=device, dtype=want)
         _set_tensor(model, name, value, buffer=is_buffer)
         nbytes += value.numel() * value.element_size()
     if missing:
@@ -334,7 +353,8 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
         raise arch.UnsupportedModelError(f"{spec.model_type}: the model has no fused experts module")
     a, b = manager.local_range
     with SafetensorsIndex(model_dir) as ckpt:
-        dense = load_dense(model, spec, ckpt, device, progress=progress)
+        dense = load_dense(model, spec, ckpt, device, progress=progress, dtype=dtype)
+        plan = dtype_plan(model, dtype)
         from tqdm.auto import tqdm
 
         total_local = len(sites) * len(arch.EXPERT_WEIGHTS) * (b - a)
@@ -345,9 +365,10 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
                 manager.add_layer(site.layer)
                 for w in arch.EXPERT_WEIGHTS:
                     meta = site.module._parameters[w]
-                    manager.add_expert_weight(site.layer, w, expert_shape=tuple(meta.shape[1:]), dtype=meta.dtype,
+                    wdt = target_dtype(f"{site.name}.{w}", meta.dtype, plan)
+                    manager.add_expert_weight(site.layer, w, expert_shape=tuple(meta.shape[1:]), dtype=wdt,
                                               fill=_expert_reader(spec, ckpt, site, w, bar))
-                    per_expert = meta[0].numel() * meta.element_size()
+                    per_expert = meta[0].numel() * torch.empty((), dtype=wdt).element_size()
                     local_bytes += (b - a) * per_expert
                     largest = max(largest, (b - a) * per_expert)
                     total_bytes += meta.shape[0] * per_expert
