@@ -60,7 +60,6 @@ class Logprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
 
 
 class Choice(BaseModel):
