@@ -227,13 +227,16 @@ class Supervisor:
                     h.conn.send(("stop",))
                 except OSError:
                     pass
-        deadline = time.monotonic() + self.stop_timeout_s
+        # A failed front does not wait long: the group is broken (a peer's release barrier would
+        # wait for a dead rank) and the pod is about to be restarted anyway.
+        grace = min(self.stop_timeout_s, 2.0) if self.failure else self.stop_timeout_s
+        deadline = time.monotonic() + grace
         for h in self.ranks:
             if h.proc is None:
                 continue
             await asyncio.to_thread(h.proc.join, max(0.1, deadline - time.monotonic()))
             if h.proc.is_alive():
-                log.warning("%s did not stop within %g s: killing it", h.describe(), self.stop_timeout_s)
+                log.warning("%s did not stop within %g s: killing it", h.describe(), grace)
                 h.proc.kill()
                 await asyncio.to_thread(h.proc.join, 5)
 
