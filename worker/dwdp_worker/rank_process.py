@@ -99,7 +99,8 @@ def rank_main(spec: RankSpec, conn) -> None:
         code = 0  # the front is gone; nothing to report to
     except BaseException as exc:  # noqa: BLE001 - reported to the front, then exit non-zero
         msg = f"rank {spec.rank} of group {spec.group}: {type(exc).__name__}: {exc}"
-        log.error("%s\n%s", msg, traceback.format_exc())
+        log.error("%s", msg)
+        log.debug("%s", traceback.format_exc())  # operators get the reason; developers can ask for more
         try:
             conn.send(("fatal", msg))
         except Exception:  # noqa: BLE001
