@@ -111,7 +111,11 @@ def run_demo(args: argparse.Namespace) -> int:
                     _say(f"demo: request failed: {r.status_code} {r.text}")
                     return 1
                 ans = r.json()
-                _say(json.dumps(ans, indent=2))
+                c = ans["choices"][0]
+                _say(f"      text {c['text']!r}  token_ids {c['token_ids']}")
+                _say(f"      logprobs {json.dumps(c['logprobs']['top_logprobs'])}")
+                _say(f"      usage {json.dumps(ans['usage'])}")
+                _say(f"      timings {json.dumps(ans['timings'])}")
                 tokens = encode(load_tokenizer(model_dir), PROMPT)
                 r2 = http.post("/v1/completions", json={"prompt": tokens, "max_tokens": 1})
                 _say(f"      same prompt as token ids {tokens}: first token {r2.json()['choices'][0]['token_ids']}")

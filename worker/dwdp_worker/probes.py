@@ -39,19 +39,17 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
         not_ready.append("tokenizer is loading")
     ready = live and not not_ready
     ages = [r["last_forward_age_s"] for r in ranks if r["last_forward_age_s"] is not None]
+    all_up = bool(ranks) and all(r["alive"] and r["phase"] == "ready" for r in ranks)
     if snap.get("failure"):
         status = "failed"
     elif snap.get("draining"):
         status = "draining"
     elif ready:
         status = "ready"
-    elif live:
-        status = "starting"
-    elif any(r["phase"] == "ready" for r in ranks) and all(r["alive"] for r in ranks) and \
-            all(r["phase"] == "ready" for r in ranks):
-        status = "stale"
+    elif all_up and not live:
+        status = "stale"     # every rank is up but a heartbeat is too old
     else:
-        status = "starting"
+        status = "starting"  # ranks loading, or the tokenizer still loading
     body = {
         "status": status,
         "live": live,
