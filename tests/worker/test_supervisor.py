@@ -39,7 +39,7 @@ def _start_pod(pod_index: int, store_port: int) -> Server:
                   env=_pod_env(pod_index=pod_index, store_port=store_port, http_port=port))
 
 
-def test_two_pods_form_a_group_probes_before_and_after_ready(tmp_path):
+def test_two_pods_form_a_group_probes_before_and_after_ready_then_a_pod_crash_fails_the_other(tmp_path):
     from dwdp_worker.synth import write_synthetic
 
     store_port = free_port()
@@ -82,10 +82,19 @@ def test_two_pods_form_a_group_probes_before_and_after_ready(tmp_path):
             r = pod.post({"prompt": [4, 8, 15, 16, 23, 42], "max_tokens": 2})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == want
-        pod1.signal(signal.SIGTERM)
-        pod0.signal(signal.SIGTERM)
-        assert pod1.wait_exit(60) == 0, pod1.log()
-        assert pod0.wait_exit(60) == 0, pod0.log()
+        # Pod 1 crashes (its ranks die with it): pod 0's rank notices through the group store's
+        # heartbeats, and pod 0 exits non-zero naming the lost rank (the operator restarts the group).
+        pod1_ranks = pod1.rank_pids()
+        pod1.signal(signal.SIGKILL)
+        assert pod1.wait_exit(10) == -signal.SIGKILL
+        t0 = time.monotonic()
+        assert pod0.wait_exit(60) == 1, pod0.log()
+        assert time.monotonic() - t0 < 30
+        assert "rank 1" in pod0.log() and "stopped heart-beating" in pod0.log(), pod0.log()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pod1_ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pod1_ranks), "a rank outlived its crashed pod supervisor"
     finally:
         pod0.close()
         if pod1:

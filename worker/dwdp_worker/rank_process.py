@@ -17,6 +17,8 @@ Invariants:
     only (the front validated the requests; this is the last line of defence).
   * Heartbeats come from the serving loop itself, between forwards: a rank stuck inside a forward
     stops beating, which is what liveness must see.
+  * A lost peer (``dwdp_runtime.monitor.PeerMonitor``: another rank of the group, maybe in another
+    pod, stopped heart-beating, or the store host died) ends the rank with exit 1 and the reason.
   * The rank dies with its front: ``PR_SET_PDEATHSIG`` (Linux) kills it if the front dies, and a
     closed pipe ends the loop.
   * Greedy selection and log-probabilities are computed here (float32, ``log_softmax`` of the
@@ -59,6 +61,8 @@ class RankSpec:
     threads: int = 1
     rendezvous_timeout_s: float = 300.0
     warmup_tokens: tuple[int, ...] = (0, 1, 2, 3)
+    peer_interval_s: float = 1.0     # PeerMonitor heartbeat period through the group store
+    peer_dead_after_s: float = 10.0  # a peer silent this long is lost: this rank exits 1
     env: dict = field(default_factory=dict)
 
 
@@ -117,6 +121,7 @@ def _serve(spec: RankSpec, conn) -> int:
     import torch
 
     from dwdp_runtime.config import DwdpConfig
+    from dwdp_runtime.monitor import PeerMonitor
     from dwdp_runtime.rendezvous import StoreRendezvous
 
     from .engine import Engine
@@ -132,6 +137,9 @@ def _serve(spec: RankSpec, conn) -> int:
         engine = Engine.build(model_dir=spec.model_dir, config=config, rank=spec.rank, rendezvous=rdzv,
                               backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
                               progress=False)
+        # Peers in other pods can die without this front noticing: the monitor heart-beats through
+        # the group's store (a side thread, off the forward path) and names a lost peer.
+        monitor = PeerMonitor(rdzv, interval_s=spec.peer_interval_s, dead_after_s=spec.peer_dead_after_s).start()
         try:
             conn.send(("phase", "warmup"))
             warm = [t % engine.vocab_size for t in spec.warmup_tokens][: max(1, engine.max_positions)]
@@ -139,9 +147,16 @@ def _serve(spec: RankSpec, conn) -> int:
             conn.send(("ready", {"vocab_size": int(engine.vocab_size), "max_positions": int(engine.max_positions),
                                  "has_tokenizer": engine.tokenizer is not None, "pid": os.getpid(),
                                  "stats": _stats(engine)}))
-            return _loop(engine, conn)
-        finally:
-            engine.close()
+            code = _loop(engine, conn, monitor)
+        except BaseException:
+            # A broken group: no graceful release (its barrier would wait for the dead peer); the
+            # process exit frees this rank's memory. The front hears the reason from rank_main.
+            monitor.stop()
+            raise
+        monitor.stop()
+        if monitor.lost is None:
+            engine.close()  # importers unmap before owners release: a barrier with the live peers
+        return code
 
 
 def _stats(engine) -> dict:
@@ -151,8 +166,9 @@ def _stats(engine) -> dict:
         return {"stats_error": str(exc)}
 
 
-def _loop(engine, conn) -> int:
+def _loop(engine, conn, monitor) -> int:
     while True:
+        monitor.check()  # PeerLost: the group is broken; exit non-zero so the group restarts
         if not conn.poll(HEARTBEAT_S):
             conn.send(("hb", _stats(engine)))
             continue
