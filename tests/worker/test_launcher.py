@@ -108,3 +108,33 @@ def test_demo_runs_end_to_end():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "MATCH" in p.stdout and "exited with code 0" in p.stdout
     assert '"status": "ready"' in p.stdout
+
+
+def test_listening_socket_gives_nagle_free_connections():
+    """Accepted connections must have TCP_NODELAY (else keep-alive answers stall ~40 ms)."""
+    import asyncio
+    import socket
+
+    from dwdp_worker.serve import bind
+
+    async def main():
+        seen = {}
+
+        class P(asyncio.Protocol):
+            def connection_made(self, transport):
+                sk = transport.get_extra_info("socket")
+                seen["nodelay"] = sk.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                transport.close()
+
+        with bind("127.0.0.1", 0) as sock:
+            server = await asyncio.get_running_loop().create_server(P, sock=sock)
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+            server.close()
+        return seen
+
+    assert asyncio.run(main()) == {"nodelay": 1}
