@@ -79,7 +79,7 @@ async def _run(sup: Supervisor, sock: socket.socket, *, log_level: str) -> int:
         done, _ = await asyncio.wait({server_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if server_task in done:
             exc = server_task.exception()
-            sup._fail(f"the HTTP server stopped unexpectedly: {exc!r}")
+            sup.fail(f"the HTTP server stopped unexpectedly: {exc!r}")
         await sup.drain()
         server.should_exit = True
         with contextlib.suppress(BaseException):

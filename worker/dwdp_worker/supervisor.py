@@ -195,7 +195,7 @@ class Supervisor:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
             self.tokenizer_ready = True
         except Exception as exc:  # noqa: BLE001 - a broken tokenizer is a start-up failure
-            self._fail(f"could not load the tokenizer of {self.model_dir}: {type(exc).__name__}: {exc}")
+            self.fail(f"could not load the tokenizer of {self.model_dir}: {type(exc).__name__}: {exc}")
 
     async def wait_stop_requested(self) -> None:
         await self._stop.wait()
@@ -341,9 +341,10 @@ class Supervisor:
         why = f"{h.describe()} exited unexpectedly with code {code}"
         if h.fatal:
             why += f": {h.fatal}"
-        self._fail(why)
+        self.fail(why)
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
+        """The front cannot go on: answer queued requests 503, stop accepting, exit code 1."""
         log.error("front failing: %s", why)
         if self.failure is None:
             self.failure = why
@@ -372,9 +373,6 @@ class Supervisor:
                 return Limits(max_num_tokens=self.max_num_tokens, vocab_size=h.info["vocab_size"],
                               max_positions=h.info["max_positions"], max_num_seqs=self.max_num_seqs)
         return None
-
-    def is_ready(self) -> bool:
-        return self.probe()[1]
 
     async def submit(self, tokens: list[int], *, max_tokens: int, top_n: int) -> Job:
         if self.draining or self.failure:
