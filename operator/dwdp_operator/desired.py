@@ -36,6 +36,7 @@ from . import labels as L
 from . import manifests as M
 from .restart import backoff_seconds, exhausted
 from .spec import DwdpGroupSpec, parse_spec
+from .sizing import sizing_status
 from .status import aggregate, conditions_for, invalid_conditions, iso, parse_iso
 
 HISTORY = 10
@@ -110,6 +111,9 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
         "conditions": conditions_for(groups, num_groups=spec.numGroups, outdated=still_outdated,
                                      old=old.get("conditions"), now=now, generation=gen),
     }
+    sized = sizing_status(spec)
+    if sized is not None:
+        plan.status["sizing"] = sized
     return plan
 
 

@@ -53,7 +53,7 @@ def claim_template_name(name: str) -> str:
 
 
 def template_hash(spec: DwdpGroupSpec) -> str:
-    shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout"})
+    shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing"})
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -44,6 +44,16 @@ class Model(_Model):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
+class Sizing(_Model):
+    """Planner inputs (optional): a model preset or config.json path and a hardware preset."""
+
+    model: str = Field(min_length=1)
+    hardware: str = Field(default="h200-hgx", min_length=1)
+    weightDtype: Literal["bf16", "fp8", "nvfp4"] = "bf16"
+    isl: int = Field(default=8192, ge=1)
+    minKvGiB: float = Field(default=0.0, ge=0)
+
+
 class Imex(_Model):
     mode: Literal["ComputeDomain", "None"] = "ComputeDomain"
 
@@ -78,6 +88,7 @@ class DwdpGroupSpec(_Model):
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
     rollout: Rollout = Field(default_factory=Rollout)
     template: Template = Field(default_factory=Template)
+    sizing: Sizing | None = None
     httpPort: int = Field(default=8000, ge=1, le=65535)
     storePort: int = Field(default=29500, ge=1, le=65535)
 
@@ -103,6 +114,13 @@ def check_sharding(spec: DwdpGroupSpec) -> list[str]:
     return [f"spec.experts: {m}" for m in sharding_errors(
         dwdp_size=spec.dwdpSize, num_experts=e.numExperts, num_experts_per_worker=e.numExpertsPerWorker,
         num_prefetch_experts=e.numPrefetchExperts, num_prefetch_slots=e.numPrefetchSlots, num_groups=1)]
+
+
+@register_check
+def check_memory_fit(spec: DwdpGroupSpec) -> list[str]:
+    from .sizing import memory_fit_errors  # the planner, only for specs that ask for sizing
+
+    return memory_fit_errors(spec)
 
 
 @register_check

@@ -243,6 +243,10 @@ INVALID_SPECS = {
     "port-range": _with(httpPort=70000),
     "negative-restarts": _with(restartPolicy={"maxRestarts": -1}),
     "zero-unavailable": _with(rollout={"maxUnavailableGroups": 0}),
+    "does-not-fit": _with(dwdpSize=2, experts={"numExperts": 256, "numExpertsPerWorker": 128,
+                                               "numPrefetchExperts": 128},
+                          sizing={"model": "deepseek-r1", "hardware": "h100-hgx"}),
+    "bad-sizing-dtype": _with(sizing={"model": "deepseek-r1", "weightDtype": "int3"}),
 }
 
 
