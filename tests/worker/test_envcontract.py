@@ -85,3 +85,22 @@ def test_pod_with_bad_env_exits_2_naming_the_variable():
                        timeout=120)
     assert p.returncode == 2
     assert "DWDP_STORE_ADDR" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("gpus_per_pod,pod_index", [(1, 3), (2, 1), (4, 0)])
+def test_the_operators_pod_env_parses(gpus_per_pod, pod_index):
+    """Both sides of the contract: the env the operator renders is accepted by the worker as is."""
+    pytest.importorskip("dwdp_operator.manifests")
+    from dwdp_operator.manifests import worker_env
+    from dwdp_operator.spec import DwdpGroupSpec
+
+    spec = DwdpGroupSpec.model_validate({
+        "numGroups": 2, "dwdpSize": 4, "gpusPerPod": gpus_per_pod, "image": "dwdp:test",
+        "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4},
+        "model": {"synthetic": "qwen3_moe"}})
+    env = worker_env(name="r1", ns="prod", g=1, i=pod_index, attempt=2, spec=spec)
+    values = {e["name"]: e.get("value", "from-secret") for e in env}  # DWDP_TOKEN comes from the Secret
+    parsed = parse_env(values)
+    assert parsed.ranks == list(range(pod_index * gpus_per_pod, (pod_index + 1) * gpus_per_pod))
+    assert (parsed.group, parsed.attempt, parsed.model_synthetic) == (1, 2, "qwen3_moe")
+    assert parsed.dwdp_config().num_experts == 16
