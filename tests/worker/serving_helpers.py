@@ -1,0 +1,124 @@
+"""Helpers for the serving tests: real `dwdp-worker` processes on free loopback ports.
+
+``Server`` runs ``python -m dwdp_worker.cli …`` with this checkout first on ``PYTHONPATH``, waits
+(bounded) for a probe, and always kills what it started. Nothing here fakes the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+for _p in (ROOT / "worker", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DWDP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "worker"), str(ROOT)] +
+                                        [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra or {})
+    return env
+
+
+class Server:
+    def __init__(self, args: list[str], *, env: dict | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="dwdp-test-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "dwdp_worker.cli", *args]
+        if "pod" not in args[:1]:
+            cmd += ["--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, env=child_env(env), stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=str(ROOT))
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def log(self) -> str:
+        return pathlib.Path(self._log.name).read_text(errors="replace")
+
+    def get(self, path: str) -> httpx.Response:
+        return self.http.get(path)
+
+    def post(self, body=None, *, content=None, headers=None) -> httpx.Response:
+        if content is not None:
+            return self.http.post("/v1/completions", content=content,
+                                  headers=headers or {"content-type": "application/json"})
+        return self.http.post("/v1/completions", json=body)
+
+    def wait_for(self, path: str = "/readyz", *, status: int = 200, timeout_s: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode} while waiting for {path}:\n{self.log()}")
+            try:
+                r = self.get(path)
+                last = (r.status_code, r.text[:500])
+                if r.status_code == status:
+                    return r.json()
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            time.sleep(0.1)
+        raise AssertionError(f"{path} never answered {status} within {timeout_s} s (last: {last}):\n{self.log()}")
+
+    def rank_pids(self) -> list[int]:
+        return [r["pid"] for r in self.get("/readyz").json()["ranks"]]
+
+    def signal(self, sig=signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout_s: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server did not exit within {timeout_s} s:\n{self.log()}") from None
+
+    def close(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        try:
+            os.unlink(self._log.name)
+        except OSError:
+            pass
+
+
+def greedy_reference(model_dir, tokens: list[int], steps: int):
+    """(token ids, their logprobs, top-5 logprobs per step) from the unsharded transformers model."""
+    import torch
+
+    from dwdp_worker.oracle import Reference
+
+    ref = Reference(model_dir)
+    seq, ids, lps, tops = list(tokens), [], [], []
+    for _ in range(steps):
+        logits = ref.logits([seq])[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        t = int(torch.argmax(logits))
+        v, i = torch.topk(logp, 5)
+        ids.append(t)
+        lps.append(float(logp[t]))
+        tops.append(list(zip(i.tolist(), v.tolist())))
+        seq.append(t)
+    return ids, lps, tops

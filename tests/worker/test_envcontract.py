@@ -1,0 +1,106 @@
+"""The pod env contract: the parser reads exactly docs/ENV_CONTRACT.md and names every bad variable."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from serving_helpers import ROOT
+
+from dwdp_worker.envcontract import ENV_VARS, EnvContractError, parse_env
+from dwdp_worker.pod import build_pod_specs
+
+GOOD = {
+    "DWDP_JOB": "r1", "DWDP_NAMESPACE": "default", "DWDP_GROUP": "2", "DWDP_POD_INDEX": "1",
+    "DWDP_RANK_BASE": "2", "DWDP_GPUS_PER_POD": "2", "DWDP_SIZE": "4",
+    "DWDP_STORE_ADDR": "r1-g2-p0.r1-g2.default.svc", "DWDP_STORE_PORT": "29500", "DWDP_ATTEMPT": "3",
+    "DWDP_TOKEN": "s3cret", "DWDP_NUM_EXPERTS": "256", "DWDP_EXPERTS_PER_WORKER": "64",
+    "DWDP_PREFETCH_STRIDE": "64", "DWDP_PREFETCH_SLOTS": "2", "DWDP_CONTENTION_OPT": "true",
+    "DWDP_TRANSFER": "copy_engine", "DWDP_MODEL": "/models/r1", "DWDP_MODEL_SYNTHETIC": "",
+    "DWDP_DTYPE": "bfloat16", "DWDP_BACKEND": "host", "DWDP_HTTP_PORT": "8000",
+}
+
+
+def test_env_vars_are_exactly_the_documented_table():
+    doc = (ROOT / "docs" / "ENV_CONTRACT.md").read_text()
+    documented = re.findall(r"^\| `(DWDP_[A-Z_]+)` \|", doc, flags=re.M)
+    assert documented and sorted(documented) == sorted(ENV_VARS)
+    assert set(GOOD) == set(ENV_VARS)
+
+
+def test_good_env_parses_and_gives_the_pod_ranks():
+    env = parse_env({**GOOD, "UNRELATED": "x"})
+    assert env.ranks == [2, 3] and env.attempt == 3 and env.contention_opt is True
+    cfg = env.dwdp_config()
+    assert (cfg.dwdp_size, cfg.num_experts, cfg.num_experts_per_worker, cfg.num_prefetch_experts) == (4, 256, 64, 64)
+    specs = build_pod_specs(env, "/models/r1", rendezvous_timeout_s=5)
+    assert [(s.rank, s.group, s.global_id, s.backend, s.device) for s in specs] == \
+        [(2, 2, 0, "host", None), (3, 2, 1, "host", None)]
+    assert {(s.store_host, s.store_port, s.attempt, s.token) for s in specs} == \
+        {("r1-g2-p0.r1-g2.default.svc", 29500, 3, "s3cret")}
+
+
+@pytest.mark.parametrize("var", [v for v in ENV_VARS if v not in ("DWDP_MODEL", "DWDP_MODEL_SYNTHETIC")])
+def test_each_missing_variable_is_named(var):
+    env = dict(GOOD)
+    del env[var]
+    with pytest.raises(EnvContractError, match=var):
+        parse_env(env)
+
+
+@pytest.mark.parametrize("var,value,needle", [
+    ("DWDP_SIZE", "four", "DWDP_SIZE='four'"),
+    ("DWDP_STORE_PORT", "70000", "DWDP_STORE_PORT"),
+    ("DWDP_CONTENTION_OPT", "maybe", "DWDP_CONTENTION_OPT"),
+    ("DWDP_TRANSFER", "nvlink", "DWDP_TRANSFER"),
+    ("DWDP_DTYPE", "fp8", "DWDP_DTYPE"),
+    ("DWDP_BACKEND", "tpu", "DWDP_BACKEND"),
+    ("DWDP_TOKEN", "", "DWDP_TOKEN"),
+    ("DWDP_RANK_BASE", "0", "DWDP_RANK_BASE=0 must equal"),
+    ("DWDP_GPUS_PER_POD", "3", "not a multiple of DWDP_GPUS_PER_POD=3"),
+    ("DWDP_PREFETCH_STRIDE", "65", "stride must be <= experts per worker"),
+    ("DWDP_EXPERTS_PER_WORKER", "32", "coverage rule"),
+    ("DWDP_MODEL_SYNTHETIC", "qwen3_moe", "exactly one of DWDP_MODEL"),
+    ("DWDP_MODEL", "", "exactly one of DWDP_MODEL"),
+])
+def test_bad_values_are_named_with_the_fix(var, value, needle):
+    env = {**GOOD, var: value}
+    if var == "DWDP_PREFETCH_STRIDE":
+        env["DWDP_EXPERTS_PER_WORKER"] = "64"
+    if var == "DWDP_EXPERTS_PER_WORKER":
+        env["DWDP_PREFETCH_STRIDE"] = "32"
+    with pytest.raises(EnvContractError) as info:
+        parse_env(env)
+    assert needle in str(info.value)
+
+
+def test_pod_with_bad_env_exits_2_naming_the_variable():
+    from serving_helpers import child_env
+    import subprocess
+    import sys
+
+    env = child_env({k: v for k, v in GOOD.items() if k != "DWDP_STORE_ADDR"})
+    p = subprocess.run([sys.executable, "-m", "dwdp_worker.cli", "pod"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2
+    assert "DWDP_STORE_ADDR" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("gpus_per_pod,pod_index", [(1, 3), (2, 1), (4, 0)])
+def test_the_operators_pod_env_parses(gpus_per_pod, pod_index):
+    """Both sides of the contract: the env the operator renders is accepted by the worker as is."""
+    pytest.importorskip("dwdp_operator.manifests")
+    from dwdp_operator.manifests import worker_env
+    from dwdp_operator.spec import DwdpGroupSpec
+
+    spec = DwdpGroupSpec.model_validate({
+        "numGroups": 2, "dwdpSize": 4, "gpusPerPod": gpus_per_pod, "image": "dwdp:test",
+        "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4},
+        "model": {"synthetic": "qwen3_moe"}})
+    env = worker_env(name="r1", ns="prod", g=1, i=pod_index, attempt=2, spec=spec)
+    values = {e["name"]: e.get("value", "from-secret") for e in env}  # DWDP_TOKEN comes from the Secret
+    parsed = parse_env(values)
+    assert parsed.ranks == list(range(pod_index * gpus_per_pod, (pod_index + 1) * gpus_per_pod))
+    assert (parsed.group, parsed.attempt, parsed.model_synthetic) == (1, 2, "qwen3_moe")
+    assert parsed.dwdp_config().num_experts == 16

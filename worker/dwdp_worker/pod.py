@@ -1,0 +1,92 @@
+"""``dwdp-worker pod``: the container entrypoint the operator runs (``docs/ENV_CONTRACT.md``).
+
+1. parse the environment (``envcontract.parse_env``; a bad or missing variable → exit 2 naming it);
+2. the model: ``DWDP_MODEL``, or a seeded synthetic ``DWDP_MODEL_SYNTHETIC`` checkpoint written to a
+   temp dir (identical on every pod: same arch, seed 0, ``DWDP_NUM_EXPERTS`` experts, ``DWDP_DTYPE``);
+   the checkpoint's expert count must equal ``DWDP_NUM_EXPERTS``;
+3. one rank process per local GPU: local index i → DWDP rank ``DWDP_RANK_BASE + i`` on ``cuda:i``;
+   without a GPU (CI) the host backend on CPU;
+4. serve the pod port (``DWDP_HTTP_PORT``) with the same front as the local launcher; the pod exits
+   non-zero when any rank dies, 0 after a SIGTERM drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+
+from .envcontract import EnvContractError, parse_env
+from .launcher import add_serving_arguments, cuda_count
+from .rank_process import RankSpec
+
+
+def add_pod_arguments(p: argparse.ArgumentParser) -> None:
+    add_serving_arguments(p, default_port=0)
+    p.set_defaults(host="0.0.0.0")
+    p.add_argument("--rendezvous-timeout-s", type=float, default=600.0,
+                   help="wait this long for the other pods of the group (default 600)")
+
+
+def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float) -> list[RankSpec]:
+    gpus = 0 if env.backend == "host" else cuda_count()
+    if env.backend == "cuda" and gpus < env.gpus_per_pod:
+        raise ValueError(f"DWDP_BACKEND=cuda and DWDP_GPUS_PER_POD={env.gpus_per_pod}, but {gpus} GPU(s) are "
+                         f"visible in this pod (check the pod's nvidia.com/gpu resources)")
+    if gpus and gpus < env.gpus_per_pod:
+        raise ValueError(f"DWDP_GPUS_PER_POD={env.gpus_per_pod} but only {gpus} GPU(s) are visible")
+    threads = 1 if gpus else max(1, (os.cpu_count() or 1) // env.gpus_per_pod)
+    return [RankSpec(model_dir=model_dir, config=env.dwdp_config().to_dict(), rank=env.rank_base + i,
+                     group=env.group, global_id=i, store_host=env.store_addr, store_port=env.store_port,
+                     job=f"{env.namespace}/{env.job}", attempt=env.attempt, token=env.token,
+                     backend=env.backend if gpus else "host", device=f"cuda:{i}" if gpus else None,
+                     dtype=env.dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s)
+            for i in range(env.gpus_per_pod)]
+
+
+def run_pod(args: argparse.Namespace, environ=None) -> int:
+    from .serve import serve
+    from .supervisor import Supervisor
+
+    environ = os.environ if environ is None else environ
+    tmp = None
+    try:
+        env = parse_env(environ)
+        if env.model_synthetic:
+            from .synth import write_synthetic
+
+            tmp = tempfile.TemporaryDirectory(prefix="dwdp-synth-")
+            model_dir = str(write_synthetic(env.model_synthetic, pathlib.Path(tmp.name) / env.model_synthetic,
+                                            seed=0, num_experts=env.num_experts, dtype=env.dtype, tokenizer=True))
+        else:
+            model_dir = env.model
+            if not (pathlib.Path(model_dir) / "config.json").exists():
+                raise EnvContractError(f"DWDP_MODEL={model_dir!r}: no config.json there (mount the checkpoint)")
+        from .engine import num_experts_of
+
+        n = num_experts_of(model_dir)
+        if n != env.num_experts:
+            raise EnvContractError(f"DWDP_NUM_EXPERTS={env.num_experts} but the checkpoint {model_dir} has {n} "
+                                   f"routed experts per layer: set experts.numExperts to {n} in the DwdpGroup")
+        specs = build_pod_specs(env, model_dir, rendezvous_timeout_s=args.rendezvous_timeout_s)
+    except (EnvContractError, ValueError) as exc:
+        print(f"dwdp-worker pod: error: {exc}", file=sys.stderr)
+        if tmp:
+            tmp.cleanup()
+        return 2
+    port = args.port or env.http_port
+    name = args.served_model_name or env.model_synthetic or pathlib.Path(model_dir).resolve().name
+    sup = Supervisor(specs, model_dir=model_dir, model_name=name, group_attempt=env.attempt,
+                     max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+                     batch_wait_s=args.batch_wait_ms / 1000.0, heartbeat_timeout_s=args.heartbeat_timeout_s,
+                     forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s)
+    print(f"dwdp-worker pod: {env.job} group {env.group} attempt {env.attempt} pod {env.pod_index}: ranks "
+          f"{env.ranks} of {env.dwdp_size} ({specs[0].backend} backend), store {env.store_addr}:{env.store_port}, "
+          f"http {args.host}:{port}", file=sys.stderr, flush=True)
+    try:
+        return serve(sup, host=args.host, port=port, log_level=args.log_level)
+    finally:
+        if tmp:
+            tmp.cleanup()
