@@ -35,6 +35,7 @@ class Applier:
         self.api = api or client.ApiClient()
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+        self.net = client.NetworkingV1Api(self.api)
         self.pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dwdp-apply")
         self._known: dict[tuple[str, str, str, str], float] = {}
 
@@ -91,6 +92,8 @@ class Applier:
                 self.core.create_namespaced_service(ns, m)
             elif kind == "Secret":
                 self.core.create_namespaced_secret(ns, m)
+            elif kind == "NetworkPolicy":
+                self.net.create_namespaced_network_policy(ns, m)
             elif kind == "ComputeDomain":
                 g, v = CD_API_VERSION.split("/")
                 self.custom.create_namespaced_custom_object(g, v, ns, "computedomains", m)
@@ -110,8 +113,11 @@ class Applier:
                 # _preload_content=False: a 1.20 server answers some deletes with a Status that the
                 # typed client cannot parse into the object type
                 self.core.delete_namespaced_pod(name, ns, _preload_content=False)
-            elif kind == "Service":
-                self.core.delete_namespaced_service(name, ns, _preload_content=False)
+            elif kind in ("Service", "NetworkPolicy"):
+                if kind == "Service":
+                    self.core.delete_namespaced_service(name, ns, _preload_content=False)
+                else:
+                    self.net.delete_namespaced_network_policy(name, ns, _preload_content=False)
                 self._known = {k: v for k, v in self._known.items() if k[:3] != (kind, ns, name)}
             else:
                 raise ValueError(f"unknown kind {kind}")

@@ -102,6 +102,7 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
     for st in groups:
         if st["index"] < spec.numGroups or st["phase"] == "Draining":
             plan.creates.append(M.group_service(name=name, ns=ns, uid=uid, g=st["index"], spec=spec))
+            plan.creates.append(M.network_policy(name=name, ns=ns, uid=uid, g=st["index"], spec=spec))
 
     agg = aggregate(groups, num_groups=spec.numGroups)
     still_outdated = sum(1 for st in groups if st.get("templateHash") != thash and st["index"] < spec.numGroups)
@@ -235,6 +236,7 @@ def _surplus_group(ctx: _Ctx, plan: Plan, st: dict, gpods: list[dict], *, known:
         if known:
             plan.events.append(("Normal", "ScaleDown", f"group {g} removed"))
         plan.deletes.append(("Service", M.group_service_name(ctx.name, g)))
+        plan.deletes.append(("NetworkPolicy", M.network_policy_name(ctx.name, g)))
         return None
     if st.get("phase") != "Draining":
         st.update(phase="Draining", drainUntil=iso(ctx.now + ctx.drain_seconds))

@@ -7,13 +7,19 @@ Children of DwdpGroup ``<name>`` in namespace ``<ns>`` (DESIGN §5):
                                           claim its channel through ``spec.resourceClaims`` with the
                                           ResourceClaimTemplate ``<name>-imex-channel`` it creates.
   4. per group g: headless Service ``<name>-g<g>`` (publishNotReadyAddresses, so ranks find rank 0's
-     store before readiness) and pods ``<name>-g<g>-p<i>``, i < dwdpSize/gpusPerPod.
+     store before readiness), NetworkPolicy ``<name>-g<g>`` and pods ``<name>-g<g>-p<i>``,
+     i < dwdpSize/gpusPerPod.
 Invariants:
   * every child carries one controller ownerReference to the DwdpGroup (garbage collection);
   * the pod env is exactly docs/ENV_CONTRACT.md, then the user's template.env (DWDP_* refused by
     validation) — tests compare the names with the contract table;
   * pods are created gated (scheduling gate ``dwdp.io/gang``) and labelled ``dwdp.io/gang=pending``;
     ``lift_gate_patch`` ungates them once every pod of the attempt exists (gang);
+  * the group's NetworkPolicy admits the store port only from pods of the same DwdpGroup and group
+    (same ``dwdp.io/name`` and ``dwdp.io/group``), the HTTP port from anywhere, nothing else;
+  * worker pods run as non-root (uid 10001) with a read-only root filesystem, no privilege
+    escalation and no capabilities; ``/tmp`` and the home directory (caches) are emptyDirs;
+  * the token is only ever referenced (``secretKeyRef``), never written into a pod spec;
   * ``template_hash`` covers every spec field that shapes a pod, and nothing else (numGroups,
     restartPolicy and rollout changes never roll pods).
 """
@@ -29,6 +35,10 @@ from .spec import GROUP, KIND, VERSION, DwdpGroupSpec
 
 CD_API_VERSION = "resource.nvidia.com/v1beta1"
 IMEX_CLAIM = "imex-channel"
+WORKER_UID = 10001  # the worker image's user (Dockerfile: useradd --uid 10001)
+WORKER_HOME = "/home/dwdp"
+# writable scratch on a read-only root: (volume name, mount path)
+SCRATCH = (("dwdp-tmp", "/tmp"), ("dwdp-home", WORKER_HOME))
 STARTUP_FAILURE_THRESHOLD = 360  # x 10 s = 1 h for weight loading before liveness takes over
 
 
@@ -37,6 +47,10 @@ def token_secret_name(name: str) -> str:
 
 
 def group_service_name(name: str, g: int) -> str:
+    return f"{name}-g{g}"
+
+
+def network_policy_name(name: str, g: int) -> str:
     return f"{name}-g{g}"
 
 
@@ -87,6 +101,20 @@ def group_service(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) 
                      "selector": {L.NAME: name, L.GROUP: str(g)},
                      "ports": [{"name": "store", "port": spec.storePort, "targetPort": "store"},
                                {"name": "http", "port": spec.httpPort, "targetPort": "http"}]}}
+
+
+def network_policy(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) -> dict[str, Any]:
+    """Ingress to group g's pods: the store port only from group g's own pods; HTTP from anywhere
+    (clients, the operator's /healthz reads, probes); every other port closed."""
+    group_sel = {L.NAME: name, L.GROUP: str(g)}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(network_policy_name(name, g), ns, name, uid, "group", {L.GROUP: str(g)}),
+            "spec": {"podSelector": {"matchLabels": group_sel}, "policyTypes": ["Ingress"],
+                     "ingress": [
+                         {"ports": [{"protocol": "TCP", "port": spec.storePort}],
+                          "from": [{"podSelector": {"matchLabels": group_sel}}]},
+                         {"ports": [{"protocol": "TCP", "port": spec.httpPort}]},
+                     ]}}
 
 
 def compute_domain(*, name: str, ns: str, uid: str) -> dict[str, Any]:
@@ -150,13 +178,20 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
         "startupProbe": _probe("/healthz", period=10, failures=STARTUP_FAILURE_THRESHOLD),
         "livenessProbe": _probe("/healthz", period=10, failures=3),
         "readinessProbe": _probe("/readyz", period=5, failures=2),
-        "volumeMounts": list(spec.template.volumeMounts),
+        "volumeMounts": [{"name": v, "mountPath": path} for v, path in SCRATCH] + list(spec.template.volumeMounts),
+        # no extra capability: CUDA IPC, IMEX channels and pinned host memory need none
+        "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "privileged": False, "capabilities": {"drop": ["ALL"]}},
     }
     pod_spec: dict[str, Any] = {
         "hostname": pod_name(name, g, i), "subdomain": group_service_name(name, g),
         "restartPolicy": "Never",  # a dead rank restarts its whole group (operator), never alone
         "containers": [container],
-        "volumes": list(spec.template.volumes),
+        "volumes": [{"name": v, "emptyDir": {}} for v, _ in SCRATCH] + list(spec.template.volumes),
+        "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
+                            "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,  # workers never call the API server
         "tolerations": list(spec.template.tolerations),
         "nodeSelector": dict(spec.template.nodeSelector),
         "schedulingGates": [{"name": L.GANG_GATE}],

@@ -49,3 +49,60 @@ def test_template_hash_ignores_scale_restart_and_rollout():
     assert M.template_hash(a) == M.template_hash(DwdpGroupSpec.model_validate(
         spec(numGroups=7, restartPolicy={"maxRestarts": 1}, rollout={"maxUnavailableGroups": 3})))
     assert M.template_hash(a) != M.template_hash(DwdpGroupSpec.model_validate(spec(image="other")))
+
+
+def _scan_strings(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _scan_strings(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _scan_strings(v)
+    elif isinstance(obj, str):
+        yield obj
+
+
+def test_worker_pod_non_root_read_only_no_capabilities():
+    p = pod(template={"volumes": [{"name": "m", "emptyDir": {}}], "volumeMounts": [{"name": "m", "mountPath": "/m"}]})
+    s, c = p["spec"], p["spec"]["containers"][0]
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0 and sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and "add" not in sc["capabilities"]
+    assert s["securityContext"]["runAsNonRoot"] is True and s["securityContext"]["runAsUser"] != 0
+    assert s["automountServiceAccountToken"] is False
+    # read-only root: every path the worker writes is an emptyDir; the user's volumes still come after
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in s["volumes"]}
+    assert {"/tmp", "/home/dwdp", "/m"} <= set(mounts)
+    assert "emptyDir" in vols[mounts["/tmp"]] and "emptyDir" in vols[mounts["/home/dwdp"]]
+    assert set(mounts.values()) <= set(vols)
+
+
+def test_token_never_in_pod_spec_in_plain_text():
+    sp = DwdpGroupSpec.model_validate(spec())
+    token = "s3cr3t-token-value-xyz"
+    secret = M.token_secret(name="r1", ns="ns", uid="u", token=token)
+    assert secret["kind"] == "Secret" and secret["stringData"]["token"] == token
+    p = M.worker_pod(name="r1", ns="ns", uid="u", g=0, i=0, attempt=0, spec=sp, thash="h")
+    assert not any(token in x for x in _scan_strings(p))
+    env = {e["name"]: e for e in p["spec"]["containers"][0]["env"]}
+    assert "value" not in env["DWDP_TOKEN"]
+    assert env["DWDP_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "r1-token", "key": "token"}}
+
+
+def test_network_policy_store_port_only_from_own_group():
+    sp = DwdpGroupSpec.model_validate(spec(httpPort=8100, storePort=29600))
+    np = M.network_policy(name="r1", ns="ns", uid="u", g=3, spec=sp)
+    own = {"dwdp.io/name": "r1", "dwdp.io/group": "3"}
+    assert np["spec"]["podSelector"] == {"matchLabels": own} and np["spec"]["policyTypes"] == ["Ingress"]
+    store, http = np["spec"]["ingress"]
+    assert store["ports"] == [{"protocol": "TCP", "port": 29600}]
+    assert store["from"] == [{"podSelector": {"matchLabels": own}}]  # no namespaceSelector: same namespace
+    assert http == {"ports": [{"protocol": "TCP", "port": 8100}]}   # HTTP from anywhere, no other port
+    assert np["metadata"]["ownerReferences"][0]["kind"] == "DwdpGroup"
+    # the policy selects exactly the group's pods
+    p = M.worker_pod(name="r1", ns="ns", uid="u", g=3, i=1, attempt=0, spec=sp, thash="h")
+    assert own.items() <= p["metadata"]["labels"].items()
+    other = M.worker_pod(name="r1", ns="ns", uid="u", g=2, i=1, attempt=0, spec=sp, thash="h")
+    assert not own.items() <= other["metadata"]["labels"].items()
