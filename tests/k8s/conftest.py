@@ -89,14 +89,16 @@ class Operator:
 
 
 class Cluster:
-    def __init__(self, kubeconfig: str, tmp: Path):
+    def __init__(self, kubeconfig: str, tmp: Path, env: dict | None = None):
         from kubernetes import client, config
-        self.kubeconfig, self.tmp = kubeconfig, tmp
+        self.kubeconfig, self.tmp, self.env = kubeconfig, tmp, env or {}
+        self.audit_log = Path(self.env["AUDIT_LOG"]) if self.env.get("AUDIT_LOG") else None
         self.api = config.new_client_from_config(kubeconfig)
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.rbac = client.RbacAuthorizationV1Api(self.api)
+        self.net = client.NetworkingV1Api(self.api)
         self.kubelet = None
         self.health = None
         self.operator: Operator | None = None
@@ -110,6 +112,14 @@ class Cluster:
                    HELM_CONFIG_HOME=str(self.tmp / "helm-config"), HELM_DATA_HOME=str(self.tmp / "helm-data"))
         return subprocess.run([str(BIN / "helm"), *args], capture_output=True, text=True, check=check,
                               timeout=120, env=env)
+
+    def restart_apiserver(self) -> float:
+        """SIGKILL kube-apiserver and start it again on the same etcd data; seconds it was away."""
+        t0 = time.time()
+        out = subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "restart-apiserver"], env=self.env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"restart-apiserver failed:\n{out.stdout}\n{out.stderr}"
+        return time.time() - t0
 
     # -- DwdpGroup helpers ------------------------------------------------------------------
     def create_group(self, ns: str, body: dict) -> dict:
@@ -151,7 +161,8 @@ def cluster():
     _require_binaries()
     tmp = Path(tempfile.mkdtemp(prefix="dwdp-k8s-"))
     env = dict(os.environ, BIN=str(BIN), STATE=str(tmp / "state"),
-               PRE_APPLY=f"{ROOT / 'crds/dwdpgroup.yaml'} {ROOT / 'tests/k8s/crds/computedomain.yaml'}")
+               PRE_APPLY=f"{ROOT / 'crds/dwdpgroup.yaml'} {ROOT / 'tests/k8s/crds/computedomain.yaml'}",
+               AUDIT_LOG=str(tmp / "audit.log"))  # service accounts only: the RBAC audit reads it
     for k, default in (("API_PORT", "16443"), ("ETCD_PORT", "12379"), ("ETCD_PEER", "12380"),
                        ("KCM_PORT", "20257"), ("SCHED_PORT", "20259")):
         env[k] = os.environ.get(f"DWDP_TEST_{k}", default)
@@ -162,7 +173,7 @@ def cluster():
         pytest.fail(f"scripts/test-cluster up failed:\n{up.stdout}\n{up.stderr}")
     kubeconfig = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
     from kubelet import HealthServer, Kubelet, make_nodes
-    c = Cluster(kubeconfig, tmp)
+    c = Cluster(kubeconfig, tmp, env)
     try:
         make_nodes(c.core)
         c.kubelet = Kubelet(c.api).start()

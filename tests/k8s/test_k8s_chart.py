@@ -4,6 +4,7 @@ with exactly the chart's ServiceAccount + ClusterRole (least privilege, checked 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,12 @@ def test_helm_lint_and_template(cluster):
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=a" in args and "--namespace=b-*" in args
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    def role_resources(watch):
+        out = c.helm("template", "rel", CHART, "--set", f"watchNamespaces={{{watch}}}").stdout
+        role = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "ClusterRole")
+        return {r for rule in role["rules"] for r in rule["resources"]}
+    # namespaces are read only when kopf must follow a glob
+    assert "namespaces" in role_resources("a,b-*") and "namespaces" not in role_resources("a,b")
     bad = c.helm("template", "rel", CHART, "--set", "operator.resyncSeconds=0", check=False)
     assert bad.returncode != 0 and "resyncSeconds" in bad.stderr  # values.schema.json refuses it
 
@@ -47,12 +54,40 @@ def _sa_kubeconfig(c, ns: str, sa: str, path: Path) -> Path:
     return path
 
 
-def test_helm_install_and_operator_runs_with_chart_rbac(cluster, tmp_path):
+def _granted(c, ns: str, watch: str) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of the chart's ClusterRole, rendered with the test's values."""
+    docs = yaml.safe_load_all(c.helm("template", "dwdp", CHART, "-n", ns, "--set", f"watchNamespaces={{{watch}}}").stdout)
+    role = next(d for d in docs if d and d["kind"] == "ClusterRole")
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def _used(audit_log: Path, who: str) -> tuple[set[tuple[str, str, str]], int]:
+    """(apiGroup, resource[/subresource], verb) of every API request ``who`` made (apiserver audit log)."""
+    used, n = set(), 0
+    for line in audit_log.read_text().splitlines():
+        ev = json.loads(line)
+        ref = ev.get("objectRef")
+        if ev.get("user", {}).get("username") != who or not ref:
+            continue  # non-resource URLs (/api, /apis discovery) are granted to everyone by system:discovery
+        n += 1
+        res = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        used.add((ref.get("apiGroup", ""), res, ev["verb"]))
+    return used, n
+
+
+def test_chart_rbac_is_exactly_the_operator_api_calls(cluster, tmp_path):
+    """Install the chart; run the real operator with the chart's ServiceAccount through every code
+    path that writes (create, Ready, pod restart, scale up and down with drain, invalid spec); the API
+    server's audit log must show exactly the (group, resource, verb) set the ClusterRole grants:
+    a verb granted but never used fails, a verb used but not granted fails."""
     c = cluster
+    assert c.audit_log is not None, "the session cluster runs with AUDIT_LOG"
     ns = "dwdp-chart"  # outside the session operator's dwdp-t-* namespaces
+    watch = "dwdp-chart*"  # a glob, as most installs use: kopf then follows namespaces
     rel = "dwdp"
     out = c.helm("install", rel, CHART, "-n", ns, "--create-namespace", "--wait", "--timeout", "90s",
-                 "--set", f"watchNamespaces={{{ns}}}", check=False)
+                 "--set", f"watchNamespaces={{{watch}}}", check=False)
     assert out.returncode == 0, out.stderr
     try:
         assert "kubectl apply -f examples/dwdpgroup.yaml" in out.stdout  # NOTES.txt
@@ -68,7 +103,7 @@ def test_helm_install_and_operator_runs_with_chart_rbac(cluster, tmp_path):
         kc = _sa_kubeconfig(c, ns, sa, tmp_path / "sa.kubeconfig")
         env = dict(os.environ, KUBECONFIG=str(kc), DWDP_OPERATOR_HEALTH_URL=c.health.url_template)
         op = Operator(env, tmp_path)
-        op.cmd = [a if a != "dwdp-t-*" else ns for a in op.cmd]
+        op.cmd = [a if a != "dwdp-t-*" else watch for a in op.cmd]
         op.start()
         try:
             c.create_group(ns, group_body("rb", numGroups=1))
@@ -77,10 +112,23 @@ def test_helm_install_and_operator_runs_with_chart_rbac(cluster, tmp_path):
             c.core.delete_namespaced_pod("rb-g0-p1", ns)  # restart path: delete + create + events
             wait_for(lambda: c.get_group(ns, "rb")["status"]["groups"][0]["attempt"] == 1
                      and c.get_group(ns, "rb")["status"]["readyGroups"] == 1, timeout=60, what="restart")
+            c.patch_spec(ns, "rb", {"numGroups": 2})  # scale up, then down: drain patch, Service/NP deletes
+            wait_for(lambda: c.get_group(ns, "rb")["status"]["readyGroups"] == 2, timeout=60, what="scale up")
+            c.patch_spec(ns, "rb", {"numGroups": 1})
+            wait_for(lambda: not [n for n in c.net.list_namespaced_network_policy(ns).items
+                                  if n.metadata.name == "rb-g1"], timeout=60, what="group 1 removed")
+            c.patch_spec(ns, "rb", {"gpusPerPod": 3})  # Invalid: status + Warning event
+            wait_for(lambda: (x := c.condition(ns, "rb", "Invalid")) and x["status"] == "True", what="Invalid")
             log = op.log()
             assert "Forbidden" not in log and "failed (" not in log, log[-3000:]
             assert c.events(ns, "GroupRestart"), "Events posted with the chart's RBAC"
         finally:
             op.stop()
+        used, n = _used(c.audit_log, who)
+        granted = _granted(c, ns, watch)
+        assert n > 50, f"only {n} audited requests by {who}: is the audit log on?"
+        assert not used - granted, f"used but not granted: {sorted(used - granted)}"
+        assert not granted - used, f"granted but never used: {sorted(granted - used)}"
+        print(f"RBAC audit: {n} requests, {len(used)} (group, resource, verb) pairs == ClusterRole")
     finally:
         c.helm("uninstall", rel, "-n", ns, check=False)
