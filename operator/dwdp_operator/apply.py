@@ -2,7 +2,8 @@
 
 Order (invariant 4 of ``desired``): status first (the intent: attempt numbers, phases), then
 deletes, creates, patches, events. Every step is safe to repeat: AlreadyExists on create and
-NotFound on delete/patch are success; a failed status write aborts the plan (nothing else runs),
+NotFound on delete/patch are success (only a 409 whose Status reason is AlreadyExists: any other
+409, a 429 or a 5xx fails the pass, which is retried, and nothing is remembered as created); a failed status write aborts the plan (nothing else runs),
 so the next reconcile sees the old intent and redoes the same steps.
 
 Creates of long-lived children (Secret, Services, ComputeDomain) are remembered for
@@ -13,6 +14,7 @@ a child deleted by hand comes back within that time. Pod creates are remembered 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -101,7 +103,7 @@ class Applier:
                 raise ValueError(f"unknown kind {kind}")
             created = 1
         except ApiException as e:
-            if e.status != 409:
+            if not _already_exists(e):
                 raise
             created = 0
         self._known[self._key(ns, m, uid)] = time.monotonic()
@@ -154,6 +156,16 @@ class Applier:
         except ApiException as e:  # an Event is best effort: never fail a reconcile for it
             log.warning("event %s/%s not posted: %s", meta["name"], reason, e.reason)
             return 0
+
+
+def _already_exists(e: ApiException) -> bool:
+    """A create's 409 means "exists" only with reason AlreadyExists; a bare 409 (Conflict) is a failure."""
+    if e.status != 409:
+        return False
+    try:
+        return (json.loads(e.body or "{}") or {}).get("reason") == "AlreadyExists"
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 def _changed(old: dict, new: dict) -> bool:

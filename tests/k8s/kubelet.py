@@ -6,7 +6,8 @@ What it does, from one watch of all pods (plus a periodic sweep for missed event
   2. a pod with a ``deletionTimestamp`` is confirmed deleted (grace 0), as a kubelet would after
      its containers stop;
   3. on request: ``fail(ns, name)`` sets phase Failed; ``bump_restart(ns, name)`` adds one
-     container restart; ``hold(ns, name)`` keeps a pod Pending.
+     container restart; ``hold(ns, name)`` keeps a pod Pending
+     (every pod of that name, until ``release``).
 It also creates fake GPU ``Node`` objects (``make_nodes``) and serves a fake ``/healthz`` on
 127.0.0.1 (``HealthServer``) whose ``prefetch_restarts`` tests can set per pod.
 """
@@ -71,6 +72,9 @@ class Kubelet:
     # -- controls ---------------------------------------------------------------------------
     def hold(self, ns: str, name: str) -> None:
         self._held.add((ns, name))
+
+    def release(self, ns: str, name: str) -> None:
+        self._held.discard((ns, name))
 
     def fail(self, ns: str, name: str) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -1,0 +1,227 @@
+"""Fault injection at the operator level, against the real API server (marked k8s, runs in CI).
+
+Every test injects a fault and then checks the same convergence invariant (``converged``):
+  * exactly numGroups x podsPerGroup live pods, named ``<name>-g<g>-p<i>``, no duplicate;
+  * every group whole and on one attempt (no half group, no mix of attempts), every group Ready;
+  * every pod, Service and NetworkPolicy owned by the DwdpGroup's uid (no orphan), and exactly
+    the per-group Services/NetworkPolicies of live groups (no leftover of a removed group);
+  * the operator process is still alive (a fault costs a restart of a group, never the operator).
+Figures (faults injected, seconds to recover) are printed with ``-s`` and recorded in RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from conftest import Operator, group_body, wait_for
+
+PER = 4  # pods per group in group_body (dwdpSize 4, gpusPerPod 1)
+FAULTS_DIR = Path(__file__).parent / "faultinject"
+
+
+def converged(c, ns: str, name: str, n: int, *, timeout: float = 60.0, attempts: list[int] | None = None) -> dict:
+    """Wait until DwdpGroup ``name`` is whole (see module docstring), then return its status."""
+    def check():
+        st = c.get_group(ns, name).get("status") or {}
+        pods = c.live_pods(ns, f"dwdp.io/name={name}")
+        if st.get("readyGroups") != n or len(st.get("groups") or []) != n or len(pods) != n * PER:
+            return None
+        return st
+    st = wait_for(check, timeout=timeout, what=f"{name}: {n} whole ready groups")
+    uid = c.get_group(ns, name)["metadata"]["uid"]
+    pods = c.pods(ns, f"dwdp.io/name={name}")
+    names = sorted(p.metadata.name for p in pods)
+    assert names == sorted(f"{name}-g{g}-p{i}" for g in range(n) for i in range(PER)), f"duplicates/extras: {names}"
+    for g in range(n):
+        att = {p.metadata.labels["dwdp.io/attempt"] for p in pods if p.metadata.labels["dwdp.io/group"] == str(g)}
+        assert att == {str(st["groups"][g]["attempt"])}, f"group {g}: pods on attempts {att}, status says " \
+                                                          f"{st['groups'][g]['attempt']} (half group)"
+    for p in pods:
+        assert [o.uid for o in p.metadata.owner_references] == [uid], f"orphan pod {p.metadata.name}"
+    svcs = {s.metadata.name: s for s in c.core.list_namespaced_service(ns).items
+            if (s.metadata.labels or {}).get("dwdp.io/name") == name}
+    nps = {x.metadata.name: x for x in c.net.list_namespaced_network_policy(ns).items
+           if (x.metadata.labels or {}).get("dwdp.io/name") == name}
+    assert sorted(svcs) == sorted([name] + [f"{name}-g{g}" for g in range(n)]), sorted(svcs)
+    assert sorted(nps) == sorted(f"{name}-g{g}" for g in range(n)), sorted(nps)
+    for o in [*svcs.values(), *nps.values()]:
+        assert [r.uid for r in o.metadata.owner_references] == [uid], f"orphan {o.kind} {o.metadata.name}"
+    if attempts is not None:
+        assert [g["attempt"] for g in st["groups"]] == attempts, st["groups"]
+    return st
+
+
+def _alive(op: Operator) -> None:
+    assert op.proc is not None and op.proc.poll() is None, f"operator died:\n{op.log()[-3000:]}"
+
+
+def _ready_pods(c, ns, name, g) -> int:
+    return sum(1 for p in c.live_pods(ns, f"dwdp.io/name={name},dwdp.io/group={g}")
+               if p.status.phase == "Running")
+
+
+def test_pod_killed_during_rendezvous_and_during_serving(cluster, ns):
+    c = cluster
+    # rendezvous: ranks 0-2 up and waiting for rank 3 (held Pending by the kubelet); rank 1 dies
+    c.kubelet.hold(ns, "rv-g0-p3")
+    c.create_group(ns, group_body("rv", numGroups=1))
+    wait_for(lambda: _ready_pods(c, ns, "rv", 0) == 3, timeout=30, what="3 of 4 ranks up")
+    assert c.get_group(ns, "rv")["status"]["groups"][0]["phase"] == "Pending"
+    t0 = time.time()
+    c.core.delete_namespaced_pod("rv-g0-p1", ns, grace_period_seconds=0)
+    wait_for(lambda: {p.metadata.labels["dwdp.io/attempt"] for p in c.pods(ns)} == {"1"}
+             and len(c.live_pods(ns)) == PER, timeout=30, what="attempt 1 created whole")
+    c.kubelet.release(ns, "rv-g0-p3")
+    st = converged(c, ns, "rv", 1, attempts=[1])
+    t_rdv = time.time() - t0
+    assert st["groups"][0]["groupRestarts"] == 1
+    # serving: a Ready group loses a pod
+    t0 = time.time()
+    c.core.delete_namespaced_pod("rv-g0-p2", ns, grace_period_seconds=0)
+    st = converged(c, ns, "rv", 1, attempts=[2])
+    t_srv = time.time() - t0
+    assert st["groups"][0]["groupRestarts"] == 2
+    assert [h["attempt"] for h in st["groups"][0]["history"]] == [0, 1]
+    _alive(c.operator)
+    print(f"\nFIGURE pod-kill: rendezvous recovered in {t_rdv:.1f}s (incl. backoff 1s), serving in {t_srv:.1f}s")
+
+
+def test_node_deleted_group_moves_to_a_whole_clique(cluster, ns):
+    from kubelet import make_nodes
+    c = cluster
+    c.create_group(ns, group_body("nd", numGroups=2))
+    converged(c, ns, "nd", 2, attempts=[0, 0])
+    victim = c.core.read_namespaced_pod("nd-g1-p2", ns)
+    node = victim.spec.node_name
+    g0_before = c.live_pods(ns, "dwdp.io/group=0")
+    g0_hit = node in {p.spec.node_name for p in g0_before}
+    t0 = time.time()
+    c.core.delete_node(node)
+    try:
+        # kube-controller-manager's pod GC deletes pods bound to a deleted node after a 40 s
+        # quarantine; do its job at once (grace 0, as podgc does) to keep the suite fast
+        for p in c.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items:
+            c.core.delete_namespaced_pod(p.metadata.name, p.metadata.namespace, grace_period_seconds=0)
+        st = converged(c, ns, "nd", 2)
+        t = time.time() - t0
+        if not g0_hit:  # group 0 had no pod on the lost node: untouched
+            assert {p.metadata.uid for p in c.live_pods(ns, "dwdp.io/group=0")} == \
+                {p.metadata.uid for p in g0_before}
+            assert st["groups"][0]["attempt"] == 0
+        g1 = c.live_pods(ns, "dwdp.io/group=1")
+        assert node not in {p.spec.node_name for p in g1}
+        cliques = {c.core.read_node(p.spec.node_name).metadata.labels["nvidia.com/gpu.clique"] for p in g1}
+        assert len(cliques) == 1 and len({p.spec.node_name for p in g1}) == PER
+        assert st["groups"][1]["attempt"] == 1
+        _alive(c.operator)
+        print(f"\nFIGURE node-delete: group(s) re-placed on a whole clique in {t:.1f}s (group 0 hit: {g0_hit})")
+    finally:
+        make_nodes(c.core)  # give the node back to the other tests
+
+
+def test_api_faults_and_conflicting_writers_during_reconcile(cluster, ns, tmp_path):
+    """The operator's writes fail at random (409/500/429, 25 %, seeded) while the test patches the
+    same DwdpGroup concurrently; create, a pod kill and a scale-up must still converge exactly."""
+    c = cluster
+    log = tmp_path / "faults.log"
+    env = dict(c.operator.env, DWDP_TEST_FAULTS=f"7:0.25:{log}",
+               PYTHONPATH=os.pathsep.join([str(FAULTS_DIR), c.operator.env.get("PYTHONPATH", "")]))
+    faulty = Operator(env, tmp_path)
+    faulty.cmd = list(c.operator.cmd)
+    c.operator.stop()
+    faulty.start()
+    stop = threading.Event()
+    conflicts = [0]
+
+    def other_writer():  # a second client writing the same object: resourceVersion churn + real 409s
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                obj = c.get_group(ns, "fz")
+                obj["metadata"].setdefault("annotations", {})["test/touch"] = str(i)
+                time.sleep(0.01)
+                c.custom.replace_namespaced_custom_object("dwdp.io", "v1alpha1", ns, "dwdpgroups", "fz", obj)
+            except ApiException as e:
+                conflicts[0] += e.status == 409
+            time.sleep(0.02)
+    writer = threading.Thread(target=other_writer, daemon=True)
+    try:
+        c.create_group(ns, group_body("fz", numGroups=3))
+        writer.start()
+        t0 = time.time()
+        converged(c, ns, "fz", 3, attempts=[0, 0, 0])
+        t_create = time.time() - t0
+        t0 = time.time()
+        c.core.delete_namespaced_pod("fz-g1-p0", ns, grace_period_seconds=0)
+        wait_for(lambda: c.get_group(ns, "fz")["status"]["groups"][1]["attempt"] == 1, timeout=30,
+                 what="group 1 restarted")
+        c.patch_spec(ns, "fz", {"numGroups": 4})
+        st = converged(c, ns, "fz", 4, attempts=[0, 1, 0, 0])
+        t_more = time.time() - t0
+        assert [g["groupRestarts"] for g in st["groups"]] == [0, 1, 0, 0], "faults cost no extra restart"
+        _alive(faulty)
+    finally:
+        stop.set()
+        faulty.stop()
+        c.operator.start()
+    injected = log.read_text().splitlines() if log.exists() else []
+    assert len(injected) >= 10, f"only {len(injected)} faults injected: the hook is not active"
+    kinds = {line.split()[0] for line in injected}
+    assert kinds == {"409", "500", "429"}, kinds
+    print(f"\nFIGURE api-faults: {len(injected)} injected write faults (409/500/429), "
+          f"{conflicts[0]} real 409s to a concurrent writer; create converged in {t_create:.1f}s, "
+          f"restart+scale-up in {t_more:.1f}s")
+
+
+def test_apiserver_restart_mid_reconcile(cluster, ns):
+    c = cluster
+    c.create_group(ns, group_body("as", numGroups=6))
+    wait_for(lambda: len(c.pods(ns)) >= 4, timeout=30, interval=0.005, what="first pods")
+    n_at = len(c.pods(ns))
+    t0 = time.time()
+    down = c.restart_apiserver()
+    st = converged(c, ns, "as", 6, timeout=90, attempts=[0] * 6)
+    t = time.time() - t0
+    assert [g["groupRestarts"] for g in st["groups"]] == [0] * 6
+    # and once more while serving: nothing may restart
+    uids = {p.metadata.uid for p in c.live_pods(ns)}
+    c.restart_apiserver()
+    time.sleep(3)
+    converged(c, ns, "as", 6, timeout=60, attempts=[0] * 6)
+    assert {p.metadata.uid for p in c.live_pods(ns)} == uids, "a server restart restarted pods"
+    _alive(c.operator)
+    print(f"\nFIGURE apiserver-restart: killed at {n_at}/24 pods, server away {down:.1f}s, "
+          f"converged {t:.1f}s after the kill")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_operator_killed_at_random_point_of_scale_up(cluster, ns, seed):
+    """Seeded: SIGKILL the operator after a random delay into a 1 -> 3 scale-up (sometimes twice),
+    restart it; exactly 12 pods, one attempt per group, no orphan, no restart counted."""
+    c = cluster
+    rng = random.Random(seed)
+    name = f"k{seed}"
+    c.create_group(ns, group_body(name, numGroups=1))
+    converged(c, ns, name, 1, attempts=[0])
+    c.patch_spec(ns, name, {"numGroups": 3})
+    kills = []
+    for _ in range(1 + (rng.random() < 0.3)):
+        # most kills inside the creation burst (~0.1 s), the rest during gang lift / readiness
+        delay = rng.uniform(0.0, 0.12) if rng.random() < 0.6 else rng.uniform(0.12, 1.0)
+        time.sleep(delay)
+        kills.append((round(delay, 2), len(c.pods(ns))))
+        c.operator.kill()
+        c.operator.start()
+    t0 = time.time()
+    st = converged(c, ns, name, 3, attempts=[0, 0, 0])
+    assert [g["groupRestarts"] for g in st["groups"]] == [0, 0, 0]
+    _alive(c.operator)
+    print(f"\nFIGURE kill-seed-{seed}: kills at (delay s, pods) {kills}; converged {time.time() - t0:.1f}s after restart")
