@@ -167,7 +167,10 @@ def _pydantic_messages(err: ValidationError) -> list[str]:
 
 
 def parse_spec(raw: dict[str, Any] | None) -> tuple[DwdpGroupSpec | None, list[str]]:
-    """Parse and validate; returns (spec, []) or (None or spec, messages)."""
+    """Parse and validate; returns (spec, []) or (None or spec, messages). Never raises, whatever
+    JSON ``raw`` is (a non-object spec is a message, not a crash)."""
+    if raw is not None and not isinstance(raw, dict):
+        return None, [f"spec: must be an object, got {type(raw).__name__}"]
     try:
         spec = DwdpGroupSpec.model_validate(dict(raw or {}))
     except ValidationError as err:
