@@ -1,6 +1,12 @@
 """``dwdp-operator``: run the DwdpGroup operator (kopf, standalone: one replica, Recreate).
 
 Exit codes: 0 on a clean stop, 1 on a startup error (message on stderr, no traceback), 2 on usage.
+
+A transient API error that stops kopf (a kube-apiserver restarting answers 404 for custom resources
+until its CRD handlers are synced, and kopf's watcher treats that 404 as fatal; found by
+tests/k8s/test_k8s_faults.py) restarts kopf in-process after ``RESTART_DELAY_S``, at most
+``MAX_RESTARTS`` times in a row within ``RESTART_WINDOW_S``: state is rebuilt from the API server
+(level-triggered), so this is the same as a pod restart without the CrashLoopBackOff delay.
 """
 
 from __future__ import annotations
@@ -8,6 +14,23 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
+
+TRANSIENT_STATUS = {404, 429, 500, 502, 503, 504}
+RESTART_DELAY_S = 1.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300.0
+log = logging.getLogger("dwdp_operator.cli")
+
+
+def _transient(e: BaseException) -> bool:
+    if getattr(e, "status", None) in TRANSIENT_STATUS:
+        return True
+    try:
+        import aiohttp
+        return isinstance(e, (aiohttp.ClientConnectionError, ConnectionError, TimeoutError))
+    except ImportError:
+        return isinstance(e, (ConnectionError, TimeoutError))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,15 +69,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port)
-    try:
-        kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-                 liveness_endpoint=args.liveness)
-    except KeyboardInterrupt:
+    restarts: list[float] = []
+    while True:
+        try:
+            kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
+                     liveness_endpoint=args.liveness)
+        except KeyboardInterrupt:
+            return 0
+        except Exception as e:  # noqa: BLE001 — a message, never a traceback, for the user
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+            if _transient(e) and len(restarts) < MAX_RESTARTS:
+                restarts.append(now)
+                log.warning("kopf stopped on a transient API error (%s: %s); restarting it in %.0fs (%d/%d)",
+                            type(e).__name__, e, RESTART_DELAY_S, len(restarts), MAX_RESTARTS)
+                handlers.STATE.clear()  # nothing from the stopped kopf (its pod index) is reused
+                time.sleep(RESTART_DELAY_S)
+                continue
+            print(f"dwdp-operator: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
         return 0
-    except Exception as e:  # noqa: BLE001 — a message, never a traceback, for the user
-        print(f"dwdp-operator: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -194,7 +194,12 @@ def test_apiserver_restart_mid_reconcile(cluster, ns):
     # and once more while serving: nothing may restart
     uids = {p.metadata.uid for p in c.live_pods(ns)}
     c.restart_apiserver()
-    time.sleep(3)
+    # the server answers 404 for custom resources until its CRD handlers sync: the operator must
+    # live through that window (kopf's watcher treats the 404 as fatal; cli.py restarts kopf)
+    deadline = time.time() + 8
+    while time.time() < deadline:
+        _alive(c.operator)
+        time.sleep(0.2)
     converged(c, ns, "as", 6, timeout=60, attempts=[0] * 6)
     assert {p.metadata.uid for p in c.live_pods(ns)} == uids, "a server restart restarted pods"
     _alive(c.operator)
@@ -211,6 +216,7 @@ def test_operator_killed_at_random_point_of_scale_up(cluster, ns, seed):
     name = f"k{seed}"
     c.create_group(ns, group_body(name, numGroups=1))
     converged(c, ns, name, 1, attempts=[0])
+    _alive(c.operator)  # never hide a dead operator behind the kill/start below
     c.patch_spec(ns, name, {"numGroups": 3})
     kills = []
     for _ in range(1 + (rng.random() < 0.3)):

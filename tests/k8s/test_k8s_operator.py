@@ -52,6 +52,18 @@ def test_create_schedules_each_group_in_one_clique(cluster, ns):
     assert hs.spec.cluster_ip == "None" and hs.spec.publish_not_ready_addresses
     assert c.core.read_namespaced_service("r1", ns).spec.selector == {"dwdp.io/name": "r1", "dwdp.io/serving": "true"}
     assert c.core.read_namespaced_secret("r1-token", ns).data["token"]
+    token = c.core.read_namespaced_secret("r1-token", ns).data["token"]  # base64 of the token
+    import base64
+    assert base64.b64decode(token).decode() not in str(c.core.read_namespaced_pod("r1-g1-p2", ns).to_dict())
+    sc = p.spec.containers[0].security_context  # stored by the server as the operator wrote it
+    assert sc.run_as_non_root and sc.read_only_root_filesystem and sc.capabilities.drop == ["ALL"]
+    assert not sc.allow_privilege_escalation and p.spec.security_context.run_as_user == 10001
+    np = c.net.read_namespaced_network_policy("r1-g1", ns)
+    own = {"dwdp.io/name": "r1", "dwdp.io/group": "1"}
+    assert np.spec.pod_selector.match_labels == own and np.spec.policy_types == ["Ingress"]
+    assert [x.port for x in np.spec.ingress[0].ports] == [29500]
+    assert np.spec.ingress[0]._from[0].pod_selector.match_labels == own
+    assert [x.port for x in np.spec.ingress[1].ports] == [8000] and not np.spec.ingress[1]._from
     assert c.custom.get_namespaced_custom_object("resource.nvidia.com", "v1beta1", ns, "computedomains", "r1-imex")
     assert st["selector"] == "dwdp.io/name=r1" and st["replicas"] == 3
     conds = {x["type"]: x["status"] for x in st["conditions"]}

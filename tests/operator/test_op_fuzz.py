@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dwdp_operator.desired import desired_state
-from dwdp_operator.spec import validate_spec
+from dwdp_operator.spec import DwdpGroupSpec, validate_spec
 from dwdp_fuzz import ANY_JSON, specs
 from dwdp_op_util import cr
 
@@ -46,8 +46,8 @@ def test_desired_state_invalid_means_messages_valid_means_consistent_children(ra
         assert [e[:2] for e in plan.events] == [("Warning", "InvalidSpec")]
         return
     assert plan.valid
-    spec = raw
-    per = spec["dwdpSize"] // spec.get("gpusPerPod", 1)
+    spec = DwdpGroupSpec.model_validate(raw).model_dump()  # with the defaults the operator applies
+    per = spec["dwdpSize"] // spec["gpusPerPod"]
     pods = [m for m in plan.creates if m["kind"] == "Pod"]
     assert sorted(p["metadata"]["name"] for p in pods) == sorted(
         f"r1-g{g}-p{i}" for g in range(spec["numGroups"]) for i in range(per))
@@ -57,7 +57,7 @@ def test_desired_state_invalid_means_messages_valid_means_consistent_children(ra
         assert p["metadata"]["name"] == f"r1-g{g}-p{i}"
         env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
         assert env["DWDP_SIZE"] == str(spec["dwdpSize"]) and env["DWDP_GROUP"] == g
-        assert env["DWDP_RANK_BASE"] == str(int(i) * spec.get("gpusPerPod", 1))
+        assert env["DWDP_RANK_BASE"] == str(int(i) * spec["gpusPerPod"])
         assert env["DWDP_TOKEN"] is None and "tok-secret-123" not in str(p)
     for kind in ("Service", "NetworkPolicy"):
         names = sorted(m["metadata"]["name"] for m in plan.creates if m["kind"] == kind)

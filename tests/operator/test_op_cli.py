@@ -1,0 +1,46 @@
+"""cli.py: kopf stopped by a transient API error (404 while a restarted API server syncs its CRDs,
+5xx, 429, connection errors) is restarted in-process, a bounded number of times; anything else
+exits 1 with a message."""
+
+import kopf
+import pytest
+
+from dwdp_operator import cli
+
+
+class _Err(Exception):
+    def __init__(self, status):
+        super().__init__(f"{status} page not found")
+        self.status = status
+
+
+def _fake_run(monkeypatch, errors):
+    calls = []
+
+    def run(**kw):
+        calls.append(kw)
+        if errors:
+            raise errors.pop(0)
+    monkeypatch.setattr(kopf, "run", run)
+    monkeypatch.setattr(cli, "RESTART_DELAY_S", 0.0)
+    return calls
+
+
+def test_transient_404_restarts_kopf(monkeypatch):
+    calls = _fake_run(monkeypatch, [_Err(404), ConnectionResetError("reset"), _Err(503)])
+    assert cli.main(["-n", "x"]) == 0
+    assert len(calls) == 4
+
+
+def test_restarts_are_bounded(monkeypatch, capsys):
+    calls = _fake_run(monkeypatch, [_Err(404)] * 20)
+    assert cli.main([]) == 1
+    assert len(calls) == cli.MAX_RESTARTS + 1
+    assert "404" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("err", [_Err(403), ValueError("bad config")])
+def test_other_errors_exit_1(monkeypatch, capsys, err):
+    calls = _fake_run(monkeypatch, [err])
+    assert cli.main([]) == 1 and len(calls) == 1
+    assert "dwdp-operator:" in capsys.readouterr().err
