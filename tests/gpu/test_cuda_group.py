@@ -26,9 +26,15 @@ def _assert_steady(out):
 
 
 @pytest.mark.parametrize("transfer,contention_opt", [
-    ("copy_engine", False), ("copy_engine", True), ("batched", False), ("batched", True)])
+    ("copy_engine", False), ("copy_engine", True), ("batched", False), ("batched", True),
+    ("sm_gather", False), ("sm_gather", True)])
 def test_three_processes_one_gpu(transfer, contention_opt):
     """N=16, d=3 → k=6, s=5: overlapping ranges, a straddling expert (6·192 KiB is not 2 MiB-aligned)."""
+    if transfer == "sm_gather":
+        try:
+            import cutlass.cute  # noqa: F401  (nvidia-cutlass-dsl: the sm_gather kernel)
+        except Exception as exc:  # noqa: BLE001
+            pytest.skip(f"sm_gather needs nvidia-cutlass-dsl, not importable here ({type(exc).__name__}: {exc})")
     outs = _run(3, num_experts=16, k=6, s=5, layers=8, forwards=4, transfer=transfer,
                 contention_opt=contention_opt)
     for rank, out in outs.items():

@@ -167,9 +167,83 @@ def test_streams_copy_and_events(cuda_device, transfer):
     st.close()
 
 
-def test_sm_gather_is_refused_at_setup(cuda_device):
-    from dwdp_runtime.cuda_streams import CudaStreams
-    from dwdp_runtime.sm_gather import SmGatherUnavailable
+def _cutlass_missing() -> str | None:
+    """Why CuTe DSL cannot be used here (None when ``import cutlass.cute`` works)."""
+    try:
+        import cutlass.cute  # noqa: F401  (nvidia-cutlass-dsl)
+    except Exception as exc:  # noqa: BLE001
+        return f"nvidia-cutlass-dsl is not importable ({type(exc).__name__}: {exc})"
+    return None
 
-    with pytest.raises(SmGatherUnavailable, match="copy_engine"):
-        CudaStreams(device=cuda_device, transfer="sm_gather")
+
+def test_sm_gather_copies_bitwise_or_is_refused_at_setup(cuda_device):
+    """Where CuTe DSL imports: the gather kernel copies a ragged plan bitwise, on the copy stream, with
+    no allocation or sync per launch, for any CTA count; bytes outside the plan stay untouched; a
+    misaligned plan is refused at compile (setup). Where it does not: refused at setup, with the reason."""
+    import torch
+
+    from dwdp_runtime.cuda_streams import CudaStreams
+    from dwdp_runtime.sm_gather import CHUNK_LINES, LINE_BYTES, SmGather, SmGatherUnavailable
+
+    missing = _cutlass_missing()
+    if missing:
+        with pytest.raises(SmGatherUnavailable, match="copy_engine"):
+            CudaStreams(device=cuda_device, transfer="sm_gather")
+        return
+    st = CudaStreams(device=cuda_device, transfer="sm_gather")
+    chunk = CHUNK_LINES * LINE_BYTES
+    # full rows, tails, single lines, a multi-MiB entry; scattered, shuffled, non-contiguous
+    sizes = [16, 48, chunk, chunk + 16, 3 * chunk - 32, (5 << 20) + 4096 + 16, 144, 2 * chunk, 7 * 16]
+    g = torch.Generator().manual_seed(3)
+    total = sum(sizes)
+    src = torch.randint(-2**31, 2**31 - 1, ((2 * total + (1 << 20)) // 4,), generator=g, dtype=torch.int32)
+    src = src.to(cuda_device)
+    dst = torch.zeros((total + 4096 * len(sizes)) // 4, dtype=torch.int32, device=cuda_device)
+    sb, db = src.view(torch.uint8), dst.view(torch.uint8)
+    pieces, ref = [], torch.zeros_like(db)
+    d_off, s_off = 0, 64
+    for n in sizes:
+        pieces.append((db.data_ptr() + d_off, sb.data_ptr() + s_off, n))
+        ref[d_off:d_off + n] = sb[s_off:s_off + n]
+        d_off += n + 4096  # gaps in dst must stay zero
+        s_off += n + 1024 + 16 * (n % 7)
+    pieces = pieces[::-1]
+    compiled = st.compile(pieces)
+    with pytest.raises(ValueError, match="copy_engine"):
+        st.compile([(db.data_ptr() + 8, sb.data_ptr(), 16)])
+    ready, done = st.new_event(), st.new_event()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats(cuda_device).get("allocation.all.allocated", 0)
+    for _ in range(3):
+        st.wait_copy(done)
+        st.enqueue_copies(compiled)
+        st.record_copy(ready)
+        st.wait_compute(ready)
+        st.record_compute(done)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats(cuda_device).get("allocation.all.allocated", 0) == before
+    assert st.stats["synchronize"] == 0 and st.stats["copy_bytes"] == 3 * total
+    assert torch.equal(db, ref)
+    # RAW through events only: the copy stream is delayed, the reader must still see the bytes
+    dst.zero_()
+    torch.cuda.synchronize()
+    st.wait_copy(done)
+    with torch.cuda.stream(st.copy_stream):
+        torch.cuda._sleep(2_000_000)
+    st.enqueue_copies(compiled)
+    st.record_copy(ready)
+    st.wait_compute(ready)
+    got = db.clone()
+    torch.cuda.synchronize()
+    assert torch.equal(got, ref)
+    st.close()
+    # the grid size is a parameter: 1 CTA (every row walked by one block) and more CTAs than rows
+    for ctas in (1, 132, 1000):
+        gather = SmGather(device=cuda_device, ctas=ctas)
+        plan = gather.compile(pieces)
+        dst.zero_()
+        side = torch.cuda.Stream(device=cuda_device)
+        side.wait_stream(torch.cuda.current_stream())
+        gather.launch(plan, side)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(db, ref), f"ctas={ctas}"

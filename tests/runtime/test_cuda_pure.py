@@ -96,9 +96,42 @@ def test_sm_gather_descriptors_and_alignment():
         build_descriptors([(0x1000, 0x2000, 8)])
 
 
-def test_sm_gather_refuses_with_the_reason():
+def test_sm_gather_refuses_with_the_reason(monkeypatch):
+    """Where CuTe DSL cannot be imported, construction (setup) refuses and names the fallback."""
+    from dwdp_runtime import sm_gather
     from dwdp_runtime.sm_gather import SmGather, SmGatherUnavailable
 
-    with pytest.raises(SmGatherUnavailable, match="copy_engine"):
+    for name in ("cutlass", "cutlass.cute", "dwdp_runtime._sm_gather_kernel"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(sm_gather, "_cache", {})
+    with pytest.raises(SmGatherUnavailable, match="nvidia-cutlass-dsl cannot be imported.*copy_engine"):
         SmGather()
+    with pytest.raises(ValueError, match="ctas"):
+        SmGather(ctas=0)
 
+
+def test_sm_gather_rows_split_and_pad():
+    from dwdp_runtime.sm_gather import CHUNK_LINES, kernel_rows, split_rows
+
+    rows = split_rows([(100, 7, 5), (1000, 9000, 2 * CHUNK_LINES + 3)], chunk=CHUNK_LINES)
+    assert rows == [(100, 7, 5), (1000, 9000, CHUNK_LINES), (1000 + CHUNK_LINES, 9000 + CHUNK_LINES, CHUNK_LINES),
+                    (1000 + 2 * CHUNK_LINES, 9000 + 2 * CHUNK_LINES, 3)]
+    covered = {(d + i, s + i) for d, s, n in rows for i in range(n)}
+    assert len(covered) == 5 + 2 * CHUNK_LINES + 3
+    assert split_rows([(0, 0, 10)], chunk=4) == [(0, 0, 4), (4, 4, 4), (8, 8, 2)]
+    k = kernel_rows([(0x1000, 0x2000, 64), (0x3000, 0x4000, 0)], ctas=3)
+    assert k == [(0x100, 0x200, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0)]  # 3 zero rows: prefetch padding
+    with pytest.raises(ValueError, match="copy_engine"):
+        kernel_rows([(0x1008, 0x2000, 16)], ctas=1)
+
+
+def test_sm_gather_ctas_from_env(monkeypatch):
+    from dwdp_runtime.sm_gather import DEFAULT_CTAS, default_ctas
+
+    monkeypatch.delenv("DWDP_SM_GATHER_CTAS", raising=False)
+    assert default_ctas() == DEFAULT_CTAS
+    monkeypatch.setenv("DWDP_SM_GATHER_CTAS", "64")
+    assert default_ctas() == 64
+    monkeypatch.setenv("DWDP_SM_GATHER_CTAS", "lots")
+    with pytest.raises(ValueError, match="DWDP_SM_GATHER_CTAS"):
+        default_ctas()
