@@ -38,7 +38,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 VARIANTS = [("copy_engine", False), ("copy_engine", True), ("batched", False), ("batched", True),
-            ("sm_gather", False)]
+            ("sm_gather", False), ("sm_gather", True)]
 
 
 class _Prefixed:

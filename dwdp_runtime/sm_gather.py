@@ -87,8 +87,12 @@ def split_rows(rows: Sequence[tuple[int, int, int]], chunk: int = CHUNK_LINES) -
 
 
 def kernel_rows(copies: Sequence[tuple[int, int, int]], ctas: int, chunk: int = CHUNK_LINES) -> list[tuple[int, int, int]]:
-    """What the kernel reads: aligned, split rows followed by ``ctas`` zero rows (prefetch padding)."""
-    return split_rows(build_descriptors(copies), chunk) + [(0, 0, 0)] * ctas
+    """What the kernel reads: aligned, split rows followed by one zero row per CTA (prefetch padding).
+
+    ``ctas=0`` means one CTA per row (grid = number of rows): the padding is then as long as the rows.
+    """
+    rows = split_rows(build_descriptors(copies), chunk)
+    return rows + [(0, 0, 0)] * (ctas or len(rows))
 
 
 def default_ctas() -> int:
@@ -138,8 +142,8 @@ class SmGather:
 
     def __init__(self, *, device=None, ctas: int | None = None):
         ctas = default_ctas() if ctas is None else int(ctas)
-        if not 1 <= ctas <= MAX_CTAS:
-            raise ValueError(f"sm_gather ctas={ctas}: expected 1..{MAX_CTAS}")
+        if not 0 <= ctas <= MAX_CTAS:
+            raise ValueError(f"sm_gather ctas={ctas}: expected 1..{MAX_CTAS}, or 0 for one CTA per row")
         self.ctas = ctas
         try:
             _import_cute()
@@ -169,9 +173,9 @@ class SmGather:
     def compile(self, triples: Sequence[tuple[int, int, int]]) -> GatherPlan:
         """Setup: descriptor tensor on the device (the only allocation) for one layer's copies."""
         rows = kernel_rows(triples, self.ctas)  # raises ValueError on misalignment (use copy_engine)
-        nrows = len(rows) - self.ctas
+        nrows = len(rows) // 2 if self.ctas == 0 else len(rows) - self.ctas
         desc = self._torch.tensor(rows, dtype=self._torch.int64, device=self.device).reshape(-1, 3)
-        return GatherPlan(desc=desc, nrows=nrows, lines=sum(r[2] for r in rows), ctas=self.ctas)
+        return GatherPlan(desc=desc, nrows=nrows, lines=sum(r[2] for r in rows), ctas=self.ctas or max(nrows, 1))
 
     def _launch_args(self, plan: GatherPlan, raw_stream: int):
         args = plan._args.get(raw_stream)

@@ -237,8 +237,9 @@ def test_sm_gather_copies_bitwise_or_is_refused_at_setup(cuda_device):
     torch.cuda.synchronize()
     assert torch.equal(got, ref)
     st.close()
-    # the grid size is a parameter: 1 CTA (every row walked by one block) and more CTAs than rows
-    for ctas in (1, 132, 1000):
+    # the grid size is a parameter: 1 CTA (every row walked by one block), more CTAs than rows, and
+    # 0 = one CTA per row
+    for ctas in (1, 132, 1000, 0):
         gather = SmGather(device=cuda_device, ctas=ctas)
         plan = gather.compile(pieces)
         dst.zero_()

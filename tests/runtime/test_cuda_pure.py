@@ -107,7 +107,7 @@ def test_sm_gather_refuses_with_the_reason(monkeypatch):
     with pytest.raises(SmGatherUnavailable, match="nvidia-cutlass-dsl cannot be imported.*copy_engine"):
         SmGather()
     with pytest.raises(ValueError, match="ctas"):
-        SmGather(ctas=0)
+        SmGather(ctas=-1)
 
 
 def test_sm_gather_rows_split_and_pad():
@@ -121,6 +121,9 @@ def test_sm_gather_rows_split_and_pad():
     assert split_rows([(0, 0, 10)], chunk=4) == [(0, 0, 4), (4, 4, 4), (8, 8, 2)]
     k = kernel_rows([(0x1000, 0x2000, 64), (0x3000, 0x4000, 0)], ctas=3)
     assert k == [(0x100, 0x200, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0)]  # 3 zero rows: prefetch padding
+    # ctas=0: one CTA per row, so the padding is as long as the rows
+    assert kernel_rows([(0, 0x40, 16 * (CHUNK_LINES + 1))], ctas=0) == [
+        (0, 4, CHUNK_LINES), (CHUNK_LINES, 4 + CHUNK_LINES, 1), (0, 0, 0), (0, 0, 0)]
     with pytest.raises(ValueError, match="copy_engine"):
         kernel_rows([(0x1008, 0x2000, 16)], ctas=1)
 
