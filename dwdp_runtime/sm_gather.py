@@ -2,11 +2,15 @@
 
 An opt-in transfer mode (``transfer="sm_gather"``): one CuTe DSL kernel (``nvidia-cutlass-dsl``)
 per layer copies every ``(dst, src, nbytes)`` entry of the layer's copy plan, instead of one
-``cuMemcpyAsync`` per entry. Why it is opt-in and not the default: an SM copy competes with compute
-for SMs and HBM bandwidth. HARDWARE.md measured an SM copy reading over NVLink slowing a concurrent
-GEMM by +203 % on H200 (copy engines: +9–11 %); the numbers for THIS kernel on one H200 are in
-docs/GPU.md. It only pays where compute fully covers the copy and SMs are idle, or where a plan has
-very many small entries (one launch per layer instead of ~7 µs of driver work per entry).
+``cuMemcpyAsync`` per entry. Why it is opt-in and not the default: an SM copy takes SMs and HBM
+bandwidth from the compute beside it. Measured on one H200 (docs/GPU.md, HBM→HBM): a concurrent
+8192³ bf16 GEMM slowed by +15–24 % (16–132 CTAs) / +27 % (one CTA per row) at the same stream
+priority, +7–19 % / −2 % with the GEMM on a higher-priority stream, where the driver's own
+device-to-device copy cost +3–4 % / −4…−2 % (runs differ by up to ±7 points). HARDWARE.md measured an
+SM copy reading over NVLink at +203 % (copy engines: +9–11 %); the x2 run of THIS kernel is not made
+yet. Where it wins: plans with many entries — one launch per layer (~4–7 µs host) instead of ~5 µs
+of driver work per entry: with contention_opt's 144 slices per layer, 0.87–2.0 TB/s vs 0.21–0.48
+TB/s for copy_engine on one GPU.
 
 Descriptor format (what the kernel consumes, one row per piece of the copy plan):
   ``int64[n, 3] = (dst_line, src_line, num_lines)`` with ``line = address // 16``; every address and
@@ -15,25 +19,30 @@ Descriptor format (what the kernel consumes, one row per piece of the copy plan)
   offending address and ``copy_engine``), never mid-forward.
   ``compile`` splits every entry into rows of at most ``CHUNK_LINES`` (= THREADS × UNROLL = 2048
   lines, 32 KiB) so that any plan — two 144 MiB entries or 144 slices of 2 MiB — spreads evenly
-  over the CTAs, and appends ``ctas`` zero rows so the kernel can prefetch row ``r + gridDim``
+  over the CTAs, and appends one zero row per CTA so the kernel can prefetch row ``r + gridDim``
   without a bounds check.
 
-Kernel (one launch per layer on the copy stream, grid = ``ctas`` CTAs × THREADS threads):
-  CTA ``b`` walks rows ``b, b + ctas, b + 2·ctas, …``; while it copies row ``r`` it has already
-  issued the loads of row ``r + ctas``'s descriptor (so descriptor latency overlaps the data).
-  A full row: each thread issues UNROLL independent 16-byte loads (``ld.global.v4.b32``) before its
-  UNROLL stores — 32 KiB in flight per CTA, enough memory-level parallelism for HBM/NVLink latency
-  with few CTAs. A short row (tail of an entry) runs a plain strided 16-byte loop.
-  The grid is a fixed number of CTAs (``ctas``, default ``DEFAULT_CTAS``; env
-  ``DWDP_SM_GATHER_CTAS``): it bounds how many SMs the copy can take from the GEMM running beside
-  it; the measured choice is in docs/GPU.md.
+Kernel (one launch per layer on the copy stream, THREADS = 256 threads per CTA):
+  CTA ``b`` walks rows ``b, b + grid, b + 2·grid, …``; while it copies row ``r`` it has already
+  issued the loads of row ``r + grid``'s descriptor (descriptor latency overlaps the data).
+  A full row: each thread issues UNROLL = 8 independent 16-byte loads (``ld.global.v4.b32``) before
+  its 8 stores — 32 KiB in flight per CTA. A short row (an entry's tail) runs a strided 16-byte loop.
+  Grid (``ctas``, default ``DEFAULT_CTAS`` = 32; env ``DWDP_SM_GATHER_CTAS``):
+    * ``ctas = N`` > 0: a persistent grid of N CTAs — bounds the SMs the copy can hold. Measured on
+      one H200: 16 → 0.47 TB/s, 32 → 0.86–0.89 TB/s, 64 → 1.5 TB/s, 132 → 1.94–1.97 TB/s. 32 is the
+      default: on NVLink (~390 GB/s per direction on H200) it has a > 2× margin while holding a
+      quarter of the SMs; on ONE GPU it reaches only ~0.43 of copy_ (HBM needs ≥ 132 CTAs).
+    * ``ctas = 0``: one CTA per row (grid = number of rows, short-lived CTAs). 2.0 TB/s on one
+      H200 (= copy_), and with compute on a higher-priority stream the block scheduler favours the
+      compute CTAs: GEMM tax −2 % (vs +10 % at 32 CTAs); with compute at the SAME priority +27 %.
+      The recommended setting on one GPU and wherever compute runs on a higher-priority stream.
 
 Invariants:
-  * setup (``SmGather()`` + ``compile``) does everything that costs: imports CuTe DSL (~6 s), JIT-
-    compiles the kernel ONCE per process (cached at module level; 0.1–0.5 s on sm_90), builds the
-    descriptor tensor on the device, and prebuilds the launch arguments;
-  * ``launch`` allocates nothing (host or device) beyond the ctypes argument packing the runtime
-    reuses, never synchronizes, and enqueues one kernel on the given stream;
+  * setup (``SmGather()`` + ``compile``) does everything that costs: imports CuTe DSL (2–4 s),
+    JIT-compiles the kernel ONCE per process (cached at module level; 0.1–0.15 s on sm_90), builds
+    the descriptor tensor on the device, and (first launch per stream) the launch arguments;
+  * ``launch`` allocates no device memory, never synchronizes, and enqueues one kernel on the given
+    stream (prebuilt ctypes arguments through the DSL executor; ~4–14 µs host);
   * rows never overlap in dst (the copy plan's invariant), so CTAs need no coordination;
   * where CuTe DSL cannot be imported or compiled, ``SmGather()`` raises ``SmGatherUnavailable``
     with the reason — at setup (``CudaStreams`` construction), never mid-forward.
