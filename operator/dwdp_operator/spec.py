@@ -20,6 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dwdp_runtime.config import sharding_errors
 
 GROUP = "dwdp.io"
+# docs/ENV_CONTRACT.md: the variables the operator sets on every worker pod (manifests.worker_env)
+CONTRACT_ENV = (
+    "DWDP_JOB", "DWDP_NAMESPACE", "DWDP_GROUP", "DWDP_POD_INDEX", "DWDP_RANK_BASE", "DWDP_GPUS_PER_POD",
+    "DWDP_SIZE", "DWDP_STORE_ADDR", "DWDP_STORE_PORT", "DWDP_ATTEMPT", "DWDP_TOKEN", "DWDP_NUM_EXPERTS",
+    "DWDP_EXPERTS_PER_WORKER", "DWDP_PREFETCH_STRIDE", "DWDP_PREFETCH_SLOTS", "DWDP_CONTENTION_OPT",
+    "DWDP_TRANSFER", "DWDP_MODEL", "DWDP_MODEL_SYNTHETIC", "DWDP_DTYPE", "DWDP_BACKEND", "DWDP_HTTP_PORT",
+)
 VERSION = "v1alpha1"
 PLURAL = "dwdpgroups"
 KIND = "DwdpGroup"
@@ -141,13 +148,15 @@ def check_model_source(spec: DwdpGroupSpec) -> list[str]:
 
 @register_check
 def check_template_env(spec: DwdpGroupSpec) -> list[str]:
+    """The pod contract's variables belong to the operator; other DWDP_* tuning knobs
+    (e.g. DWDP_SM_GATHER_CTAS) may be set through template.env."""
     out = []
     for i, var in enumerate(spec.template.env):
         name = var.get("name")
         if not isinstance(name, str) or not name:
             out.append(f"spec.template.env[{i}]: every env entry needs a name")
-        elif name.startswith("DWDP_"):
-            out.append(f"spec.template.env[{i}]: {name} is set by the operator (DWDP_* is reserved); remove it")
+        elif name in CONTRACT_ENV:
+            out.append(f"spec.template.env[{i}]: {name} is set by the operator (docs/ENV_CONTRACT.md); remove it")
     return out
 
 

@@ -50,3 +50,14 @@ def test_sizing_does_not_roll_pods():
     a, _ = parse_spec(spec())
     b, _ = parse_spec(spec(sizing={"model": "deepseek-r1"}))
     assert template_hash(a) == template_hash(b)
+
+
+def test_contract_env_is_reserved_but_tuning_knobs_pass():
+    from dwdp_operator.manifests import worker_env
+    from dwdp_operator.spec import CONTRACT_ENV, parse_spec
+
+    parsed, _ = parse_spec(spec())
+    assert tuple(v["name"] for v in worker_env(name="r1", ns="ns", g=0, i=0, attempt=0, spec=parsed)) == CONTRACT_ENV
+    (err,) = validate_spec(spec(template={"env": [{"name": "DWDP_ATTEMPT", "value": "7"}]}))
+    assert "DWDP_ATTEMPT is set by the operator" in err
+    assert validate_spec(spec(template={"env": [{"name": "DWDP_SM_GATHER_CTAS", "value": "0"}]})) == []
