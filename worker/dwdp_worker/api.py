@@ -75,6 +75,10 @@ def create_app(sup: Supervisor) -> FastAPI:
     async def _count(request: Request, call_next):
         t0 = time.monotonic()
         response = await call_next(request)
+        if sup.draining:
+            # No keep-alive while draining: a client must not reuse this connection for its next
+            # request, or that request races the close of the idle connection at exit (a reset).
+            response.headers["connection"] = "close"
         if request.url.path == "/v1/completions":
             sup.metrics.requests.labels(code=str(response.status_code)).inc()
             if response.status_code == 200:

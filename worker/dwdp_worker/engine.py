@@ -73,7 +73,8 @@ class Engine:
 
     @classmethod
     def build(cls, *, model_dir, config, rank: int, rendezvous, backend: str = "auto", device=None,
-              token: str = "", dtype: str | None = None, progress: bool = True) -> "Engine":
+              token: str = "", dtype: str | None = None, progress: bool = True,
+              copy_delay_s: float = 0.0) -> "Engine":
         from dwdp_runtime.manager import DwdpManager
 
         hf_config = load_config(model_dir)
@@ -82,7 +83,7 @@ class Engine:
             raise ValueError(f"DWDP config num_experts={config.num_experts} but the model in {model_dir} has {n} "
                              f"routed experts per layer; set num_experts={n} (and experts-per-worker/stride to match)")
         manager = DwdpManager.create(config=config, rank=rank, rendezvous=rendezvous, backend=backend,
-                                     device=device, token=token, progress=progress)
+                                     device=device, token=token, progress=progress, copy_delay_s=copy_delay_s)
         try:
             _set_cuda_device(manager.device)
             model, report = load_sharded(model_dir, manager, dtype=dtype, progress=progress, config=hf_config)

@@ -2,7 +2,9 @@
 
 Invariants:
   * ``ENV_VARS`` is exactly the table of ``docs/ENV_CONTRACT.md`` (a test compares them); the
-    worker reads no other ``DWDP_*`` variable in pod mode.
+    worker reads no other ``DWDP_*`` variable in pod mode, except two that are not part of the
+    contract and that the operator never sets: ``DWDP_LOG_LEVEL`` (rank log level) and the test hook
+    ``DWDP_TEST_COPY_DELAY_S`` (``rank_process``: delays every copy batch; fault-injection tests only).
   * Every variable is required except that exactly one of ``DWDP_MODEL`` / ``DWDP_MODEL_SYNTHETIC``
     is non-empty. ``DWDP_TOKEN`` must be non-empty (an empty token lets any client join the group).
   * Any problem raises ``EnvContractError`` whose message names every missing or bad variable and

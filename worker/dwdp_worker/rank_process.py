@@ -38,6 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HEARTBEAT_S = 0.5
+# Test hook (never set in production): seconds of delay injected before every copy batch of this
+# rank's copy thread (host backend only: ``HostStreams(copy_delay_s=...)``), to prove a slow copy
+# thread gives correct answers and shows up as exposed prefetch wait in /metrics.
+TEST_COPY_DELAY_ENV = "DWDP_TEST_COPY_DELAY_S"
 log = logging.getLogger("dwdp_worker.rank")
 
 
@@ -136,7 +140,7 @@ def _serve(spec: RankSpec, conn) -> int:
         conn.send(("phase", "loading"))
         engine = Engine.build(model_dir=spec.model_dir, config=config, rank=spec.rank, rendezvous=rdzv,
                               backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
-                              progress=False)
+                              progress=False, copy_delay_s=_test_copy_delay())
         # Peers in other pods can die without this front noticing: the monitor heart-beats through
         # the group's store (a side thread, off the forward path) and names a lost peer.
         monitor = PeerMonitor(rdzv, interval_s=spec.peer_interval_s, dead_after_s=spec.peer_dead_after_s).start()
@@ -157,6 +161,17 @@ def _serve(spec: RankSpec, conn) -> int:
         if monitor.lost is None:
             engine.close()  # importers unmap before owners release: a barrier with the live peers
         return code
+
+
+def _test_copy_delay() -> float:
+    raw = os.environ.get(TEST_COPY_DELAY_ENV, "")
+    if not raw:
+        return 0.0
+    delay = float(raw)
+    if not 0.0 <= delay <= 60.0:
+        raise ValueError(f"{TEST_COPY_DELAY_ENV}={raw!r}: a test hook, must be in [0, 60] seconds")
+    log.warning("test hook %s=%g: every copy batch of this rank is delayed", TEST_COPY_DELAY_ENV, delay)
+    return delay
 
 
 def _stats(engine) -> dict:

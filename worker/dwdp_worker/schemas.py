@@ -5,6 +5,7 @@ Invariants:
     is a 422 naming the field, never silently ignored.
   * Token ids and ``max_tokens`` are *strict* integers: ``"5"``, ``5.0`` and ``true`` are refused
     (JSON has no int/bool distinction problems we want to paper over).
+  * Text fields are valid Unicode: a lone UTF-16 surrogate (legal in JSON, ``"\ud800"``) is a 422.
   * Only greedy decoding exists (``temperature`` 0, ``n`` 1): anything else is refused with the reason,
     not approximated.
   * Range checks that need the model (vocab size, context length) live in ``admission.py``; this
@@ -33,6 +34,19 @@ class CompletionRequest(BaseModel):
     n: StrictInt = Field(default=1, description="only 1 is served")
     stream: bool = Field(default=False, description="streaming is not served")
     user: StrictStr | None = None
+
+    @field_validator("prompt", "model", "user")
+    @classmethod
+    def _valid_unicode(cls, v):
+        # JSON may carry lone UTF-16 surrogates ("\ud800"); Python keeps them in str, and the
+        # tokenizer (and any UTF-8 encode) then raises deep inside: refuse them here with the reason.
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"text must be valid Unicode: a lone UTF-16 surrogate "
+                                 f"{v[exc.start]!r} at character {exc.start}") from None
+        return v
 
     @field_validator("temperature")
     @classmethod

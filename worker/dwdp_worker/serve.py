@@ -7,7 +7,7 @@ Order (each step bounded)::
     3. uvicorn serves          (its own signal handling replaced by ours)
     4. wait: SIGTERM/SIGINT → request_drain · a rank dies → _fail (exit code 1)
     5. drain                   (admitted requests finish, ≤ drain_timeout_s; readiness false)
-    6. uvicorn stops           (open responses are sent first)
+    6. uvicorn stops           (listener closed first, then 0.5 s for accepted connections, then the rest)
     7. ranks stop              (("stop",), join, kill after stop_timeout_s)
 A second SIGTERM/SIGINT while draining skips the wait (admitted requests get 503, never dropped).
 """
@@ -29,12 +29,27 @@ from .supervisor import Supervisor
 log = logging.getLogger("dwdp_worker.serve")
 
 
+LISTEN_CLOSE_GRACE_S = 0.5
+
+
 class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers (it would stop at once and re-raise SIGTERM at exit)."""
+    """uvicorn without its signal handlers (it would stop at once and re-raise SIGTERM at exit), and
+    with a shutdown that stops listening *before* it closes connections."""
 
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+    async def shutdown(self, sockets=None) -> None:
+        # uvicorn closes the listener and every idle connection in the same instant: a request that
+        # was already on its way on an accepted connection (or on a keep-alive one) is then reset
+        # mid-request. Stop listening first (a new connection is refused: ECONNREFUSED, before any
+        # request is sent), give accepted connections a short grace to deliver their request and
+        # get an answer (503 + "Connection: close" while draining), then let uvicorn close the rest.
+        for server in self.servers:
+            server.close()
+        await asyncio.sleep(LISTEN_CLOSE_GRACE_S)
+        await super().shutdown(sockets)
 
 
 def bind(host: str, port: int) -> socket.socket:
