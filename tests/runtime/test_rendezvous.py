@@ -1,6 +1,7 @@
 """StoreRendezvous on a real TCPStore (ranks as threads for speed), token checks, stray clients,
 and MpiRendezvous under a real mpirun."""
 
+import re
 import shutil
 import socket
 import subprocess
@@ -97,5 +98,6 @@ def test_mpi_rendezvous_under_mpirun():
     out = subprocess.run(["mpirun", "-n", "3", sys.executable, "-m", "tests.runtime.mpi_program", "3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("group="))
+    # mpirun merges the ranks' stdout: lines may interleave, so find each report anywhere
+    lines = sorted(re.findall(r"group=\d+ rank=\d+ ok=\d+/\d+", out.stdout))
     assert lines == [f"group=0 rank={r} ok=6/6" for r in range(3)]
