@@ -57,6 +57,7 @@ class WeightBuffer:
         self._pool: list[list[Allocation]] = [[] for _ in range(num_slots)]
         self._composites: dict[Hashable, list[_Composite]] = {}
         self._compiled: dict[Hashable, Any] = {}
+        self._tensors: dict[Hashable, dict[str, Any]] = {}
         self.remote_bytes_per_layer: dict[Hashable, int] = {}
         self._released = False
 
@@ -101,6 +102,7 @@ class WeightBuffer:
                                              self.transport.peer_view(op.peer, (layer, spec.name)) + op.src_offset,
                                              op.nbytes))
                 self._composites[layer] = composites
+                self._tensors[layer] = {c.spec.name: c.tensor for c in composites}  # bound every forward
                 self._compiled[layer] = self.streams.compile(copies)
                 self.remote_bytes_per_layer[layer] = sum(n for _, _, n in copies)
                 if progress:
@@ -135,7 +137,8 @@ class WeightBuffer:
         return comp
 
     def tensors(self, layer: Hashable) -> dict[str, Any]:
-        return {c.spec.name: c.tensor for c in self._composites[layer]}
+        """The layer's composite tensors by weight name (built once at setup; do not mutate)."""
+        return self._tensors[layer]
 
     def compiled_copies(self, layer: Hashable) -> Any:
         return self._compiled[layer]
@@ -152,6 +155,7 @@ class WeightBuffer:
                     self.memory.unmap(va, n)
                 self.memory.free_reservation(comp.va, comp.layout.total_bytes)
         self._composites.clear()
+        self._tensors.clear()
         self._compiled.clear()
         for pages in self._pool:
             for alloc in pages:
