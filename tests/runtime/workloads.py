@@ -90,10 +90,25 @@ def monitored_rank(rank, world, port, *, victim, token="t0k3n", die_after_s=1.0,
         time.sleep(die_after_s)
         os._exit(17)
     deadline = t0 + wait_s
+    out = {"message": None}
     while time.monotonic() < deadline:
         try:
             mon.check()
         except PeerLost as exc:
-            return {"message": str(exc), "after_s": time.monotonic() - t0}
+            out = {"message": str(exc), "after_s": time.monotonic() - t0}
+            break
         time.sleep(0.05)
-    return {"message": None}
+    survivors = [r for r in range(world) if r not in (victim, 0)]
+    if rank == 0 and out["message"]:
+        # rank 0 hosts the store: keep it up until the other survivors noticed on their own,
+        # or they would (correctly, but not what this test checks) report the lost store instead
+        stop = time.monotonic() + 10
+        while time.monotonic() < stop and not all(rdzv.store_get_nowait(f"noticed/{r}") for r in survivors):
+            time.sleep(0.05)
+    elif rank != 0 and out["message"]:
+        try:
+            rdzv.store_set(f"noticed/{rank}", b"1")
+        except Exception:  # noqa: BLE001 - the store host may be the victim
+            pass
+    mon.stop()
+    return out
