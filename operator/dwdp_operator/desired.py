@@ -148,6 +148,9 @@ def _failure_reasons(ctx: _Ctx, st: dict, cur: list[dict]) -> list[str]:
             reasons.append(f"pod {p['name']} {p['phase']}")
         elif p["restarts"] > 0:
             reasons.append(f"pod {p['name']} container restarted ({p['restarts']}x)")
+    dead_end = _placement_dead_end(ctx, cur)
+    if dead_end:
+        reasons.append(dead_end)
     if st.get("gangComplete") or any(p["labels"].get(L.GANG) == "complete" for p in cur):
         have = {p["name"] for p in cur}
         for i in range(ctx.spec.pods_per_group):
@@ -155,6 +158,20 @@ def _failure_reasons(ctx: _Ctx, st: dict, cur: list[dict]) -> list[str]:
             if n not in have:
                 reasons.append(f"pod {n} disappeared")
     return reasons
+
+
+def _placement_dead_end(ctx: _Ctx, cur: list[dict]) -> str:
+    """A group split between bound pods and a pod no node can take (the bound ones pin the clique)."""
+    limit = ctx.spec.restartPolicy.unschedulableSeconds
+    bound = sorted({p["node"] for p in cur if p["node"] and not p["deleting"]})
+    stuck = [p for p in cur if not p["node"] and p.get("unschedulable_since")]
+    if not limit or not bound or not stuck:
+        return ""
+    since = min(parse_iso(p["unschedulable_since"]) or ctx.now for p in stuck)
+    if ctx.now - since < limit:
+        return ""
+    return (f"placement dead end: pod {stuck[0]['name']} unschedulable for {ctx.now - since:.0f}s while the "
+            f"group's other pods hold {', '.join(bound)}; restarting away from those nodes")
 
 
 def _live_group(ctx: _Ctx, plan: Plan, st: dict, gpods: list[dict]) -> dict:
@@ -193,6 +210,10 @@ def _live_group(ctx: _Ctx, plan: Plan, st: dict, gpods: list[dict]) -> dict:
         n = int(st.get("groupRestarts") or 0)
         hist = list(st.get("history") or [])[-(HISTORY - 1):] + [{"attempt": int(st["attempt"]), "time": iso(now), "reason": why}]
         st.update(history=hist, lastRestartTime=iso(now), lastRestartReason=why)
+        if why.startswith("placement dead end") or "; placement dead end" in why:
+            st["avoidNodes"] = sorted({p["node"] for p in cur if p["node"]})
+        else:
+            st.pop("avoidNodes", None)
         _delete_all(plan, gpods)
         if exhausted(n, max_restarts=spec.restartPolicy.maxRestarts):
             st["phase"] = "Failed"
@@ -219,13 +240,16 @@ def _live_group(ctx: _Ctx, plan: Plan, st: dict, gpods: list[dict]) -> dict:
         n = M.pod_name(ctx.name, g, i)
         if n not in have:
             plan.creates.append(M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=i,
-                                             attempt=int(st["attempt"]), spec=spec, thash=ctx.thash))
+                                             attempt=int(st["attempt"]), spec=spec, thash=ctx.thash,
+                                             avoid_nodes=st.get("avoidNodes") or ()))
     if len(cur) == spec.pods_per_group:
         st["gangComplete"] = True  # from now on a missing pod is a failure, even if all vanish
         plan.patches += [(p["name"], M.lift_gate_patch()) for p in cur if p["labels"].get(L.GANG) != "complete"]
     plan.patches += [(p["name"], M.serving_patch(True)) for p in cur if p["labels"].get(L.SERVING) != "true"]
     st = _observe(ctx, st, cur)
     st["phase"] = "Ready" if st["readyPods"] == spec.pods_per_group else "Pending"
+    if st["phase"] == "Ready":
+        st.pop("avoidNodes", None)  # placed: the next restart may use any node again
     return st
 
 

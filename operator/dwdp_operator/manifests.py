@@ -165,7 +165,7 @@ def _probe(path: str, *, period: int, failures: int, initial: int = 0) -> dict[s
 
 
 def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec,
-               thash: str) -> dict[str, Any]:
+               thash: str, avoid_nodes: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     group_sel = {L.NAME: name, L.GROUP: str(g)}
     labels = {**group_sel, L.POD_INDEX: str(i), L.ATTEMPT: str(attempt), L.TEMPLATE_HASH: thash,
               L.GANG: "pending", L.SERVING: "true", "app.kubernetes.io/name": "dwdp-worker"}
@@ -204,6 +204,10 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
                 {"labelSelector": {"matchLabels": group_sel}, "topologyKey": "kubernetes.io/hostname"}]},
         },
     }
+    if avoid_nodes:  # after a placement dead end: not the nodes where the last attempt got stuck
+        pod_spec["affinity"]["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": sorted(avoid_nodes)}]}]}}
     if spec.imex.mode == "ComputeDomain":
         pod_spec["resourceClaims"] = [{"name": IMEX_CLAIM, "resourceClaimTemplateName": claim_template_name(name)}]
     meta = _meta(pod_name(name, g, i), ns, name, uid, "worker", labels)

@@ -17,6 +17,8 @@ def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
     st = body.get("status") or {}
     cstats = st.get("containerStatuses") or []
     conds = {c.get("type"): c.get("status") for c in (st.get("conditions") or [])}
+    sched = next((c for c in (st.get("conditions") or []) if c.get("type") == "PodScheduled"), {})
+    unschedulable = sched.get("status") == "False" and sched.get("reason") == "Unschedulable"
     labels = dict(meta.get("labels") or {})
     return {
         "name": meta.get("name", ""),
@@ -30,6 +32,8 @@ def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
         "restarts": sum(int(c.get("restartCount") or 0) for c in cstats),
         "ip": st.get("podIP") or "",
         "node": spec.get("nodeName") or "",
+        # since when the scheduler has found no node for it ("" when it is not unschedulable)
+        "unschedulable_since": (sched.get("lastTransitionTime") or "") if unschedulable else "",
     }
 
 

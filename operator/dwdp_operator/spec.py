@@ -68,6 +68,9 @@ class Imex(_Model):
 class RestartPolicy(_Model):
     maxRestarts: int = Field(default=5, ge=0)
     backoffSeconds: int = Field(default=10, ge=0, le=3600)
+    # a group split between bound pods and a pod the scheduler cannot place (e.g. its first pod chose
+    # a clique that lost a node) is a dead end: restart it away from those nodes after this long; 0 = never
+    unschedulableSeconds: int = Field(default=300, ge=0, le=86400)
 
 
 class Rollout(_Model):

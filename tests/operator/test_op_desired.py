@@ -2,6 +2,7 @@
 
 from dwdp_operator import labels as L
 from dwdp_operator.desired import desired_state
+from dwdp_operator.status import iso
 from dwdp_operator.restart import backoff_seconds, exhausted
 from dwdp_op_util import cr, pods_from, spec, with_
 
@@ -204,3 +205,52 @@ def test_backoff_math():
     assert [backoff_seconds(n, base=10) for n in range(7)] == [10, 20, 40, 80, 160, 300, 300]
     assert backoff_seconds(100, base=10) == 300 and backoff_seconds(3, base=0) == 0
     assert exhausted(2, max_restarts=2) and not exhausted(1, max_restarts=2)
+
+
+def _stuck_group_pods(plan, *, since):
+    """Group 1: pods p0-p2 bound to nodes, p3 unschedulable since ``since`` (a clique that lost a node)."""
+    pods = pods_from(plan, phase="Pending", ready=False, gang="complete")
+    out = []
+    for p in pods:
+        if p["group"] == 1:
+            if p["name"].endswith("p3"):
+                p = {**p, "node": "", "unschedulable_since": iso(since)}
+            else:
+                p = {**p, "node": f"gpu-c2-n{p['name'][-1]}"}
+        else:
+            p = {**p, "node": f"gpu-c0-n{p['name'][-1]}", "phase": "Running", "ready": True}
+        out.append(p)
+    return out
+
+
+def test_placement_dead_end_restarts_the_group_away_from_its_nodes():
+    obj = cr(spec(restartPolicy={"maxRestarts": 3, "backoffSeconds": 10, "unschedulableSeconds": 30}))
+    first = desired_state(obj, [], now=T0)
+    obj = {**obj, "status": first.status}
+    pods = _stuck_group_pods(first, since=T0)
+    waiting = desired_state(obj, pods, now=T0 + 29)  # not yet a dead end: the scheduler may still place it
+    assert group(waiting, 1)["phase"] == "Pending" and not _failure_events(waiting)
+    plan = desired_state(obj, pods, now=T0 + 31)
+    g1 = group(plan, 1)
+    assert g1["phase"] == "Restarting" and g1["lastRestartReason"].startswith("placement dead end: pod r1-g1-p3")
+    assert g1["avoidNodes"] == ["gpu-c2-n0", "gpu-c2-n1", "gpu-c2-n2"]
+    assert group(plan, 0)["phase"] == "Ready"  # the healthy group is untouched
+    obj = {**obj, "status": plan.status}
+    others = [p for p in pods if p["group"] != 1]
+    due = desired_state(obj, others, now=T0 + 31 + 10)
+    new = [m for m in due.creates if m["kind"] == "Pod"]
+    assert len(new) == 4
+    for m in new:
+        terms = m["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"][0]["matchExpressions"][0] == {
+            "key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-c2-n0", "gpu-c2-n1", "gpu-c2-n2"]}
+
+
+def test_unplaceable_group_with_no_pod_bound_is_not_a_dead_end():
+    # nothing bound: no clique is pinned, the scheduler (or an autoscaler) may still find room
+    obj = cr(spec(restartPolicy={"unschedulableSeconds": 30}))
+    first = desired_state(obj, [], now=T0)
+    obj = {**obj, "status": first.status}
+    pods = [{**p, "node": "", "unschedulable_since": iso(T0)} for p in pods_from(first, phase="Pending", ready=False)]
+    plan = desired_state(obj, pods, now=T0 + 3600)
+    assert not _failure_events(plan) and all(g["phase"] == "Pending" for g in plan.status["groups"])

@@ -106,3 +106,15 @@ def test_network_policy_store_port_only_from_own_group():
     assert own.items() <= p["metadata"]["labels"].items()
     other = M.worker_pod(name="r1", ns="ns", uid="u", g=2, i=1, attempt=0, spec=sp, thash="h")
     assert not own.items() <= other["metadata"]["labels"].items()
+
+
+def test_observed_pod_reports_unschedulable_since():
+    from dwdp_operator.observed import slim_pod
+
+    body = {"metadata": {"name": "p", "labels": {}}, "spec": {},
+            "status": {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "lastTransitionTime": "2026-11-29T10:00:00Z"}]}}
+    assert slim_pod(body)["unschedulable_since"] == "2026-11-29T10:00:00Z"
+    body["status"]["conditions"][0].update(status="True", reason="")
+    assert slim_pod(body)["unschedulable_since"] == ""
