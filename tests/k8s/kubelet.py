@@ -49,6 +49,11 @@ def make_nodes(core: client.CoreV1Api, *, cliques: int = 4, per_clique: int = 4,
     return names
 
 
+def _pinned(patch: dict, pod) -> dict:
+    """A merge patch that only applies to the pod version it was computed from (else 409)."""
+    return {**patch, "metadata": {"resourceVersion": pod.metadata.resource_version}}
+
+
 def _running_status(pod, restarts: int = 0) -> dict:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     cs = [{"name": c.name, "ready": True, "restartCount": restarts, "image": c.image,
@@ -87,9 +92,16 @@ class Kubelet:
             "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}]}})
 
     def bump_restart(self, ns: str, name: str) -> None:
-        pod = self.core.read_namespaced_pod(name, ns)
-        n = max([c.restart_count or 0 for c in (pod.status.container_statuses or [])] or [0])
-        self.core.patch_namespaced_pod_status(name, ns, _running_status(pod, restarts=n + 1))
+        for _ in range(20):  # optimistic concurrency: never overwrite a newer status, never lose the bump
+            pod = self.core.read_namespaced_pod(name, ns)
+            n = max([c.restart_count or 0 for c in (pod.status.container_statuses or [])] or [0])
+            try:
+                self.core.patch_namespaced_pod_status(name, ns, _pinned(_running_status(pod, restarts=n + 1), pod))
+                return
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+        raise AssertionError(f"could not bump the restart count of {ns}/{name}: 20 conflicts")
 
     # -- loop -------------------------------------------------------------------------------
     def start(self) -> "Kubelet":
@@ -111,7 +123,9 @@ class Kubelet:
                                                 body=client.V1DeleteOptions(grace_period_seconds=0,
                                                                             preconditions={"uid": meta.uid}))
             elif spec.node_name and (st.phase or "Pending") == "Pending" and key not in self._held:
-                self.core.patch_namespaced_pod_status(meta.name, meta.namespace, _running_status(pod))
+                # pinned to the resourceVersion we saw: a stale snapshot (the sweep's list) must not
+                # overwrite a newer status, e.g. a restart count bumped by a test (a 409 is ignored)
+                self.core.patch_namespaced_pod_status(meta.name, meta.namespace, _pinned(_running_status(pod), pod))
                 self.started_at[(meta.namespace, meta.name, meta.uid)] = time.time()
         except ApiException as e:
             if e.status not in (404, 409):
