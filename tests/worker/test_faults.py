@@ -153,7 +153,11 @@ def _kill_mid_forward_and_check(pods, victim: int, lost_needle: str) -> dict:
     threads = _start_inflight(pods, 2, out)
     time.sleep(0.3)
     victim_pid = pods[victim].rank_pids()[0]
-    assert pods[victim].get("/readyz").json()["ranks"][0]["busy"], "the victim rank was not mid-forward"
+    # the rank is idle for a moment between the forwards of a long request: catch it inside one (bounded)
+    deadline = time.monotonic() + 10
+    while not pods[victim].get("/readyz").json()["ranks"][0]["busy"]:
+        assert time.monotonic() < deadline, "the victim rank was never seen mid-forward within 10 s"
+        time.sleep(0.002)
     t_kill = time.monotonic()
     os.kill(victim_pid, signal.SIGKILL)
     exits = {}
