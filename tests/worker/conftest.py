@@ -56,3 +56,17 @@ def fuse_experts(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
         out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_api_model_dir(tmp_path_factory):
+    """The tiny tokenized qwen3_moe checkpoint the HTTP API tests serve (written once per session)."""
+    from dwdp_worker.synth import write_synthetic
+
+    return write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m", seed=3, tokenizer=True,
+                           max_positions=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_api_model_dir):
+    return tiny_api_model_dir

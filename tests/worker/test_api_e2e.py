@@ -17,14 +17,6 @@ PROMPTS = [[5, 17, 42, 99, 3], [7], [200, 11, 11, 11, 64, 1, 2, 3, 4, 5, 6, 7], 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
-
-    return write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m", seed=3, tokenizer=True,
-                           max_positions=64)
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     srv = Server(["--local", "--model", str(model_dir), "--groups", "1", "--dwdp-size", "2", "--backend", "host",
                   "--max-num-tokens", "48", "--max-queue", "64", "--batch-wait-ms", "40",

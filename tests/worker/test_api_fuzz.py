@@ -24,14 +24,6 @@ tried = {"n": 0, "by_status": {}}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
-
-    return write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m", seed=3, tokenizer=True,
-                           max_positions=64)
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     srv = Server(["--local", "--model", str(model_dir), "--dwdp-size", "2", "--backend", "host",
                   "--max-num-tokens", "64", "--served-model-name", "tiny"])
