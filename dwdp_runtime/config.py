@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
 
-TransferMode = Literal["copy_engine", "batched", "sm_gather"]
-TRANSFER_MODES: tuple[str, ...] = ("copy_engine", "batched", "sm_gather")
+from .contract import DEFAULT_TRANSFER, TRANSFER_MODES, TransferMode
+
+__all__ = ["TRANSFER_MODES", "TransferMode", "DwdpConfig", "sharding_errors", "suggest_sharding"]
 
 
 def suggest_sharding(*, dwdp_size: int, num_experts: int) -> tuple[int, int]:
@@ -102,7 +102,7 @@ class DwdpConfig:
     num_groups: int = 1
     num_prefetch_slots: int = 2
     contention_opt: bool = False
-    transfer: TransferMode = "copy_engine"
+    transfer: TransferMode = DEFAULT_TRANSFER
 
     def __post_init__(self) -> None:
         errors = sharding_errors(

@@ -33,9 +33,9 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .contract import DEFAULT_TRANSFER, TRANSFER_MODES, Transfer
 from .streams import CopyStreamError, CopyTriple, Streams
 
-TRANSFERS = ("copy_engine", "batched", "sm_gather")
 BATCH_ABI_VERSION = 13000  # cuMemcpyBatchAsync's CUDA 13 signature (no failIdx argument)
 
 # CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
@@ -64,9 +64,9 @@ def batch_arrays(copies: Sequence[CopyTriple]):
 
 
 class CudaStreams(Streams):
-    def __init__(self, *, device=None, transfer: str = "copy_engine"):
-        if transfer not in TRANSFERS:
-            raise ValueError(f"transfer {transfer!r}: choose one of {', '.join(TRANSFERS)}")
+    def __init__(self, *, device=None, transfer: str = DEFAULT_TRANSFER):
+        if transfer not in TRANSFER_MODES:
+            raise ValueError(f"transfer {transfer!r}: choose one of {', '.join(TRANSFER_MODES)}")
         import torch
 
         from .memory.cuda import check, load_driver
@@ -79,7 +79,7 @@ class CudaStreams(Streams):
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.transfer = transfer
         self._gather = None
-        if transfer == "sm_gather":
+        if transfer == Transfer.SM_GATHER:
             from .sm_gather import SmGather
 
             self._gather = SmGather(device=self.device)  # raises at setup when the kernel is unavailable
@@ -91,7 +91,7 @@ class CudaStreams(Streams):
         self._memcpy = driver.cuMemcpyAsync
         self._batch_fn = None
         self._batch_attr = None
-        if transfer == "batched":
+        if transfer == Transfer.BATCHED:
             self._batch_fn, self._batch_attr = self._resolve_batch()
         self._raw_stream = self._copy_raw = None
         self._event_record = self._stream_wait = None
@@ -189,9 +189,9 @@ class CudaStreams(Streams):
         triples = tuple((int(d), int(s), int(n)) for d, s, n in copies)
         nbytes = sum(n for _, _, n in triples)
         driver = self._driver
-        if self.transfer == "copy_engine":
+        if self.transfer == Transfer.COPY_ENGINE:
             args = tuple((driver.CUdeviceptr(d), driver.CUdeviceptr(s), n) for d, s, n in triples)
-        elif self.transfer == "batched":
+        elif self.transfer == Transfer.BATCHED:
             dsts, srcs, sizes = batch_arrays(triples)
             idxs = (ctypes.c_size_t * 1)(0)
             args = (dsts, srcs, sizes, len(triples), idxs)
@@ -204,14 +204,14 @@ class CudaStreams(Streams):
             raise CopyStreamError("copy stream is closed")
         if not compiled.triples:
             return
-        if compiled.mode == "copy_engine":
+        if compiled.mode == Transfer.COPY_ENGINE:
             memcpy, stream, ok = self._memcpy, self._cu_stream, self._success
             for dst, src, n in compiled.args:
                 err = memcpy(dst, src, n, stream)[0]
                 if err != ok:
                     self._check(self._driver, (err,), f"cuMemcpyAsync({n} bytes) on the copy stream")
             self.stats["copy_calls"] += len(compiled.args)
-        elif compiled.mode == "batched":
+        elif compiled.mode == Transfer.BATCHED:
             dsts, srcs, sizes, count, idxs = compiled.args
             rc = self._batch_fn(ctypes.addressof(dsts), ctypes.addressof(srcs), ctypes.addressof(sizes), count,
                                 self._batch_attr.getPtr(), ctypes.addressof(idxs), 1,

@@ -29,6 +29,7 @@ import logging
 from typing import Any, Callable, Hashable
 
 from .config import DwdpConfig
+from .contract import DEFAULT_TRANSFER
 from .layout import peer_ranges
 from .memory import MemoryBackend, select_backend
 from .rendezvous import Rendezvous, token_key
@@ -40,7 +41,7 @@ from .weight_manager import WeightManager
 log = logging.getLogger(__name__)
 
 
-def make_streams(memory: MemoryBackend, *, transfer: str = "copy_engine", copy_delay_s: float = 0.0) -> Streams:
+def make_streams(memory: MemoryBackend, *, transfer: str = DEFAULT_TRANSFER, copy_delay_s: float = 0.0) -> Streams:
     if memory.name == "host":
         return HostStreams(transfer=transfer, copy_delay_s=copy_delay_s)
     from .cuda_streams import CudaStreams

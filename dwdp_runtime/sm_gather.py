@@ -55,6 +55,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .contract import TuningEnv
+
 LINE_BYTES = 16
 THREADS = 256  # threads per CTA
 UNROLL = 8  # independent 16-byte loads in flight per thread on a full row
@@ -105,13 +107,13 @@ def kernel_rows(copies: Sequence[tuple[int, int, int]], ctas: int, chunk: int = 
 
 
 def default_ctas() -> int:
-    raw = os.environ.get("DWDP_SM_GATHER_CTAS", "")
+    raw = os.environ.get(TuningEnv.SM_GATHER_CTAS, "")
     if not raw:
         return DEFAULT_CTAS
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"DWDP_SM_GATHER_CTAS={raw!r}: expected a positive integer") from None
+        raise ValueError(f"{TuningEnv.SM_GATHER_CTAS}={raw!r}: expected a positive integer") from None
     return value
 
 

@@ -24,6 +24,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
+from .contract import DEFAULT_TRANSFER
+
 CopyTriple = tuple[int, int, int]  # (dst address, src address, nbytes)
 
 
@@ -34,7 +36,7 @@ class CopyStreamError(RuntimeError):
 class Streams(ABC):
     """Copy/compute queues. ``compile`` runs at setup (no allocation later), ``enqueue_copies`` per layer."""
 
-    transfer: str = "copy_engine"
+    transfer: str = DEFAULT_TRANSFER
 
     @abstractmethod
     def new_event(self) -> Any: ...
@@ -97,7 +99,7 @@ class HostStreams(Streams):
     ``stall_timeout_s`` bounds how long compute waits for a copy before raising CopyStreamError.
     """
 
-    def __init__(self, *, transfer: str = "copy_engine", copy_delay_s: float = 0.0,
+    def __init__(self, *, transfer: str = DEFAULT_TRANSFER, copy_delay_s: float = 0.0,
                  stall_timeout_s: float = 120.0):
         self.transfer = transfer
         self.copy_delay_s = copy_delay_s

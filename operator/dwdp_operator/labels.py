@@ -1,17 +1,19 @@
-"""Label and annotation keys on the operator's children (one place, so selectors never drift)."""
+"""Label and annotation keys on the operator's children (defined in ``dwdp_runtime.contract``)."""
 
-PREFIX = "dwdp.io"
-NAME = f"{PREFIX}/name"              # the DwdpGroup name
-GROUP = f"{PREFIX}/group"            # group index g
-POD_INDEX = f"{PREFIX}/pod-index"    # pod index i inside the group
-ATTEMPT = f"{PREFIX}/attempt"        # group attempt; bumps on every group restart or rollout
-TEMPLATE_HASH = f"{PREFIX}/template-hash"
-GANG = f"{PREFIX}/gang"              # "pending" until every pod of the attempt exists, then "complete"
-SERVING = f"{PREFIX}/serving"        # "true" = behind the client Service; "false" while draining
-MANAGED_BY = "app.kubernetes.io/managed-by"
+from dwdp_runtime.contract import GANG_GATE, LABEL_PREFIX as PREFIX, Label
+
+NAME = Label.NAME
+GROUP = Label.GROUP
+POD_INDEX = Label.POD_INDEX
+ATTEMPT = Label.ATTEMPT
+TEMPLATE_HASH = Label.TEMPLATE_HASH
+GANG = Label.GANG
+SERVING = Label.SERVING
+MANAGED_BY = Label.MANAGED_BY
+COMPONENT = Label.COMPONENT
 MANAGER = "dwdp-operator"
-COMPONENT = "app.kubernetes.io/component"
-GANG_GATE = f"{PREFIX}/gang"         # scheduling gate name, lifted once the gang is complete
+__all__ = ["PREFIX", "NAME", "GROUP", "POD_INDEX", "ATTEMPT", "TEMPLATE_HASH", "GANG", "SERVING", "MANAGED_BY",
+           "MANAGER", "COMPONENT", "GANG_GATE", "selector"]
 
 
 def selector(name: str) -> str:

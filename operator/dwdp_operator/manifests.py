@@ -30,6 +30,9 @@ import hashlib
 import json
 from typing import Any
 
+from dwdp_runtime.contract import TOKEN_SECRET_KEY, Backend, PortName
+from dwdp_runtime.contract import PodEnvVar as E
+
 from . import labels as L
 from .spec import GROUP, KIND, VERSION, DwdpGroupSpec
 
@@ -84,14 +87,14 @@ def _meta(name: str, ns: str, owner: str, uid: str, component: str, extra: dict 
 def token_secret(*, name: str, ns: str, uid: str, token: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": _meta(token_secret_name(name), ns, name, uid, "token"),
-            "stringData": {"token": token}}
+            "stringData": {TOKEN_SECRET_KEY: token}}
 
 
 def client_service(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, ns, name, uid, "client"),
             "spec": {"selector": {L.NAME: name, L.SERVING: "true"},
-                     "ports": [{"name": "http", "port": spec.httpPort, "targetPort": "http"}]}}
+                     "ports": [{"name": PortName.HTTP, "port": spec.httpPort, "targetPort": PortName.HTTP}]}}
 
 
 def group_service(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) -> dict[str, Any]:
@@ -99,8 +102,8 @@ def group_service(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) 
             "metadata": _meta(group_service_name(name, g), ns, name, uid, "group", {L.GROUP: str(g)}),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": {L.NAME: name, L.GROUP: str(g)},
-                     "ports": [{"name": "store", "port": spec.storePort, "targetPort": "store"},
-                               {"name": "http", "port": spec.httpPort, "targetPort": "http"}]}}
+                     "ports": [{"name": PortName.STORE, "port": spec.storePort, "targetPort": PortName.STORE},
+                               {"name": PortName.HTTP, "port": spec.httpPort, "targetPort": PortName.HTTP}]}}
 
 
 def network_policy(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) -> dict[str, Any]:
@@ -131,21 +134,22 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
     e, m = spec.experts, spec.model
     store = f"{pod_name(name, g, 0)}.{group_service_name(name, g)}.{ns}.svc"
     plain = [
-        ("DWDP_JOB", name), ("DWDP_NAMESPACE", ns), ("DWDP_GROUP", g), ("DWDP_POD_INDEX", i),
-        ("DWDP_RANK_BASE", i * spec.gpusPerPod), ("DWDP_GPUS_PER_POD", spec.gpusPerPod),
-        ("DWDP_SIZE", spec.dwdpSize), ("DWDP_STORE_ADDR", store), ("DWDP_STORE_PORT", spec.storePort),
-        ("DWDP_ATTEMPT", attempt),
+        (E.JOB, name), (E.NAMESPACE, ns), (E.GROUP, g), (E.POD_INDEX, i),
+        (E.RANK_BASE, i * spec.gpusPerPod), (E.GPUS_PER_POD, spec.gpusPerPod),
+        (E.SIZE, spec.dwdpSize), (E.STORE_ADDR, store), (E.STORE_PORT, spec.storePort),
+        (E.ATTEMPT, attempt),
     ]
-    env = [{"name": k, "value": str(v)} for k, v in plain]
-    env.append({"name": "DWDP_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": "token"}}})
+    env = [{"name": str(k), "value": str(v)} for k, v in plain]
+    env.append({"name": str(E.TOKEN),
+                "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_SECRET_KEY}}})
     rest = [
-        ("DWDP_NUM_EXPERTS", e.numExperts), ("DWDP_EXPERTS_PER_WORKER", e.numExpertsPerWorker),
-        ("DWDP_PREFETCH_STRIDE", e.numPrefetchExperts), ("DWDP_PREFETCH_SLOTS", e.numPrefetchSlots),
-        ("DWDP_CONTENTION_OPT", "true" if e.contentionOpt else "false"), ("DWDP_TRANSFER", e.transfer),
-        ("DWDP_MODEL", m.path or ""), ("DWDP_MODEL_SYNTHETIC", m.synthetic or ""), ("DWDP_DTYPE", m.dtype),
-        ("DWDP_BACKEND", "auto"), ("DWDP_HTTP_PORT", spec.httpPort),
+        (E.NUM_EXPERTS, e.numExperts), (E.EXPERTS_PER_WORKER, e.numExpertsPerWorker),
+        (E.PREFETCH_STRIDE, e.numPrefetchExperts), (E.PREFETCH_SLOTS, e.numPrefetchSlots),
+        (E.CONTENTION_OPT, "true" if e.contentionOpt else "false"), (E.TRANSFER, e.transfer),
+        (E.MODEL, m.path or ""), (E.MODEL_SYNTHETIC, m.synthetic or ""), (E.DTYPE, m.dtype),
+        (E.BACKEND, Backend.AUTO), (E.HTTP_PORT, spec.httpPort),
     ]
-    env += [{"name": k, "value": str(v)} for k, v in rest]
+    env += [{"name": str(k), "value": str(v)} for k, v in rest]
     return env
 
 
@@ -160,7 +164,7 @@ def _resources(spec: DwdpGroupSpec) -> dict[str, Any]:
 
 
 def _probe(path: str, *, period: int, failures: int, initial: int = 0) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+    return {"httpGet": {"path": path, "port": PortName.HTTP}, "periodSeconds": period,
             "failureThreshold": failures, "initialDelaySeconds": initial, "timeoutSeconds": 5}
 
 
@@ -172,8 +176,8 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
     container = {
         "name": "worker", "image": spec.image, "command": ["dwdp-worker", "pod"],
         "env": worker_env(name=name, ns=ns, g=g, i=i, attempt=attempt, spec=spec) + list(spec.template.env),
-        "ports": [{"name": "http", "containerPort": spec.httpPort},
-                  {"name": "store", "containerPort": spec.storePort}],
+        "ports": [{"name": PortName.HTTP, "containerPort": spec.httpPort},
+                  {"name": PortName.STORE, "containerPort": spec.storePort}],
         "resources": _resources(spec),
         "startupProbe": _probe("/healthz", period=10, failures=STARTUP_FAILURE_THRESHOLD),
         "livenessProbe": _probe("/healthz", period=10, failures=3),

@@ -18,15 +18,12 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dwdp_runtime.config import sharding_errors
+from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, LABEL_PREFIX, POD_ENV,
+                                   ModelDtype, ModelDtypeName, TransferMode)
 
-GROUP = "dwdp.io"
+GROUP = LABEL_PREFIX
 # docs/ENV_CONTRACT.md: the variables the operator sets on every worker pod (manifests.worker_env)
-CONTRACT_ENV = (
-    "DWDP_JOB", "DWDP_NAMESPACE", "DWDP_GROUP", "DWDP_POD_INDEX", "DWDP_RANK_BASE", "DWDP_GPUS_PER_POD",
-    "DWDP_SIZE", "DWDP_STORE_ADDR", "DWDP_STORE_PORT", "DWDP_ATTEMPT", "DWDP_TOKEN", "DWDP_NUM_EXPERTS",
-    "DWDP_EXPERTS_PER_WORKER", "DWDP_PREFETCH_STRIDE", "DWDP_PREFETCH_SLOTS", "DWDP_CONTENTION_OPT",
-    "DWDP_TRANSFER", "DWDP_MODEL", "DWDP_MODEL_SYNTHETIC", "DWDP_DTYPE", "DWDP_BACKEND", "DWDP_HTTP_PORT",
-)
+CONTRACT_ENV: tuple[str, ...] = tuple(v.value for v in POD_ENV)
 VERSION = "v1alpha1"
 PLURAL = "dwdpgroups"
 KIND = "DwdpGroup"
@@ -42,13 +39,13 @@ class Experts(_Model):
     numPrefetchExperts: int = Field(ge=1)
     numPrefetchSlots: int = Field(default=2, ge=2)
     contentionOpt: bool = False
-    transfer: Literal["copy_engine", "batched", "sm_gather"] = "copy_engine"
+    transfer: TransferMode = DEFAULT_TRANSFER
 
 
 class Model(_Model):
     path: str | None = Field(default=None, min_length=1)
     synthetic: Literal["qwen3_moe", "mixtral", "deepseek_v3"] | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: ModelDtypeName = ModelDtype.BFLOAT16.value
 
 
 class Sizing(_Model):
@@ -99,8 +96,8 @@ class DwdpGroupSpec(_Model):
     rollout: Rollout = Field(default_factory=Rollout)
     template: Template = Field(default_factory=Template)
     sizing: Sizing | None = None
-    httpPort: int = Field(default=8000, ge=1, le=65535)
-    storePort: int = Field(default=29500, ge=1, le=65535)
+    httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
+    storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535)
 
     @property
     def pods_per_group(self) -> int:

@@ -104,3 +104,72 @@ def test_the_operators_pod_env_parses(gpus_per_pod, pod_index):
     assert parsed.ranks == list(range(pod_index * gpus_per_pod, (pod_index + 1) * gpus_per_pod))
     assert (parsed.group, parsed.attempt, parsed.model_synthetic) == (1, 2, "qwen3_moe")
     assert parsed.dwdp_config().num_experts == 16
+
+
+# -- the contract module is the one definition: operator, worker parser and docs agree with it --------------
+
+def _operator():
+    pytest.importorskip("dwdp_operator.manifests")
+    from dwdp_operator import manifests, spec
+
+    return manifests, spec
+
+
+def _spec(spec_mod, **experts_and_model):
+    model = experts_and_model.pop("model", {"synthetic": "qwen3_moe"})
+    return spec_mod.DwdpGroupSpec.model_validate({
+        "dwdpSize": 4, "image": "dwdp:test", "model": model,
+        "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4, **experts_and_model}})
+
+
+def test_rendered_pod_env_is_the_contract_in_order():
+    from dwdp_runtime import contract
+    from dwdp_worker.envcontract import PodEnv
+
+    manifests, spec_mod = _operator()
+    rendered = manifests.worker_env(name="r1", ns="prod", g=0, i=1, attempt=0, spec=_spec(spec_mod))
+    names = [e["name"] for e in rendered]
+    assert names == [v.value for v in contract.POD_ENV]
+    assert all(type(n) is str for n in names)  # exact str: yaml.safe_dump and every client serialize it
+    assert set(spec_mod.CONTRACT_ENV) == set(names) == set(ENV_VARS)
+    assert sorted(f.alias for f in PodEnv.model_fields.values()) == sorted(names)
+    doc = (ROOT / "docs" / "ENV_CONTRACT.md").read_text()
+    assert re.findall(r"^\| `(DWDP_[A-Z_]+)` \|", doc, flags=re.M) == names  # the table, in the same order
+
+
+@pytest.mark.parametrize("transfer", ["copy_engine", "batched", "sm_gather"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_every_transfer_and_dtype_crosses_from_the_operator_to_the_worker(transfer, dtype):
+    from dwdp_runtime.config import TRANSFER_MODES
+    from dwdp_runtime.contract import ModelDtype, Transfer
+
+    assert TRANSFER_MODES == tuple(Transfer) and transfer in TRANSFER_MODES and dtype in tuple(ModelDtype)
+    manifests, spec_mod = _operator()
+    spec = _spec(spec_mod, transfer=transfer, model={"synthetic": "mixtral", "dtype": dtype})
+    env = manifests.worker_env(name="r1", ns="prod", g=0, i=0, attempt=0, spec=spec)
+    parsed = parse_env({e["name"]: e.get("value", "from-secret") for e in env})
+    assert (parsed.transfer, parsed.dtype, parsed.backend) == (transfer, dtype, "auto")
+    assert parsed.dwdp_config().transfer == transfer
+
+
+def test_unknown_transfer_is_refused_on_both_sides():
+    manifests, spec_mod = _operator()
+    assert any("transfer" in m for m in spec_mod.validate_spec(
+        {"dwdpSize": 4, "image": "x", "model": {"synthetic": "qwen3_moe"},
+         "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4, "transfer": "nvlink"}}))
+    with pytest.raises(EnvContractError, match="DWDP_TRANSFER"):
+        parse_env({**GOOD, "DWDP_TRANSFER": "nvlink"})
+
+
+def test_tuning_variables_pass_through_template_env_but_contract_ones_are_refused():
+    from dwdp_runtime.contract import POD_ENV, TuningEnv
+
+    _, spec_mod = _operator()
+    assert not set(TuningEnv) & set(POD_ENV)
+    base = {"dwdpSize": 4, "image": "x", "model": {"synthetic": "qwen3_moe"},
+            "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4}}
+    assert spec_mod.validate_spec({**base, "template": {"env": [{"name": str(TuningEnv.SM_GATHER_CTAS),
+                                                                   "value": "0"}]}}) == []
+    for var in POD_ENV:
+        errors = spec_mod.validate_spec({**base, "template": {"env": [{"name": var.value, "value": "1"}]}})
+        assert errors and var.value in errors[0]

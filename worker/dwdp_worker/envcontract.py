@@ -1,10 +1,11 @@
 """The operator → pod environment contract (``docs/ENV_CONTRACT.md``), parsed and checked.
 
 Invariants:
-  * ``ENV_VARS`` is exactly the table of ``docs/ENV_CONTRACT.md`` (a test compares them); the
-    worker reads no other ``DWDP_*`` variable in pod mode, except two that are not part of the
-    contract and that the operator never sets: ``DWDP_LOG_LEVEL`` (rank log level) and the test hook
-    ``DWDP_TEST_COPY_DELAY_S`` (``rank_process``: delays every copy batch; fault-injection tests only).
+  * The names come from ``dwdp_runtime.contract``: ``ENV_VARS`` is ``contract.POD_ENV``, and
+    ``PodEnv`` has one field per name (a test checks the aliases against the contract and the doc
+    table). In pod mode the worker reads no other ``DWDP_*`` variable than those and
+    ``contract.TuningEnv`` (never set by the operator: rank log level, the sm_gather grid, and the
+    fault-injection test hook that delays every copy batch).
   * Every variable is required except that exactly one of ``DWDP_MODEL`` / ``DWDP_MODEL_SYNTHETIC``
     is non-empty. ``DWDP_TOKEN`` must be non-empty (an empty token lets any client join the group).
   * Any problem raises ``EnvContractError`` whose message names every missing or bad variable and
@@ -16,19 +17,16 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from typing import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig
+from dwdp_runtime.config import DwdpConfig
+from dwdp_runtime.contract import POD_ENV, POD_ENV_ONE_OF, BackendName, ModelDtypeName, TransferMode
+from dwdp_runtime.contract import PodEnvVar as E
 
-ENV_VARS: tuple[str, ...] = (
-    "DWDP_JOB", "DWDP_NAMESPACE", "DWDP_GROUP", "DWDP_POD_INDEX", "DWDP_RANK_BASE", "DWDP_GPUS_PER_POD",
-    "DWDP_SIZE", "DWDP_STORE_ADDR", "DWDP_STORE_PORT", "DWDP_ATTEMPT", "DWDP_TOKEN", "DWDP_NUM_EXPERTS",
-    "DWDP_EXPERTS_PER_WORKER", "DWDP_PREFETCH_STRIDE", "DWDP_PREFETCH_SLOTS", "DWDP_CONTENTION_OPT",
-    "DWDP_TRANSFER", "DWDP_MODEL", "DWDP_MODEL_SYNTHETIC", "DWDP_DTYPE", "DWDP_BACKEND", "DWDP_HTTP_PORT",
-)
-OPTIONAL_EMPTY = ("DWDP_MODEL", "DWDP_MODEL_SYNTHETIC")  # exactly one of the two is set
+ENV_VARS: tuple[str, ...] = tuple(v.value for v in POD_ENV)
+OPTIONAL_EMPTY: tuple[str, ...] = tuple(v.value for v in POD_ENV_ONE_OF)  # exactly one of the two is set
 
 
 class EnvContractError(ValueError):
@@ -38,28 +36,28 @@ class EnvContractError(ValueError):
 class PodEnv(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=False, frozen=True)
 
-    job: str = Field(alias="DWDP_JOB", min_length=1)
-    namespace: str = Field(alias="DWDP_NAMESPACE", min_length=1)
-    group: int = Field(alias="DWDP_GROUP", ge=0)
-    pod_index: int = Field(alias="DWDP_POD_INDEX", ge=0)
-    rank_base: int = Field(alias="DWDP_RANK_BASE", ge=0)
-    gpus_per_pod: int = Field(alias="DWDP_GPUS_PER_POD", ge=1)
-    dwdp_size: int = Field(alias="DWDP_SIZE", ge=2)
-    store_addr: str = Field(alias="DWDP_STORE_ADDR", min_length=1)
-    store_port: int = Field(alias="DWDP_STORE_PORT", ge=1, le=65535)
-    attempt: int = Field(alias="DWDP_ATTEMPT", ge=0)
-    token: str = Field(alias="DWDP_TOKEN", min_length=1)
-    num_experts: int = Field(alias="DWDP_NUM_EXPERTS", ge=1)
-    experts_per_worker: int = Field(alias="DWDP_EXPERTS_PER_WORKER", ge=1)
-    prefetch_stride: int = Field(alias="DWDP_PREFETCH_STRIDE", ge=1)
-    prefetch_slots: int = Field(alias="DWDP_PREFETCH_SLOTS", ge=2)
-    contention_opt: bool = Field(alias="DWDP_CONTENTION_OPT")
-    transfer: Literal["copy_engine", "batched", "sm_gather"] = Field(alias="DWDP_TRANSFER")
-    model: str = Field(alias="DWDP_MODEL", default="")
-    model_synthetic: str = Field(alias="DWDP_MODEL_SYNTHETIC", default="")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(alias="DWDP_DTYPE")
-    backend: Literal["auto", "host", "cuda"] = Field(alias="DWDP_BACKEND")
-    http_port: int = Field(alias="DWDP_HTTP_PORT", ge=1, le=65535)
+    job: str = Field(alias=E.JOB, min_length=1)
+    namespace: str = Field(alias=E.NAMESPACE, min_length=1)
+    group: int = Field(alias=E.GROUP, ge=0)
+    pod_index: int = Field(alias=E.POD_INDEX, ge=0)
+    rank_base: int = Field(alias=E.RANK_BASE, ge=0)
+    gpus_per_pod: int = Field(alias=E.GPUS_PER_POD, ge=1)
+    dwdp_size: int = Field(alias=E.SIZE, ge=2)
+    store_addr: str = Field(alias=E.STORE_ADDR, min_length=1)
+    store_port: int = Field(alias=E.STORE_PORT, ge=1, le=65535)
+    attempt: int = Field(alias=E.ATTEMPT, ge=0)
+    token: str = Field(alias=E.TOKEN, min_length=1)
+    num_experts: int = Field(alias=E.NUM_EXPERTS, ge=1)
+    experts_per_worker: int = Field(alias=E.EXPERTS_PER_WORKER, ge=1)
+    prefetch_stride: int = Field(alias=E.PREFETCH_STRIDE, ge=1)
+    prefetch_slots: int = Field(alias=E.PREFETCH_SLOTS, ge=2)
+    contention_opt: bool = Field(alias=E.CONTENTION_OPT)
+    transfer: TransferMode = Field(alias=E.TRANSFER)
+    model: str = Field(alias=E.MODEL, default="")
+    model_synthetic: str = Field(alias=E.MODEL_SYNTHETIC, default="")
+    dtype: ModelDtypeName = Field(alias=E.DTYPE)
+    backend: BackendName = Field(alias=E.BACKEND)
+    http_port: int = Field(alias=E.HTTP_PORT, ge=1, le=65535)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "PodEnv":
@@ -118,5 +116,3 @@ def _describe(err: dict, data: Mapping[str, str]) -> str:
         return f"{var}={data.get(var, '')!r}: {msg}"
     return msg.removeprefix("Value error, ")
 
-
-assert set(TRANSFER_MODES) == {"copy_engine", "batched", "sm_gather"}, "keep PodEnv.transfer in sync"

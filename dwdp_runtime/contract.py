@@ -1,0 +1,144 @@
+"""Names that cross a process or package boundary: one definition each (docs/ENV_CONTRACT.md).
+
+The operator (``dwdp_operator``), the worker (``dwdp_worker``) and the runtime (``dwdp_runtime``)
+import these instead of spelling the strings. Pure Python, stdlib only: the operator image imports
+it without torch.
+
+Invariants:
+  * ``PodEnvVar`` lists the pod environment the operator sets on every worker pod, in the order the
+    operator renders it (``manifests.worker_env``) and the table of docs/ENV_CONTRACT.md lists it.
+    ``POD_ENV`` is that order as a tuple. Tests pin the operator's rendered env, the worker's parser
+    (``dwdp_worker.envcontract``) and the doc table against it.
+  * ``TuningEnv`` lists the other ``DWDP_*`` variables a process reads. They are not part of the pod
+    contract: the operator never sets them, and a user may pass them through ``spec.template.env``.
+  * Each closed set of values that crosses a boundary (transfer mode, model dtype, memory backend
+    choice) is a ``StrEnum``. The pydantic ``Literal`` types the CRD model and the env parser use
+    are built from the enum (``_literal_of``), so no value is written twice.
+  * A ``StrEnum`` member is a ``str``: ``Transfer.COPY_ENGINE == "copy_engine"``, it formats,
+    ``str()``s and JSON-encodes as its value, so code compares members with strings read from the
+    environment. Keys written into Kubernetes objects (``Label``, ``PortName``) are plain ``str``
+    constants instead, so every serializer (``yaml.safe_dump`` too) sees exact strings; for the
+    same reason the operator writes ``str(PodEnvVar.X)`` into a pod's env.
+
+Adding a name: add a member to the right enum, with a comment giving its reason. For a new
+pod-contract variable, also add it to ``PodEnvVar``, render it in ``manifests.worker_env``, parse it in
+``envcontract.PodEnv`` and add a row to docs/ENV_CONTRACT.md; the contract tests fail until all
+four agree.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+
+def _literal_of(enum: type[StrEnum]) -> Any:
+    """``Literal["a", "b", ...]`` of the enum's values (a pydantic field type; JSON schema ``enum``)."""
+    return Literal[tuple(m.value for m in enum)]  # type: ignore[valid-type]
+
+
+class PodEnvVar(StrEnum):
+    """The pod environment contract (docs/ENV_CONTRACT.md), in the operator's rendering order."""
+
+    JOB = "DWDP_JOB"                            # DwdpGroup name (namespaces rendezvous keys)
+    NAMESPACE = "DWDP_NAMESPACE"
+    GROUP = "DWDP_GROUP"                        # group index g
+    POD_INDEX = "DWDP_POD_INDEX"                # pod index i inside the group
+    RANK_BASE = "DWDP_RANK_BASE"                # first rank of this pod = i × gpusPerPod
+    GPUS_PER_POD = "DWDP_GPUS_PER_POD"
+    SIZE = "DWDP_SIZE"                          # dwdpSize
+    STORE_ADDR = "DWDP_STORE_ADDR"              # rank 0's rendezvous store host
+    STORE_PORT = "DWDP_STORE_PORT"
+    ATTEMPT = "DWDP_ATTEMPT"                    # group attempt, bumps on every group restart
+    TOKEN = "DWDP_TOKEN"                        # group secret, from a Secret (secretKeyRef)
+    NUM_EXPERTS = "DWDP_NUM_EXPERTS"
+    EXPERTS_PER_WORKER = "DWDP_EXPERTS_PER_WORKER"
+    PREFETCH_STRIDE = "DWDP_PREFETCH_STRIDE"
+    PREFETCH_SLOTS = "DWDP_PREFETCH_SLOTS"
+    CONTENTION_OPT = "DWDP_CONTENTION_OPT"      # "true" / "false"
+    TRANSFER = "DWDP_TRANSFER"                  # a ``Transfer`` value
+    MODEL = "DWDP_MODEL"                        # checkpoint directory, or empty
+    MODEL_SYNTHETIC = "DWDP_MODEL_SYNTHETIC"    # synthetic architecture name, or empty
+    DTYPE = "DWDP_DTYPE"                        # a ``ModelDtype`` value
+    BACKEND = "DWDP_BACKEND"                    # a ``Backend`` value
+    HTTP_PORT = "DWDP_HTTP_PORT"
+
+
+POD_ENV: tuple[PodEnvVar, ...] = tuple(PodEnvVar)
+# exactly one of the two is non-empty; every other contract variable must be present
+POD_ENV_ONE_OF: tuple[PodEnvVar, ...] = (PodEnvVar.MODEL, PodEnvVar.MODEL_SYNTHETIC)
+
+
+class TuningEnv(StrEnum):
+    """``DWDP_*`` variables outside the pod contract (never set by the operator)."""
+
+    SM_GATHER_CTAS = "DWDP_SM_GATHER_CTAS"      # grid of transfer sm_gather (dwdp_runtime.sm_gather)
+    LOG_LEVEL = "DWDP_LOG_LEVEL"                # rank processes' log level (default WARNING)
+    TEST_COPY_DELAY_S = "DWDP_TEST_COPY_DELAY_S"  # fault-injection test hook: slow copy thread
+
+
+class Transfer(StrEnum):
+    """How a rank submits one layer's peer copies (``dwdp_runtime.cuda_streams``)."""
+
+    COPY_ENGINE = "copy_engine"  # one cuMemcpyAsync per entry on the copy stream (default)
+    BATCHED = "batched"          # one cuMemcpyBatchAsync per layer (CUDA 13 driver)
+    SM_GATHER = "sm_gather"      # SM kernel gathering 16-byte lines (opt-in; taxes compute SMs)
+
+
+TransferMode = _literal_of(Transfer)
+TRANSFER_MODES: tuple[str, ...] = tuple(m.value for m in Transfer)
+DEFAULT_TRANSFER: str = Transfer.COPY_ENGINE.value  # a plain str: safe in dataclass dumps
+
+
+class ModelDtype(StrEnum):
+    """``spec.model.dtype`` / ``DWDP_DTYPE``: the dtype the worker loads weights in."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+ModelDtypeName = _literal_of(ModelDtype)
+
+
+class Backend(StrEnum):
+    """``DWDP_BACKEND`` / ``--backend``: the memory backend a worker asks for."""
+
+    AUTO = "auto"  # fabric with an IMEX channel, else posix_fd with CUDA, else host
+    HOST = "host"  # memfd + mmap, CPU tensors (tests, CPU-only machines)
+    CUDA = "cuda"  # cuMem* with the best handle type the device supports
+
+
+BackendName = _literal_of(Backend)
+
+
+class PortName:
+    """Container port names: Services' ``targetPort`` and the probes refer to them by name."""
+
+    HTTP = "http"    # API, /healthz, /readyz, /metrics (spec.httpPort)
+    STORE = "store"  # rank 0's TCPStore (spec.storePort), reachable only from the group's pods
+
+
+DEFAULT_HTTP_PORT = 8000    # spec.httpPort default, the local launcher's --port default
+DEFAULT_STORE_PORT = 29500  # spec.storePort default (torch.distributed's customary store port)
+
+TOKEN_SECRET_KEY = "token"  # key of the group token in Secret <name>-token (DWDP_TOKEN's secretKeyRef)
+
+LABEL_PREFIX = "dwdp.io"
+
+
+class Label:
+    """Label keys on the operator's children (one place, so selectors never drift)."""
+
+    NAME = f"{LABEL_PREFIX}/name"                    # the DwdpGroup name
+    GROUP = f"{LABEL_PREFIX}/group"                  # group index g
+    POD_INDEX = f"{LABEL_PREFIX}/pod-index"          # pod index i inside the group
+    ATTEMPT = f"{LABEL_PREFIX}/attempt"              # group attempt; bumps on every restart or rollout
+    TEMPLATE_HASH = f"{LABEL_PREFIX}/template-hash"
+    GANG = f"{LABEL_PREFIX}/gang"                    # "pending" until every pod exists, then "complete"
+    SERVING = f"{LABEL_PREFIX}/serving"              # "true" = behind the client Service; "false" while draining
+    MANAGED_BY = "app.kubernetes.io/managed-by"
+    COMPONENT = "app.kubernetes.io/component"
+
+
+GANG_GATE = f"{LABEL_PREFIX}/gang"  # scheduling gate name, lifted once the gang is complete
