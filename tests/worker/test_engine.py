@@ -43,7 +43,7 @@ def test_build_refuses_a_config_for_another_expert_count(checkpoints):
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    from dwdp_worker.loader import CheckpointError
+    from dwdp_worker.safetensors_index import CheckpointError
 
     with pytest.raises(CheckpointError, match="no config.json"):
         num_experts_of(tmp_path)

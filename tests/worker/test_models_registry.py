@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from dwdp_worker import models as arch
-from dwdp_worker.loader import SafetensorsIndex, build_meta_model, load_config
+from dwdp_worker.loader import build_meta_model, load_config
+from dwdp_worker.safetensors_index import SafetensorsIndex
 from dwdp_worker.synth import add_synth_arguments, synth_main, write_synthetic
 
 # MoE layers per architecture in the default 3-layer synthetic config (dense layers run unchanged)
