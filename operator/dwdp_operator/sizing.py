@@ -4,6 +4,7 @@ Only when ``spec.sizing`` names a model preset (or a config.json reachable by th
 hardware preset: the operator cannot read model files on the nodes, so it never guesses a model.
 
   * ``memory_fit_errors(spec)`` — ``[]`` or one message with the numbers (an Invalid condition);
+    registered as a ``validate_spec`` check (``@register_check``) when this module is imported;
   * ``sizing_status(spec)``     — ``status.sizing``: fits, message, predicted T_DEP/T_DWDP per layer.
 Both call ``dwdp_runtime.planner`` (pure Python) and are cached per sizing input: reconciles
 repeat often, the answer changes only with the spec.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from .spec import DwdpGroupSpec
+from .spec import DwdpGroupSpec, register_check
 
 
 def _key(spec: DwdpGroupSpec) -> tuple | None:
@@ -50,7 +51,9 @@ def _speedup(key: tuple) -> dict[str, Any] | None:
             "tDepUs": round(float(r.t_dep_us), 1), "isl": isl}
 
 
+@register_check
 def memory_fit_errors(spec: DwdpGroupSpec) -> list[str]:
+    """The planner's memory fit as a ``validate_spec`` rule (only for specs with ``sizing``)."""
     key = _key(spec)
     if key is None:
         return []

@@ -7,12 +7,20 @@ Invariants:
      one implementation, shared with the runtime's ``DwdpConfig``.
   3. ``validate_spec`` never raises on user input; it returns human messages (``[]`` = valid).
   4. More checks plug in with ``@register_check``: a function ``(DwdpGroupSpec) -> list[str]``
-     (e.g. the planner's memory-fit check). Checks run in registration order, only on specs that
-     parsed.
+     (``sizing.py`` registers the planner's memory-fit check; the package ``__init__`` imports it,
+     so this module imports nothing of the operator). Checks run in registration order, only on
+     specs that parsed.
+  5. Messages name the user's own fields, camelCase as written in the DwdpGroup (``spec.dwdpSize``),
+     never the runtime's snake_case parameters (``SPEC_NAMES`` translates the shared rules' words).
+  6. Every cross-field rule here that a CEL expression can state is also in the CRD's
+     ``x-kubernetes-validations`` (servers >= 1.25 refuse the object at admission);
+     ``tests/operator/test_op_crd.py`` holds the two to each other with a property test.
+     Operator-only: reserved ``template.env`` names and the planner's memory fit.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -114,20 +122,29 @@ def register_check(fn: Check) -> Check:
     return fn
 
 
+# the shared rules' parameter names -> the DwdpGroup's field names (invariant 5)
+SPEC_NAMES = {
+    "num_experts_per_worker": "experts.numExpertsPerWorker",
+    "num_prefetch_experts": "experts.numPrefetchExperts",
+    "num_prefetch_slots": "experts.numPrefetchSlots",
+    "num_experts": "experts.numExperts",
+    "dwdp_size": "dwdpSize",
+}
+_SNAKE = re.compile(r"\b(" + "|".join(sorted(SPEC_NAMES, key=len, reverse=True)) + r")\b")
+
+
+def in_spec_names(message: str) -> str:
+    """A shared-rule message with the runtime's parameter names replaced by the spec's fields."""
+    return _SNAKE.sub(lambda m: SPEC_NAMES[m.group(1)], message)
+
+
 @register_check
 def check_sharding(spec: DwdpGroupSpec) -> list[str]:
     e = spec.experts
     # num_groups=1: 0 groups is a valid scale-to-zero for the CRD; the group count is not a sharding rule here.
-    return [f"spec.experts: {m}" for m in sharding_errors(
+    return [f"spec: {in_spec_names(m)}" for m in sharding_errors(
         dwdp_size=spec.dwdpSize, num_experts=e.numExperts, num_experts_per_worker=e.numExpertsPerWorker,
         num_prefetch_experts=e.numPrefetchExperts, num_prefetch_slots=e.numPrefetchSlots, num_groups=1)]
-
-
-@register_check
-def check_memory_fit(spec: DwdpGroupSpec) -> list[str]:
-    from .sizing import memory_fit_errors  # the planner, only for specs that ask for sizing
-
-    return memory_fit_errors(spec)
 
 
 @register_check
@@ -135,6 +152,21 @@ def check_gpus_per_pod(spec: DwdpGroupSpec) -> list[str]:
     if spec.dwdpSize % spec.gpusPerPod:
         return [f"spec.gpusPerPod={spec.gpusPerPod} must divide spec.dwdpSize={spec.dwdpSize} "
                 f"(every pod runs the same number of ranks); e.g. gpusPerPod=1"]
+    return []
+
+
+HGX_FIX = "one HGX node: gpusPerPod = dwdpSize; several nodes: NVL72 with imex.mode ComputeDomain"
+
+
+@register_check
+def check_hgx_one_pod(spec: DwdpGroupSpec) -> list[str]:
+    """Without an IMEX fabric a GPU allocation crosses processes only as a POSIX fd over a Unix
+    socket, and that socket lives in one pod's network namespace: every rank of the group must be
+    in one pod (one node). Pods on other nodes could never map each other's experts."""
+    if spec.imex.mode == "None" and spec.gpusPerPod != spec.dwdpSize:
+        return [f"spec.gpusPerPod={spec.gpusPerPod} with imex.mode None splits a group of "
+                f"dwdpSize={spec.dwdpSize} ranks over {spec.pods_per_group} pods, which cannot map each "
+                f"other's GPU memory without an IMEX fabric; {HGX_FIX}"]
     return []
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Invalid")
 BUSY_PHASES = ("Pending", "Restarting", "Updating", "Draining")
 
 

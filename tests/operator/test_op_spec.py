@@ -20,6 +20,7 @@ INVALID = {
     "negative groups": spec(numGroups=-1),
     "unknown field": spec(replicas=3),
     "same ports": spec(httpPort=9000, storePort=9000),
+    "hgx split over pods": spec(imex={"mode": "None"}, gpusPerPod=2),
 }
 
 
@@ -36,7 +37,21 @@ def test_invalid_specs_have_messages(case):
 
 def test_sharding_message_comes_from_the_shared_rules():
     errors = S.validate_spec(INVALID["coverage"])
-    assert any("coverage rule" in e and "try num_experts_per_worker" in e for e in errors)
+    assert any("coverage rule" in e and "try experts.numExpertsPerWorker" in e for e in errors)
+    assert not any("num_experts" in e or "dwdp_size" in e for e in errors)  # the spec's own names
+
+
+def test_hgx_rule_one_pod_per_group_without_imex():
+    errors = S.validate_spec(spec(imex={"mode": "None"}, gpusPerPod=1))
+    assert len(errors) == 1 and S.HGX_FIX in errors[0] and "spec.gpusPerPod=1" in errors[0]
+    assert S.validate_spec(spec(imex={"mode": "None"}, gpusPerPod=4)) == []
+    assert S.validate_spec(spec(imex={"mode": "ComputeDomain"}, gpusPerPod=1)) == []
+
+
+def test_memory_fit_is_a_registered_check():
+    from dwdp_operator import sizing
+
+    assert sizing.memory_fit_errors in S.CHECKS
 
 
 def test_zero_groups_is_a_valid_scale_to_zero():

@@ -4,8 +4,9 @@
 2. the model: ``DWDP_MODEL``, or a seeded synthetic ``DWDP_MODEL_SYNTHETIC`` checkpoint written to a
    temp dir (identical on every pod: same arch, seed 0, ``DWDP_NUM_EXPERTS`` experts, ``DWDP_DTYPE``);
    the checkpoint's expert count must equal ``DWDP_NUM_EXPERTS``;
-3. one rank process per local GPU: local index i → DWDP rank ``DWDP_RANK_BASE + i`` on ``cuda:i``;
-   without a GPU (CI) the host backend on CPU;
+3. one rank process per local GPU: local index i → DWDP rank ``DWDP_RANK_BASE + i`` on ``cuda:i``
+   (``gpu_map.rank_devices``: every rank sees every GPU of the pod); without a GPU (CI) the host
+   backend on CPU;
 4. serve the pod port (``DWDP_HTTP_PORT``) with the same front as the local launcher; the pod exits
    non-zero when any rank dies, 0 after a SIGTERM drain.
 """
@@ -19,6 +20,7 @@ import sys
 import tempfile
 
 from .envcontract import EnvContractError, parse_env
+from .gpu_map import rank_devices
 from .launcher import add_serving_arguments, cuda_count
 from .rank_process import RankSpec
 
@@ -32,16 +34,12 @@ def add_pod_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float) -> list[RankSpec]:
     gpus = 0 if env.backend == "host" else cuda_count()
-    if env.backend == "cuda" and gpus < env.gpus_per_pod:
-        raise ValueError(f"DWDP_BACKEND=cuda and DWDP_GPUS_PER_POD={env.gpus_per_pod}, but {gpus} GPU(s) are "
-                         f"visible in this pod (check the pod's nvidia.com/gpu resources)")
-    if gpus and gpus < env.gpus_per_pod:
-        raise ValueError(f"DWDP_GPUS_PER_POD={env.gpus_per_pod} but only {gpus} GPU(s) are visible")
+    devices = rank_devices(gpus_per_pod=env.gpus_per_pod, visible_gpus=gpus, backend=env.backend)
     threads = 1 if gpus else max(1, (os.cpu_count() or 1) // env.gpus_per_pod)
     return [RankSpec(model_dir=model_dir, config=env.dwdp_config().to_dict(), rank=env.rank_base + i,
                      group=env.group, global_id=i, store_host=env.store_addr, store_port=env.store_port,
                      job=f"{env.namespace}/{env.job}", attempt=env.attempt, token=env.token,
-                     backend=env.backend if gpus else "host", device=f"cuda:{i}" if gpus else None,
+                     backend=env.backend if devices[i] else "host", device=devices[i],
                      dtype=env.dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s)
             for i in range(env.gpus_per_pod)]
 
