@@ -6,7 +6,11 @@ Pure. Parts (bytes):
                  ``dtype``, RMSNorm weights bf16.
   local_experts  the local handle of ``layout.composite_layout`` per (MoE layer, tensor): the
                  rank's experts rounded up to the 2 MiB VMM granularity (HARDWARE.md). Two tensors
-                 per layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``; scales folded in.
+                 per layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``. For ``fp8`` the tensors
+                 are the ones ``dwdp_runtime.quant`` declares (e4m3 weights here, their fp32 block
+                 scales in ``local_expert_scales``: own handles, each rounded to a granule), counted by
+                 ``quant.expert_memory`` — the function the loader's report uses too; other quantized
+                 dtypes fold their scales into the weights.
   pool_slots     ``slots`` × the pool pages (16 MiB = 8 × granularity) one MoE layer's composite
                  layouts map (``CompositeLayout.pool_pages``: pre pages up to the first local expert,
                  post pages up to expert N). A slot's pages are reused by every layer mapped to it,
@@ -23,7 +27,7 @@ import math
 
 from pydantic import BaseModel
 
-from .. import layout
+from .. import layout, quant
 
 from .model_shapes import ModelShape, load_model
 from .presets import ACT_BYTES, GIB, MIB, Hardware, WeightDtype, get_dtype, get_hardware
@@ -43,6 +47,7 @@ class MemoryBreakdown(BaseModel):
     dense_weights: float
     local_experts: float
     pool_slots: float
+    local_expert_scales: float = 0.0
     activations: float
     reserved: float
     kv_cache_available: float
@@ -50,7 +55,8 @@ class MemoryBreakdown(BaseModel):
 
     @property
     def used(self) -> float:
-        return self.dense_weights + self.local_experts + self.pool_slots + self.activations + self.reserved
+        return (self.dense_weights + self.local_experts + self.local_expert_scales + self.pool_slots
+                + self.activations + self.reserved)
 
     @property
     def fits_weights(self) -> bool:
@@ -61,8 +67,8 @@ class MemoryBreakdown(BaseModel):
         return self.kv_cache_available >= self.kv_needed
 
     def gib(self) -> dict[str, float]:
-        parts = ("capacity", "dense_weights", "local_experts", "pool_slots", "activations", "reserved",
-                 "kv_cache_available", "kv_needed")
+        parts = ("capacity", "dense_weights", "local_experts", "local_expert_scales", "pool_slots", "activations",
+                 "reserved", "kv_cache_available", "kv_needed")
         return {p: round(getattr(self, p) / GIB, 3) for p in parts}
 
 
@@ -91,13 +97,42 @@ def _layouts(shape: ModelShape, dtype: WeightDtype, local_range: tuple[int, int]
                                     granularity=GRANULARITY) for eb in _tensor_expert_bytes(shape, dtype)]
 
 
+#: expert dtype -> the dtype the worker holds that checkpoint's dense linears in (dequantized at load:
+#: docs/MODELS.md FP8 section; pass --dense-dtype to plan for a block-FP8 dense GEMM instead)
+DEQUANTIZED_DENSE = {"fp8": "bf16"}
+
+#: planner dtypes whose expert tensors ``dwdp_runtime.quant`` declares (the others fold scales in)
+_DECLARED = {"bf16": quant.UNQUANTIZED, "fp8": quant.FP8_BLOCK_SCHEME}
+
+
+def _declared_memory(shape: ModelShape, dtype: WeightDtype, ranges, rank: int, slots: int):
+    scheme = _DECLARED[dtype.name]
+    i, h = shape.moe_inter, shape.hidden
+    tensors = quant.layer_tensors(scheme, [("gate_up_proj", (2 * i, h), (i, i)), ("down_proj", (h, i), ())])
+    return quant.expert_memory(tensors=tensors, num_moe_layers=shape.num_moe_layers, num_experts=shape.num_experts,
+                               ranges=ranges, rank=rank, slots=slots, granularity=GRANULARITY,
+                               compute_itemsize=ACT_BYTES)
+
+
 def local_expert_bytes(shape: ModelShape, *, dtype: WeightDtype, experts_per_worker: int) -> float:
+    if dtype.name in _DECLARED:
+        return float(_declared_memory(shape, dtype, [(0, experts_per_worker)], 0, 1).weights)
     per_layer = sum(c.local_bytes for c in _layouts(shape, dtype, (0, experts_per_worker)))
     return float(per_layer * shape.num_moe_layers)
 
 
+def local_expert_scale_bytes(shape: ModelShape, *, dtype: WeightDtype, experts_per_worker: int) -> float:
+    """The local handles of the experts' block scales (0 unless ``dtype`` declares scale tensors)."""
+    if dtype.name in _DECLARED:
+        return float(_declared_memory(shape, dtype, [(0, experts_per_worker)], 0, 1).scales)
+    return 0.0
+
+
 def pool_slot_bytes(shape: ModelShape, *, dtype: WeightDtype, ranges: list[tuple[int, int]], slots: int) -> float:
     """``slots`` × the worst rank's pool pages for one MoE layer (see module docstring)."""
+    if dtype.name in _DECLARED:
+        per_slot = max(_declared_memory(shape, dtype, ranges, r, 1).pool for r in range(len(ranges)))
+        return float(slots * per_slot)
     worst = max(sum(c.pool_pages for c in _layouts(shape, dtype, r)) for r in ranges)
     return float(slots * worst * POOL_PAGE)
 
@@ -118,9 +153,14 @@ def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_
     hw: Hardware = get_hardware(hardware)
     dt = get_dtype(dtype)
     ddt = get_dtype(dense_dtype) if dense_dtype is not None else dt
+    shared_dt = dt
+    if dt.name in DEQUANTIZED_DENSE and dense_dtype is None:
+        # the worker dequantizes an fp8 checkpoint's attention, dense MLPs and shared experts at load
+        ddt = shared_dt = get_dtype(DEQUANTIZED_DENSE[dt.name])
     parts = dict(
-        dense_weights=dense_weight_bytes(shape, dtype=dt, dense_dtype=ddt),
+        dense_weights=dense_weight_bytes(shape, dtype=shared_dt, dense_dtype=ddt),
         local_experts=local_expert_bytes(shape, dtype=dt, experts_per_worker=experts_per_worker),
+        local_expert_scales=local_expert_scale_bytes(shape, dtype=dt, experts_per_worker=experts_per_worker),
         pool_slots=pool_slot_bytes(shape, dtype=dt, ranges=ranges, slots=prefetch_slots),
         activations=activation_bytes(shape, tokens=max_num_tokens),
         reserved=float(hw.reserved_bytes),
@@ -162,7 +202,9 @@ def memory_fit(*, model, dtype, hardware, dwdp_size: int, experts_per_worker: in
     g = bd.gib()
     need_kv = min_kv_gib * GIB
     fits = bd.kv_cache_available >= need_kv
-    detail = (f"dense {g['dense_weights']:.1f} + local experts {g['local_experts']:.1f} (k={experts_per_worker}) "
+    scales = f" + scales {g['local_expert_scales']:.2f}" if bd.local_expert_scales else ""
+    detail = (f"dense {g['dense_weights']:.1f} + local experts {g['local_experts']:.1f} (k={experts_per_worker})"
+              f"{scales} "
               f"+ pool {g['pool_slots']:.1f} ({prefetch_slots} slots) + activations {g['activations']:.1f} "
               f"+ reserved {g['reserved']:.1f} GiB of {g['capacity']:.1f} GiB on {hw.name}")
     if fits:

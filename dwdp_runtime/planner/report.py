@@ -31,6 +31,7 @@ def rows(r: PlanResult) -> list[tuple[str, str]]:
         ("— memory per GPU (GiB) —", ""),
         ("dense weights", f"{mem['dense_weights']:.2f}"),
         ("local experts", f"{mem['local_experts']:.2f}"),
+        *([("local expert scales", f"{mem['local_expert_scales']:.2f}")] if mem.get("local_expert_scales") else []),
         ("pool slots", f"{mem['pool_slots']:.2f}"),
         ("activations + reserved", f"{mem['activations']:.2f} + {mem['reserved']:.2f}"),
         ("left for KV cache", f"{mem['kv_cache_available']:.2f} of {mem['capacity']:.2f} "

@@ -1,0 +1,20 @@
+"""Quantized experts are more DWDP weights: one declaration per checkpoint format of what is sharded.
+
+  scheme     ``QuantScheme`` / ``ExpertTensor``: per fused experts parameter, the sharded tensors (FP8: the e4m3
+             weight and its fp32 ``weight_scale_inv``), and ``REPLICATED`` (router, bias, dense)
+  config     ``parse_quantization_config``: a checkpoint's ``quantization_config`` → scheme, or a refusal
+  fp8_block  quantize / dequantize with 128×128 block scales (torch, imported lazily)
+  memory     ``expert_memory``: bytes per rank by part (weights, scales, pool) from the runtime's own layout
+
+Everything here but ``fp8_block`` is pure and imports without torch.
+"""
+
+from .config import (NONE, SUPPORTED, QuantConfig, UnsupportedQuantizationError, fp8_config_dict,
+                     parse_quantization_config)
+from .memory import ExpertMemory, expert_memory, layer_tensors
+from .scheme import (FP8_BLOCK, FP8_BLOCK_SCHEME, REPLICATED, UNQUANTIZED, ExpertTensor, QuantScheme,
+                     TensorRole)
+
+__all__ = ["NONE", "SUPPORTED", "QuantConfig", "UnsupportedQuantizationError", "fp8_config_dict",
+           "parse_quantization_config", "ExpertMemory", "expert_memory", "layer_tensors", "FP8_BLOCK",
+           "FP8_BLOCK_SCHEME", "REPLICATED", "UNQUANTIZED", "ExpertTensor", "QuantScheme", "TensorRole"]
