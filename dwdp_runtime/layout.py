@@ -25,7 +25,10 @@ shared ``DwdpConfig`` — so no rank ever has to ask another "what do you hold?"
    handle, dst offsets relative to the reservation base. With ``contention_opt`` the ops are cut
    into 2 MiB slices interleaved round-robin across peers so no single source's copy engine is
    saturated while others idle (the paper's many-to-one contention).
-5. ``slot_pool_pages``: per slot, the pool pages one layer needs (all weights of the layer);
+5. ``handle_bytes``: the size of a rank's shareable allocation, used by the transport (create,
+   import) and by ``composite_layout`` (the whole-handle map): one formula, or the map fails.
+6. ``slot_of`` / ``slot_pool_pages``: MoE order o uses slot ``o mod num_slots`` (schedule and pool);
+   per slot, the pool pages one layer needs (all weights of the layer);
    the pool of a slot is sized by the largest layer mapped to it.
 """
 
@@ -35,7 +38,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Sequence
 
-DEFAULT_PAGE_MULTIPLIER = 8  # pool page = 8 × granularity (16 MiB on 2 MiB granularity)
+# pool page = 8 × granularity (16 MiB on 2 MiB granularity): fewer, larger pool mappings keep the
+# driver's mapping count (and cuMemMap time at setup) low; larger pages waste more of the last page
+DEFAULT_PAGE_MULTIPLIER = 8
 SLICE_BYTES = 2 << 20  # contention_opt slice size: 2 MiB
 
 
@@ -45,6 +50,18 @@ def round_up(x: int, m: int) -> int:
 
 def ceil_div(x: int, m: int) -> int:
     return -(-x // m)
+
+
+def pool_page_bytes(granularity: int, page_multiplier: int = DEFAULT_PAGE_MULTIPLIER) -> int:
+    """PAGE: the size of one pool allocation (always mapped whole)."""
+    return granularity * page_multiplier
+
+
+def handle_bytes(num_local_experts: int, expert_bytes: int, granularity: int) -> int:
+    """Size L of a rank's shareable allocation for one (layer, weight): its experts, rounded up to
+    the granularity. The owner creates it, every importer maps it, and the composite maps it whole
+    (``CompositeLayout.local_bytes``): all three must agree, so this is the only formula."""
+    return round_up(num_local_experts * expert_bytes, granularity)
 
 
 def peer_ranges(*, dwdp_size: int, num_experts: int, num_experts_per_worker: int,
@@ -144,9 +161,9 @@ def composite_layout(*, num_experts: int, expert_bytes: int, local_range: tuple[
         raise ValueError(f"local range {local_range} must be non-empty inside [0, {num_experts})")
     if expert_bytes <= 0 or granularity <= 0:
         raise ValueError("expert_bytes and granularity must be positive")
-    page = granularity * page_multiplier
+    page = pool_page_bytes(granularity, page_multiplier)
     n_pre = ceil_div(a * expert_bytes, page)
-    local_bytes = round_up((b - a) * expert_bytes, granularity)
+    local_bytes = handle_bytes(b - a, expert_bytes, granularity)
     pre_padding = n_pre * page - a * expert_bytes
     covered = n_pre * page + local_bytes  # reservation bytes up to the end of the local handle
     need = pre_padding + num_experts * expert_bytes
@@ -229,7 +246,8 @@ def remote_bytes(layout: CompositeLayout) -> int:
 
 
 def slot_of(order: int, num_slots: int) -> int:
-    """Pool slot of the MoE layer at position ``order`` in forward order."""
+    """Pool slot of the MoE layer at position ``order`` in forward order: the pool the buffer maps
+    under the layer and the slot the schedule assigns it (``PrefetchSchedule.slot``) are the same."""
     return order % num_slots
 
 

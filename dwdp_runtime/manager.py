@@ -30,8 +30,9 @@ from typing import Any, Callable, Hashable
 
 from .config import DwdpConfig
 from .contract import DEFAULT_TRANSFER
-from .layout import peer_ranges
+from .layout import DEFAULT_PAGE_MULTIPLIER, peer_ranges
 from .memory import MemoryBackend, select_backend
+from .memory.base import nbytes_of
 from .rendezvous import Rendezvous, token_key
 from .streams import HostStreams, Streams
 from .transport import Transport
@@ -51,7 +52,8 @@ def make_streams(memory: MemoryBackend, *, transfer: str = DEFAULT_TRANSFER, cop
 
 class DwdpManager:
     def __init__(self, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, memory: MemoryBackend,
-                 streams: Streams, token: str = "", page_multiplier: int = 8, progress: bool = False):
+                 streams: Streams, token: str = "", page_multiplier: int = DEFAULT_PAGE_MULTIPLIER,
+                 progress: bool = False):
         if not 0 <= rank < config.dwdp_size:
             raise ValueError(f"rank {rank} outside the group [0, dwdp_size={config.dwdp_size})")
         if rendezvous.world_size != config.dwdp_size:
@@ -76,7 +78,7 @@ class DwdpManager:
     @classmethod
     def create(cls, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, backend: str = "auto",
                device=None, token: str = "", granularity: int | None = None, copy_delay_s: float = 0.0,
-               progress: bool = False, page_multiplier: int = 8) -> "DwdpManager":
+               progress: bool = False, page_multiplier: int = DEFAULT_PAGE_MULTIPLIER) -> "DwdpManager":
         memory = select_backend(backend, device=device, granularity=granularity)
         streams = make_streams(memory, transfer=config.transfer, copy_delay_s=copy_delay_s)
         try:
@@ -95,6 +97,11 @@ class DwdpManager:
     def device(self):
         return self.memory.device
 
+    @property
+    def backend_name(self) -> str:
+        """The memory backend in use (``host``, ``cuda/posix_fd``, ``cuda/fabric``); valid after release."""
+        return self.memory.name
+
     def add_layer(self, layer: Hashable, *, repeated: bool = False) -> None:
         if self.weights is not None:
             raise RuntimeError("layers must be registered before setup()")
@@ -107,15 +114,10 @@ class DwdpManager:
 
     def add_expert_weight(self, layer: Hashable, name: str, *, expert_shape: tuple[int, ...], dtype,
                           fill: Any | Callable[[Any, int, int], None]) -> None:
-        import torch
-
         if layer not in self._specs:
             raise KeyError(f"add_layer({layer!r}) first")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for d in expert_shape:
-            numel *= int(d)
-        spec = WeightSpec(layer, name, tuple(int(d) for d in expert_shape), dtype, numel * itemsize)
+        shape = tuple(int(d) for d in expert_shape)
+        spec = WeightSpec(layer, name, shape, dtype, nbytes_of(shape, dtype))
         a, b = self.local_range
 
         def _fill(view):
@@ -181,11 +183,16 @@ class DwdpManager:
     def num_restarts(self) -> int:
         return self.weights.num_restarts if self.weights else 0
 
+    @property
+    def bind_wait_s(self) -> float:
+        """Host seconds spent in ``wait_and_bind`` so far (0 before setup and after release)."""
+        return float(self.weights.stats.get("bind_wait_s", 0.0)) if self.weights else 0.0
+
     def composite(self, layer: Hashable, name: str):
         return self.buffer.tensors(layer)[name]
 
     def stats(self) -> dict[str, Any]:
-        out = {"restarts": self.num_restarts, "backend": self.memory.name, "transfer": self.streams.transfer}
+        out = {"restarts": self.num_restarts, "backend": self.backend_name, "transfer": self.streams.transfer}
         if self.weights:
             out.update(self.weights.stats)
         out["remote_bytes_per_forward"] = sum(self.buffer.remote_bytes_per_layer.values())

@@ -10,8 +10,9 @@ that the weight manager applies in field order on the right streams:
   3. ``prefetch``    — MoE orders whose copies to enqueue now (each waits on its slot's consume event).
 
 Positions count across forwards: position p is MoE order ``p mod L`` (L = MoE layers), its slot is
-``order mod num_slots``. The last layers of one forward therefore prefetch the first layers of the
-next forward, and a steady-state ``start_forward`` issues nothing new and never synchronizes.
+``layout.slot_of(order, num_slots)`` (``order mod num_slots``, the rule the pool is built by). The
+last layers of one forward therefore prefetch the first layers of the next forward, and a
+steady-state ``start_forward`` issues nothing new and never synchronizes.
 
 Invariants:
   * a slot is owned by at most one issued-but-unfinished position;
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import logging
 from typing import Iterable, NamedTuple
+
+from .layout import slot_of
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,8 @@ class PrefetchSchedule:
         self.num_restarts = 0
 
     def slot(self, order: int) -> int:
-        return order % self.num_slots
+        """The slot of MoE order ``order``: ``layout.slot_of``, the same rule the pool is built by."""
+        return slot_of(order, self.num_slots)
 
     # -- state transitions ---------------------------------------------------------------------
     def start_forward(self) -> ScheduleStep:

@@ -145,7 +145,9 @@ class GatherPlan:
     nrows: int  # real rows (without the padding)
     lines: int
     ctas: int
-    _args: dict = field(default_factory=dict)  # raw stream handle -> prebuilt execution arguments
+    # raw stream handle -> prebuilt execution arguments: filled by ``SmGather.launch`` on the first
+    # launch on a stream, reused after (a steady-state launch builds nothing)
+    launch_args: dict[int, Any] = field(default_factory=dict, repr=False)
 
 
 class SmGather:
@@ -186,27 +188,25 @@ class SmGather:
         rows = kernel_rows(triples, self.ctas)  # raises ValueError on misalignment (use copy_engine)
         nrows = len(rows) // 2 if self.ctas == 0 else len(rows) - self.ctas
         desc = self._torch.tensor(rows, dtype=self._torch.int64, device=self.device).reshape(-1, 3)
-        return GatherPlan(desc=desc, nrows=nrows, lines=sum(r[2] for r in rows), ctas=self.ctas or max(nrows, 1))
+        return GatherPlan(desc=desc, nrows=nrows, lines=total_lines(rows), ctas=self.ctas or max(nrows, 1))
 
-    def _launch_args(self, plan: GatherPlan, raw_stream: int):
-        args = plan._args.get(raw_stream)
-        if args is None:
-            call = (self._Int64(plan.desc.data_ptr()), self._Int32(plan.nrows), self._Int32(plan.ctas),
-                    self._cuda.CUstream(raw_stream))
-            if self._fast:
-                exe_args, adapted = self._executor.generate_execution_args(*call)
-                args = (exe_args, adapted, call)
-            else:
-                args = (None, None, call)
-            plan._args[raw_stream] = args
-        return args
+    def _build_args(self, plan: GatherPlan, raw_stream: int):
+        call = (self._Int64(plan.desc.data_ptr()), self._Int32(plan.nrows), self._Int32(plan.ctas),
+                self._cuda.CUstream(raw_stream))
+        if self._fast:
+            exe_args, adapted = self._executor.generate_execution_args(*call)
+            return exe_args, adapted, call
+        return None, None, call
 
     def launch(self, plan: GatherPlan, stream) -> None:
         """Enqueue the layer's gather on ``stream`` (a torch stream or a raw handle); no sync, no allocation."""
         if plan.nrows == 0:
             return
         raw = stream if isinstance(stream, int) else stream.cuda_stream
-        exe_args, _adapted, call = self._launch_args(plan, raw)
+        args = plan.launch_args.get(raw)
+        if args is None:
+            args = plan.launch_args[raw] = self._build_args(plan, raw)
+        exe_args, _adapted, call = args
         if exe_args is not None:
             self._executor.run_compiled_program(exe_args)
         else:

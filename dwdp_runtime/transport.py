@@ -2,7 +2,7 @@
 read-only views of the peers' allocations. Setup-time only.
 
 Pipeline:
-  1. ``add(key, …, fill)``: allocate ``round_up((b−a)·eb, granularity)`` bytes, map them, let
+  1. ``add(key, …, fill)``: allocate ``layout.handle_bytes(b−a, eb, granularity)`` bytes, map them, let
      ``fill(view)`` write the local experts straight in (the loader reads safetensors slices into
      it: a rank never holds two copies of a big weight), unmap the staging view.
   2. ``exchange()``: export every allocation; fds go over a Unix socket (``fdpass``), fabric
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 from .fdpass import FdServer, fetch_fds
-from .layout import round_up
+from .layout import handle_bytes
 from .memory.base import Allocation, MemoryBackend
 from .rendezvous import Rendezvous
 
@@ -43,10 +43,6 @@ def _close_fds(items) -> None:
     for item in items:
         if isinstance(item, int):
             os.close(item)
-
-
-def handle_bytes(num_local_experts: int, expert_bytes: int, granularity: int) -> int:
-    return round_up(num_local_experts * expert_bytes, granularity)
 
 
 class Transport:

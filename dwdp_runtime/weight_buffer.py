@@ -1,7 +1,8 @@
 """WeightBuffer: the page pool and one composite [E, ...] tensor per (layer, weight).
 
 Setup (``build``):
-  1. page pool: per slot, ``slot_pool_pages`` allocations of PAGE = 8 × granularity bytes each
+  1. page pool: per slot, ``slot_pool_pages`` allocations of PAGE = ``layout.pool_page_bytes``
+     (``DEFAULT_PAGE_MULTIPLIER`` = 8 × granularity) bytes each
      (the slot's pool is sized by the largest layer mapped to it; pages are always mapped whole);
   2. per (layer, weight): reserve ``layout.total_bytes``; map the layer's slot pages before the
      local allocation (experts [0, a)), the local allocation itself (zero-copy: the rank's own
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
-from .layout import CompositeLayout, copy_plan, slot_of, slot_pool_pages
+from .layout import DEFAULT_PAGE_MULTIPLIER, CompositeLayout, copy_plan, pool_page_bytes, slot_of, slot_pool_pages
 from .memory.base import Allocation, MemoryBackend
 from .streams import Streams
 from .transport import Transport
@@ -49,11 +50,11 @@ class _Composite:
 class WeightBuffer:
     def __init__(self, *, memory: MemoryBackend, streams: Streams, transport: Transport,
                  rank: int, ranges: Sequence[tuple[int, int]], num_slots: int,
-                 page_multiplier: int = 8, contention_opt: bool = False):
+                 page_multiplier: int = DEFAULT_PAGE_MULTIPLIER, contention_opt: bool = False):
         self.memory, self.streams, self.transport = memory, streams, transport
         self.rank, self.ranges, self.num_slots = rank, tuple(ranges), num_slots
         self.page_multiplier, self.contention_opt = page_multiplier, contention_opt
-        self.page_bytes = memory.granularity * page_multiplier
+        self.page_bytes = pool_page_bytes(memory.granularity, page_multiplier)
         self._pool: list[list[Allocation]] = [[] for _ in range(num_slots)]
         self._composites: dict[Hashable, list[_Composite]] = {}
         self._compiled: dict[Hashable, Any] = {}

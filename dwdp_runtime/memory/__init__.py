@@ -34,7 +34,7 @@ def _cuda_backend(device, handle_type: str, granularity: int | None):
         from .cuda import CudaMemory
     except ImportError as exc:
         raise BackendUnavailable(f"the cuda backend needs cuda-python (pip install cuda-python): {exc}") from exc
-    return CudaMemory(device=device, handle_type=handle_type)
+    return CudaMemory(device=device, handle_type=handle_type, granularity=granularity)
 
 
 def select_backend(name: str = "auto", *, device=None, granularity: int | None = None) -> MemoryBackend:

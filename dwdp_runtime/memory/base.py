@@ -19,13 +19,34 @@ stays alive while any process still maps it (importers release before owners).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 class BackendUnavailable(RuntimeError):
     """The requested memory backend cannot run on this machine (raised at start, never mid-forward)."""
+
+
+def element_size(dtype: Any) -> int:
+    """Bytes per element of a torch dtype (``torch.dtype.itemsize``; no torch import here)."""
+    return int(dtype.itemsize)
+
+
+def nbytes_of(shape: Sequence[int], dtype: Any) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype``: numel × itemsize."""
+    return math.prod(int(d) for d in shape) * element_size(dtype)
+
+
+def choose_granularity(requested: int | None, minimum: int, *, what: str) -> int:
+    """The allocation granularity: ``minimum`` (the OS page, the driver's recommended granularity)
+    or a requested multiple of it (tests use small ones; larger ones trade memory for fewer maps)."""
+    if not requested:  # None (or 0): the minimum
+        return minimum
+    if requested < 0 or requested % minimum:
+        raise ValueError(f"granularity={requested} must be a positive multiple of {what} {minimum}")
+    return requested
 
 
 @dataclass(eq=False)
@@ -54,6 +75,11 @@ class MemoryBackend(ABC):
     @abstractmethod
     def device(self) -> "Any":
         """The torch.device tensors of this backend live on."""
+
+    def _check_size(self, nbytes: int) -> None:
+        """Every create/reserve/import size is a positive multiple of the granularity."""
+        if nbytes <= 0 or nbytes % self.granularity:
+            raise ValueError(f"size {nbytes} must be a positive multiple of the granularity {self.granularity}")
 
     @abstractmethod
     def create(self, nbytes: int) -> Allocation: ...

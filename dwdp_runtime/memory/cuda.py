@@ -35,7 +35,7 @@ import logging
 import os
 from typing import Any
 
-from .base import Allocation, BackendUnavailable, MemoryBackend
+from .base import Allocation, BackendUnavailable, MemoryBackend, choose_granularity, element_size, nbytes_of
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class _CudaArray:
 class CudaMemory(MemoryBackend):
     name = "cuda"
 
-    def __init__(self, *, device=None, handle_type: str = "posix_fd"):
+    def __init__(self, *, device=None, handle_type: str = "posix_fd", granularity: int | None = None):
         if handle_type not in HANDLE_TYPES:
             raise ValueError(f"handle_type {handle_type!r}: choose one of {', '.join(HANDLE_TYPES)}")
         driver = load_driver()
@@ -147,9 +147,11 @@ class CudaMemory(MemoryBackend):
         self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self._prop.location.id = dev.index
         self._prop.requestedHandleTypes = self._htype
-        self._granularity = int(check(driver, driver.cuMemGetAllocationGranularity(
+        recommended = int(check(driver, driver.cuMemGetAllocationGranularity(
             self._prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity"))
+        self._granularity = choose_granularity(granularity, recommended,
+                                               what="the driver's recommended granularity")
         self._access = {}
         for writable, flag in ((True, driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
                                (False, driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ)):
@@ -204,10 +206,6 @@ class CudaMemory(MemoryBackend):
         self._probed = True
 
     # -- interface -------------------------------------------------------------------------------
-    def _check_size(self, nbytes: int) -> None:
-        if nbytes <= 0 or nbytes % self._granularity:
-            raise ValueError(f"size {nbytes} must be a positive multiple of the granularity {self._granularity}")
-
     def create(self, nbytes: int) -> Allocation:
         self._check_size(nbytes)
         self._current()
@@ -302,13 +300,9 @@ class CudaMemory(MemoryBackend):
     def as_tensor(self, va: int, shape: tuple[int, ...], dtype):
         import torch
 
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        if numel == 0:
+        if nbytes_of(shape, dtype) == 0:
             return torch.empty(shape, dtype=dtype, device=self._device)
-        raw = torch.as_tensor(_CudaArray(va, tuple(int(d) for d in shape), int_typestr(itemsize)),
+        raw = torch.as_tensor(_CudaArray(va, tuple(int(d) for d in shape), int_typestr(element_size(dtype))),
                               device=self._device)
         t = raw.view(dtype)
         # No silent copy fallback: a copied tensor would look right and cost the memory DWDP saves.

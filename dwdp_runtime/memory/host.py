@@ -19,7 +19,7 @@ import ctypes.util
 import mmap
 import os
 
-from .base import Allocation, BackendUnavailable, MemoryBackend
+from .base import Allocation, BackendUnavailable, MemoryBackend, choose_granularity, nbytes_of
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
@@ -43,11 +43,7 @@ class HostMemory(MemoryBackend):
     def __init__(self, *, granularity: int | None = None):
         if not hasattr(os, "memfd_create"):
             raise BackendUnavailable("host backend needs Linux memfd_create (Python on Linux >= 3.17)")
-        page = mmap.PAGESIZE
-        granularity = granularity or page
-        if granularity % page:
-            raise ValueError(f"granularity={granularity} must be a multiple of the OS page size {page}")
-        self._granularity = granularity
+        self._granularity = choose_granularity(granularity, mmap.PAGESIZE, what="the OS page size")
         self._libc = _libc()
         self.stats = {"create": 0, "reserve": 0, "map": 0}
         self.live = {"allocations": 0, "reservations": 0}  # leak accounting (tests, metrics)
@@ -61,10 +57,6 @@ class HostMemory(MemoryBackend):
         import torch
 
         return torch.device("cpu")
-
-    def _check_size(self, nbytes: int) -> None:
-        if nbytes <= 0 or nbytes % self._granularity:
-            raise ValueError(f"size {nbytes} must be a positive multiple of the granularity {self._granularity}")
 
     def _mmap(self, va: int | None, nbytes: int, prot: int, flags: int, fd: int) -> int:
         out = self._libc.mmap(va, nbytes, prot, flags, fd, 0)
@@ -134,11 +126,7 @@ class HostMemory(MemoryBackend):
     def as_tensor(self, va: int, shape: tuple[int, ...], dtype):
         import torch
 
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * itemsize
+        nbytes = nbytes_of(shape, dtype)
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         buf = (ctypes.c_uint8 * nbytes).from_address(va)

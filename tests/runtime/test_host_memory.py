@@ -83,3 +83,17 @@ def test_select_backend_auto_on_cpu_is_host():
     assert select_backend("auto").name == "host"
     with pytest.raises(ValueError, match="unknown memory backend"):
         select_backend("nvme")
+
+
+def test_granularity_choice_and_tensor_bytes_shared_by_both_backends():
+    from dwdp_runtime.memory.base import choose_granularity, nbytes_of
+
+    h200 = 2 << 20  # the driver's recommended granularity on H200 (HARDWARE.md)
+    assert choose_granularity(None, h200, what="the driver granularity") == h200
+    assert choose_granularity(4 * h200, h200, what="the driver granularity") == 4 * h200
+    with pytest.raises(ValueError, match="multiple of the driver granularity 2097152"):
+        choose_granularity(4096, h200, what="the driver granularity")  # was silently ignored on CUDA
+    assert nbytes_of((3, 5), torch.bfloat16) == torch.empty(3, 5, dtype=torch.bfloat16).nbytes == 30
+    assert nbytes_of((), torch.float32) == 4 and nbytes_of((0, 7), torch.float64) == 0
+    with pytest.raises(ValueError, match="positive multiple of the granularity 4096"):
+        HostMemory(granularity=4096).reserve(0)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dwdp_runtime.layout import slot_of
 from dwdp_runtime.schedule import PrefetchSchedule
 
 
@@ -27,7 +28,7 @@ class Sim:
         if step.release is not None:
             self.reader[step.release] = None
         for order in step.prefetch:
-            slot = order % self.slots
+            slot = slot_of(order, self.slots)  # the slot whose pool pages the buffer maps under this layer
             assert self.reader[slot] is None, f"copy of {order} overwrites slot {slot} still read by {self.reader[slot]}"
             self.content[slot] = order
             self.copies.append(order)
@@ -37,7 +38,7 @@ class Sim:
 
     def bind(self, order):
         self.apply(self.s.bind(order))
-        slot = order % self.slots
+        slot = slot_of(order, self.slots)  # the slot whose pool pages the buffer maps under this layer
         assert self.content[slot] == order, f"bound {order} but slot {slot} holds {self.content[slot]}"
         self.reader[slot] = order
 

@@ -101,8 +101,7 @@ class Engine:
 
     # -- run ------------------------------------------------------------------------------------------------
     def _bind_wait_s(self) -> float:
-        w = self.manager.weights
-        return float(w.stats.get("bind_wait_s", 0.0)) if w is not None else 0.0
+        return self.manager.bind_wait_s
 
     def forward(self, sequences: list[list[int]]) -> ForwardResult:
         """One packed forward (no KV cache). Raises ``packing.BadBatchError`` (a ValueError) for bad input."""
@@ -122,7 +121,7 @@ class Engine:
 
     def stats(self) -> dict:
         m = self.manager.stats() if not self._closed else {"restarts": self.manager.num_restarts,
-                                                           "backend": self.manager.memory.name}
+                                                           "backend": self.manager.backend_name}
         return {
             "forwards": self._forwards,
             "tokens": self._tokens,
