@@ -12,6 +12,7 @@ import json
 import sys
 
 from . import presets
+from .sweep import DEFAULT_BATCHES
 
 EXIT_BAD_INPUT = 2
 
@@ -36,7 +37,8 @@ def add_subparser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", nargs="?", const="dwdp-plan-sweep.png", default=None, metavar="PNG",
                    help="also write the Figure-3-style PNG (default path dwdp-plan-sweep.png)")
-    p.add_argument("--sweep-batches", default="1,2,4,8", help="batch sizes of the sweep curves")
+    p.add_argument("--sweep-batches", default=",".join(map(str, DEFAULT_BATCHES)),
+                   help="batch sizes of the sweep curves (comma-separated; default %(default)s)")
     p.add_argument("--calibrate", nargs="?", const="-", default=None, metavar="MEASURED_JSON",
                    help="compare measured times with predictions (no file: HARDWARE.md's H200 numbers)")
     p.set_defaults(func=run)
@@ -51,7 +53,8 @@ def _fail(msg: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from .calibration import HARDWARE_MD_H200, calibrate, format_report
     from .model_shapes import ModelConfigError
-    from .plan import Evaluator, plan
+    from .evaluator import Evaluator
+    from .plan import plan
 
     try:
         if args.calibrate is not None:

@@ -33,11 +33,7 @@ from .model_shapes import ModelShape, load_model
 from .presets import ACT_BYTES, GIB, MIB, Hardware, WeightDtype, get_dtype, get_hardware
 
 GRANULARITY = 2 * MIB  # HARDWARE.md: minimum = recommended VMM granularity on H200
-POOL_PAGE = layout.DEFAULT_PAGE_MULTIPLIER * GRANULARITY
-
-
-def _round_up(x: float, m: int) -> int:
-    return int(math.ceil(x / m)) * m
+POOL_PAGE = layout.pool_page_bytes(GRANULARITY)  # 16 MiB: the runtime's pool page
 
 
 class MemoryBreakdown(BaseModel):

@@ -19,13 +19,11 @@ the winner and the fewest slots within 0.5 % of the best forward kept.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import sharding_errors, suggest_sharding
 from . import memory, pipeline, prefetch
-
-if TYPE_CHECKING:
-    from .plan import Evaluator
+from .evaluator import Evaluator
 
 TIE = 0.01
 MIN_KV_FRACTION = 0.10
@@ -43,7 +41,7 @@ def candidates(num_experts: int, max_group: int):
                 yield d, k, s
 
 
-def recommend(ev: "Evaluator", *, isl: int, batch: int) -> dict[str, Any] | None:
+def recommend(ev: Evaluator, *, isl: int, batch: int) -> dict[str, Any] | None:
     shape, hw = ev.shape, ev.hw
     n = shape.num_experts
     tokens = isl * batch

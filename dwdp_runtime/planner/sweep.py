@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .plan import Evaluator
+from .evaluator import Evaluator
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 

@@ -110,3 +110,15 @@ def test_calibrate_cli(capsys, tmp_path):
     assert main(["plan", "--model", "deepseek-r1", "--calibrate", str(f), "--json"]) == 0
     item = json.loads(capsys.readouterr().out)["items"][0]
     assert item["error"]["vs_mid"] == pytest.approx(400 / 388 - 1)
+
+
+def test_sweep_batches_default_is_the_sweep_modules():
+    import argparse
+
+    from dwdp_runtime.planner import cli as plan_cli
+    from dwdp_runtime.planner.sweep import DEFAULT_BATCHES
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_subparser(parser.add_subparsers())
+    args = parser.parse_args(["plan", "--model", "deepseek-r1"])
+    assert tuple(int(b) for b in args.sweep_batches.split(",")) == DEFAULT_BATCHES
