@@ -129,11 +129,18 @@ _WORDS = ("the a an of to and in is it that for on with as was by at be this are
           "were when we there can your which their said if do will each about how up out them then she many "
           "some so these would other into has more her two like him see time could no make than first been "
           "its who now people my made over did down only way find use may water long little very after words "
-          "called just where most know hello world model expert layer prefill token weight group rank").split()
+          "called just where most know hello world model expert layer prefill token weight group rank system user "
+          "assistant").split()
+
+# A minimal chat template in the shape real ones have (turn markers, roles, a generation prompt), written
+# in words of the tokenizer above so every rendered token is a real id: chat tests and the demo run it.
+CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}<s> assistant {% endif %}")
 
 
 def write_tokenizer(out_dir, *, vocab_size: int, max_positions: int = 4096) -> None:
-    """A word-level tokenizer (whitespace split, ``[UNK]`` for unknown words) with exactly ``vocab_size`` ids."""
+    """A word-level tokenizer (whitespace split, ``[UNK]`` for unknown words) with exactly ``vocab_size`` ids
+    and ``CHAT_TEMPLATE`` as its chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -147,6 +154,7 @@ def write_tokenizer(out_dir, *, vocab_size: int, max_positions: int = 4096) -> N
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
                                    eos_token="</s>", model_max_length=max_positions)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 
 
@@ -154,7 +162,7 @@ def write_tokenizer(out_dir, *, vocab_size: int, max_positions: int = 4096) -> N
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("arch", choices=SUPPORTED_ARCHS, help="architecture (transformers model_type)")
     parser.add_argument("--out", required=True, help="output directory (created)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed → same bytes; default 0)")
     parser.add_argument("--num-experts", type=int, default=None, help=f"default {_DEFAULTS['num_experts']}")
     parser.add_argument("--num-layers", type=int, default=None, help=f"default {_DEFAULTS['num_layers']}")
     parser.add_argument("--hidden-size", type=int, default=None, help=f"default {_DEFAULTS['hidden_size']}")
@@ -162,10 +170,10 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-intermediate-size", type=int, default=None, help="default hidden_size/2")
     parser.add_argument("--intermediate-size", type=int, default=None, help="dense MLP size, default 2*hidden")
     parser.add_argument("--num-heads", type=int, default=None, help="default max(2, hidden/16)")
-    parser.add_argument("--max-positions", type=int, default=4096)
+    parser.add_argument("--max-positions", type=int, default=4096, help="max_position_embeddings (default 4096)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--tokenizer", action="store_true", help="also write a small word-level tokenizer")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default float32)")
+    parser.add_argument("--tokenizer", action="store_true", help="also write a small word-level tokenizer with a chat template")
 
 
 def synth_main(args: argparse.Namespace) -> int:
