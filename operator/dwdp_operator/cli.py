@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
     p.add_argument("--liveness", default=None,
                    help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (kopf and the operator)")
     return p
 
 

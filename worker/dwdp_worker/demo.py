@@ -26,10 +26,10 @@ PROMPT = "hello world the model is a group of expert layer"
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--groups", type=int, default=1)
-    p.add_argument("--dwdp-size", type=int, default=2)
-    p.add_argument("--arch", default="qwen3_moe")
-    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--groups", type=int, default=1, help="independent DWDP groups (default 1)")
+    p.add_argument("--dwdp-size", type=int, default=2, help="ranks per group (default 2)")
+    p.add_argument("--arch", default="qwen3_moe", help="synthetic architecture to serve (default qwen3_moe)")
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens the demo request generates (default 4)")
     p.add_argument("--port", type=int, default=None, help="default: a free loopback port")
     p.add_argument("--timeout-s", type=float, default=100.0, help="give up waiting for readiness after this")
 

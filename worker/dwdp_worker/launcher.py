@@ -57,7 +57,8 @@ def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = 800
     g.add_argument("--forward-timeout-s", type=float, default=300.0,
                    help="a rank busy in one forward longer than this is killed (the front then exits 1)")
     g.add_argument("--drain-timeout-s", type=float, default=60.0, help="SIGTERM: max wait for admitted requests")
-    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="log level of the front and its ranks (default warning)")
 
 
 def add_local_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,14 +70,19 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dwdp-size", type=int, default=2, help="D: ranks per group (default 2)")
     p.add_argument("--experts-per-worker", type=int, default=None, help="K (default: the smallest that covers)")
     p.add_argument("--prefetch-stride", type=int, default=None, help="S (default: the smallest that covers)")
-    p.add_argument("--prefetch-slots", type=int, default=2)
-    p.add_argument("--contention-opt", action="store_true")
-    p.add_argument("--transfer", choices=TRANSFER_MODES, default="copy_engine")
-    p.add_argument("--backend", choices=["auto", "host", "cuda"], default="auto")
+    p.add_argument("--prefetch-slots", type=int, default=2,
+                   help="expert buffers per layer for prefetched weights (default 2: double buffering)")
+    p.add_argument("--contention-opt", action="store_true",
+                   help="cut expert copies into 2 MiB slices interleaved across peers (spreads the pull over sources)")
+    p.add_argument("--transfer", choices=TRANSFER_MODES, default="copy_engine",
+                   help="how experts move between ranks (default copy_engine; docs/RUNTIME.md)")
+    p.add_argument("--backend", choices=["auto", "host", "cuda"], default="auto",
+                   help="memory backend: cuda (GPUs), host (CPU shared memory), auto = cuda when a GPU is visible")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: the checkpoint's dtype")
     p.add_argument("--threads-per-rank", type=int, default=None, help="torch CPU threads per rank")
-    p.add_argument("--rendezvous-timeout-s", type=float, default=120.0)
+    p.add_argument("--rendezvous-timeout-s", type=float, default=120.0,
+                   help="max wait for every rank of a group to join (default 120)")
     add_serving_arguments(p)
 
 
