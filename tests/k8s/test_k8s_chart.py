@@ -23,7 +23,7 @@ def test_helm_lint_and_template(cluster):
     docs = [d for d in yaml.safe_load_all(c.helm("template", "rel", CHART, "--set", "example.enabled=true",
                                                  "--set", "watchNamespaces={a,b-*}").stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "DwdpGroup", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "DwdpGroup", "Service", "ServiceAccount"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
