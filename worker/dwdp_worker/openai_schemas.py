@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
+from .schemas import Timings, Usage
+
 MAX_LOGPROBS = 20          # OpenAI's own cap on top-N log-probabilities per position
 MAX_STOP_SEQUENCES = 4     # OpenAI's cap on `stop` strings
 
@@ -133,32 +135,17 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["length", "stop"] | None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class Timings(BaseModel):
-    """DWDP extra: where a request's time went (per request; summed over its forwards)."""
-
-    queue_s: float = Field(description="waiting in the front queue before the first forward")
-    compute_s: float = Field(description="model compute in the rank, summed over forwards")
-    prefetch_wait_s: float = Field(description="exposed expert-prefetch wait, summed over forwards")
-    total_s: float = Field(description="from admission to answer")
-    forwards: int
-    ranks: list[int] = Field(description="global ids of the ranks that served this request's forwards")
-    batch_sequences: list[int] = Field(description="sequences packed into each forward this request rode in")
-
-
-class CompletionResponse(BaseModel):
+class _ResponseHead(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage
-    timings: Timings | list[Timings]
+
+
+class CompletionResponse(_ResponseHead):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    timings: Timings | list[Timings] = Field(description="DWDP extra: one prompt's timings, or one per prompt")
 
 
 class TopLogprob(BaseModel):
@@ -188,11 +175,7 @@ class ChatChoice(BaseModel):
     token_ids: list[int] = Field(description="DWDP extra: the generated token ids")
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
     timings: Timings
