@@ -31,7 +31,7 @@ from typing import Any
 from . import models as arch
 from .hooks import install_hooks
 from .loader import has_tokenizer, load_config, load_sharded, read_config_json, unbind_experts
-from .packing import packed_logits, validate
+from .packing import packed_logits, packed_scored_logits, validate
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class ForwardResult:
     compute_s: float        # wall time of the forward
     prefetch_wait_s: float  # exposed prefetch wait (host backend: time blocked on copies)
     restarts: int           # the prefetch schedule's restart count so far
+    prompt_logits: list | None = None  # with ``score``: [len-1, vocab] per flagged sequence, else None
 
 
 def num_experts_of(model_dir) -> int:
@@ -103,21 +104,25 @@ class Engine:
     def _bind_wait_s(self) -> float:
         return self.manager.bind_wait_s
 
-    def forward(self, sequences: list[list[int]]) -> ForwardResult:
-        """One packed forward (no KV cache). Raises ``packing.BadBatchError`` (a ValueError) for bad input."""
+    def forward(self, sequences: list[list[int]], score: list[bool] | None = None) -> ForwardResult:
+        """One packed forward (no KV cache). Raises ``packing.BadBatchError`` (a ValueError) for bad input.
+        ``score``: per sequence, also return the logits of every prompt position (prompt scoring)."""
         sequences = validate(sequences, vocab_size=self.vocab_size, max_positions=self.max_positions)
         with self._lock:
             if self._closed:
                 raise RuntimeError("engine is closed")
             wait0 = self._bind_wait_s()
             t0 = time.perf_counter()
-            logits = packed_logits(self.model, sequences, self.device)  # .cpu() synchronises the device
+            if score and any(score):  # .cpu() synchronises the device
+                logits, prompt_logits = packed_scored_logits(self.model, sequences, self.device, score)
+            else:
+                logits, prompt_logits = packed_logits(self.model, sequences, self.device), None
             elapsed = time.perf_counter() - t0
             self._forwards += 1
             self._tokens += sum(len(s) for s in sequences)
             self._last_forward_s = elapsed
             return ForwardResult(logits=logits, compute_s=elapsed, prefetch_wait_s=self._bind_wait_s() - wait0,
-                                 restarts=self.manager.num_restarts)
+                                 restarts=self.manager.num_restarts, prompt_logits=prompt_logits)
 
     def stats(self) -> dict:
         m = self.manager.stats() if not self._closed else {"restarts": self.manager.num_restarts,

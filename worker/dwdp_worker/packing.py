@@ -5,6 +5,10 @@ and the index of each sequence's last token. With ``attention_mask=None`` `trans
 position restarts and builds a block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``),
 so every sequence attends only to itself. The engine and the oracle both run ``packed_logits`` so their
 kernels see identical shapes — a precondition of a bitwise comparison.
+
+Prompt scoring (``score``): for the sequences flagged, the logits of *every* position are kept, not only
+the last; position ``j`` predicts token ``j + 1`` of the prompt. Memory: one ``[positions, vocab]``
+block per scored sequence (bounded by ``--max-num-tokens`` × vocab), so scoring is opt-in per sequence.
 """
 
 from __future__ import annotations
@@ -54,3 +58,24 @@ def packed_logits(model, sequences: Sequence[Sequence[int]], device) :
     with torch.inference_mode():
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=last)
     return out.logits[0].float().cpu()
+
+
+def packed_scored_logits(model, sequences: Sequence[Sequence[int]], device, score: Sequence[bool]):
+    """``(last_logits [n, vocab], prompt_logits)`` of one packed forward: ``prompt_logits[i]`` is
+    ``[len(seq) - 1, vocab]`` (the positions predicting tokens 1.. of sequence i) when ``score[i]``,
+    else ``None``. float32, CPU."""
+    import torch
+
+    input_ids, position_ids, last = pack(sequences, device)
+    keep, spans, start = [], [], 0
+    for flagged, end in zip(score, last.tolist()):
+        first = len(keep)
+        keep.extend(range(start, end + 1) if flagged else [end])
+        spans.append((first, len(keep), flagged))
+        start = end + 1
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=torch.tensor(keep, dtype=torch.long, device=input_ids.device))
+    kept = out.logits[0].float().cpu()
+    last_rows = torch.stack([kept[b - 1] for _, b, _ in spans])
+    return last_rows, [kept[a:b - 1] if flagged else None for a, b, flagged in spans]
