@@ -5,7 +5,9 @@ Build (``Engine.build``):
   2. ``DwdpManager.create`` (memory backend, copy stream) on the rank's device;
   3. ``loader.load_sharded``: meta model → dense weights → this rank's experts into transport handles →
      ``manager.setup()`` (handle exchange with progress bars) → experts bound to composites;
-  4. ``hooks.install_hooks``: start_forward / wait_and_bind / finish_layer around every experts module.
+  4. ``hooks.install_hooks``: start_forward / wait_and_bind / finish_layer around every experts module;
+  5. ``experts_impl.select``: the experts forward — ``auto`` runs DWDP's Triton kernels on CUDA (they read
+     the bound composites as they are) and keeps `transformers`' own on CPU (bitwise with the oracle).
 
 Forward (``Engine.forward(sequences)``): validate → pack into one row (``packing``) → model forward without KV
 cache → last-position logits of each sequence, float32 on CPU. Timings per forward:
@@ -28,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import experts_impl
 from . import models as arch
 from .hooks import install_hooks
 from .loader import has_tokenizer, load_config, load_sharded, read_config_json, unbind_experts
@@ -75,7 +78,7 @@ class Engine:
     @classmethod
     def build(cls, *, model_dir, config, rank: int, rendezvous, backend: str = "auto", device=None,
               token: str = "", dtype: str | None = None, progress: bool = True,
-              copy_delay_s: float = 0.0) -> "Engine":
+              copy_delay_s: float = 0.0, experts: str = "auto") -> "Engine":
         from dwdp_runtime.manager import DwdpManager
 
         hf_config = load_config(model_dir)
@@ -89,6 +92,7 @@ class Engine:
             _set_cuda_device(manager.device)
             model, report = load_sharded(model_dir, manager, dtype=dtype, progress=progress, config=hf_config)
             hooks = install_hooks(model, manager)
+            experts_impl.select(model, manager.device, experts)
         except BaseException:
             manager.release(barrier=False)
             raise

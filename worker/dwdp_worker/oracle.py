@@ -37,7 +37,7 @@ def realign(model) -> None:
 class Reference:
     """One unsharded model, kept for several forwards."""
 
-    def __init__(self, model_dir, *, dtype=None, device="cpu"):
+    def __init__(self, model_dir, *, dtype=None, device="cpu", experts: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -46,6 +46,10 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(config, dtype))
         self.model.to(self.device).eval()
         realign(self.model)
+        if experts is not None:  # e.g. "dwdp": the unsharded model on the same experts kernels as the engine
+            from .experts_impl import select
+
+            select(self.model, self.device, experts)
 
     def logits(self, sequences: Sequence[Sequence[int]]):
         return packed_logits(self.model, sequences, self.device)

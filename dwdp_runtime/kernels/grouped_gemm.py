@@ -1,0 +1,221 @@
+"""The two grouped GEMMs of an MoE block, reading expert weights through strided ``[E, N, K]`` views.
+
+Both kernels run over the ``RoutingPlan`` rows (pairs grouped by expert, padded to BLOCK_M): program
+``pid`` takes one ``BLOCK_M × BLOCK_N`` output tile of one row block; every row of a block belongs to
+the same expert (``plan.block_expert``), so the B tile is one expert's weight slice. Programs are
+ordered in groups of GROUP_M row blocks sharing each column block (the usual L2 swizzle: a group's A rows
+and one expert's B columns stay in L2 while the group sweeps them). Programs of idle blocks (at or past
+``plan.num_padded``) exit before loading anything: the grids are sized from shapes, never synchronised.
+
+``gate_up_kernel`` (GEMM 1):  ``act[r, n] = silu(x[tok(r)] · Wg[e, n]) * (x[tok(r)] · Wu[e, n])``
+  * gather fused into the A-load: row r of the block reads ``hidden[sorted_pairs[r] // top_k]`` straight
+    from the ``[T, H]`` activations — no ``[T·k, H]`` copy; padding rows load zeros;
+  * gate and up columns of the same n are two B tiles (``gate col = n·col_step``, ``up col = gate col +
+    up_offset``: ``[gate; up]`` halves are ``(1, I)``, interleaved ``g0 u0 g1 u1 …`` are ``(2, 1)``), two fp32
+    accumulators, so SiLU·mul runs in the epilogue and only ``[rows, I]`` bf16 reaches HBM — no
+    ``[T·k, 2I]`` intermediate; optional bias ``[E, 2I]`` is added before the activation. Without a gate
+    (``HAS_GATE=False``) the one accumulator goes through the activation alone;
+  * output rows are plan rows (``[max_rows, I]``), so GEMM 2's A-load is contiguous.
+
+``down_kernel`` (GEMM 2):  ``y[p] = w[p] * (act[r] · Wd[e]) (+ bias before the weight)``
+  * the routing weight ``w[p]`` (``topk_weights`` flat, any float dtype) multiplies the fp32 accumulator
+    in the epilogue; the tile is stored to row ``p`` of ``y [T·k, H]`` — (token, k) order — so the top-k
+    reduction reads each token's k rows contiguously; padding rows store nothing.
+
+Weights: any strides (``stride_we, stride_wn, stride_wk``) — the composite tensor as the runtime binds
+it, a transposed ``[E, K, N]`` layout (swap the two strides), or a slice; nothing is copied or made
+contiguous. Offsets into weights are computed in int64 (E·N·K exceeds 2³¹ at DeepSeek-V3 scale).
+
+Invariants (batch invariance): every output element is one row of A against one column of B, accumulated
+in fp32 over K in ascending BLOCK_K steps; no split-K, no atomics. A row's value therefore does not depend
+on which other rows share its block, on the row's position in the plan, or on T — only on the config's
+BLOCK_K pipeline, which the tuner keeps fixed per weight shape (``tuning``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ACTIVATIONS, interpreting
+from ._cast import cast_out
+from .routing import RoutingPlan
+from .tuning import GemmConfig
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    if ACT == 0:
+        return x * tl.sigmoid(x)
+    elif ACT == 1:
+        # tanh-approximate GELU through sigmoid: 0.5·(1 + tanh(z)) = sigmoid(2z)
+        return x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    else:
+        return tl.maximum(x, 0.0)
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr):
+    # Triton's CPU interpreter multiplies bf16 operands as their raw uint16 bits (seen with triton 3.9):
+    # under the interpreter only, the operands go through fp32 first (exact for bf16/fp16 values)
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile_ids(max_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % group_m)
+    pid_n = (pid % per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """The block's expert (int64: weight offsets pass 2**31), its plan rows, their pairs, which are live."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)
+    return expert, rows, pairs, pairs < num_pairs
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, max_blocks, N, K, top_k, up_offset, col_step,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,
+    HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (offs_n % N) * col_step  # wrap the ragged column tail onto valid columns; masked at the store
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_base = w_ptr + expert * stride_we
+    g_ptrs = w_base + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + up_offset * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            g = tl.load(g_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+        acc_g = _mma(a, g, acc_g, UPCAST)
+        if HAS_GATE:
+            if EVEN_K:
+                u = tl.load(u_ptrs)
+            else:
+                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            acc_u = _mma(a, u, acc_u, UPCAST)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        b_base = bias_ptr + expert * stride_be
+        acc_g += tl.load(b_base + cols * stride_bn).to(tl.float32)[None, :]
+        if HAS_GATE:
+            acc_u += tl.load(b_base + (cols + up_offset) * stride_bn).to(tl.float32)[None, :]
+    if HAS_GATE:
+        act = _act(acc_g, ACT) * acc_u
+    else:
+        act = _act(acc_g, ACT)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, cast_out(act, out_ptr.dtype.element_ty, UPCAST), mask=offs_n[None, :] < N)
+
+
+@triton.jit
+def down_kernel(
+    a_ptr, w_ptr, bias_ptr, weight_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, max_blocks, N, K,
+    stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_ym,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    # padding rows of the activation hold finite values (GEMM 1 wrote zeros-in → zeros-out): no row mask
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = _mma(a, w, acc, UPCAST)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols * stride_bn).to(tl.float32)[None, :]
+    route_w = tl.load(weight_ptr + pairs, mask=live, other=0.0).to(tl.float32)
+    acc = acc * route_w[:, None]
+    y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, cast_out(acc, y_ptr.dtype.element_ty, UPCAST), mask=live[:, None] & (offs_n[None, :] < N))
+
+
+#: interpreter-only paths: operands through fp32 (``_mma``), bf16 rounding on the bits (``_cast``)
+_UPCAST = interpreting()
+
+
+def _grid(plan: RoutingPlan, n: int, cfg: GemmConfig) -> tuple[int]:
+    return (plan.max_blocks * triton.cdiv(n, cfg.block_n),)
+
+
+def gate_up(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, cfg: GemmConfig, *, inter: int,
+            w_strides: tuple[int, int, int], up_offset: int, col_step: int, has_gate: bool,
+            bias: torch.Tensor | None = None, bias_strides: tuple[int, int] = (0, 0),
+            activation: str = "silu") -> torch.Tensor:
+    """GEMM 1 over ``plan``: ``[max_rows, inter]`` activations in plan-row order (see module docstring).
+
+    ``w_strides`` = (expert, output column, reduction) strides of ``w`` in elements; ``inter`` = output
+    columns after the gate (I)."""
+    hidden = x.shape[1]
+    out = torch.empty(plan.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    gate_up_kernel[_grid(plan, inter, cfg)](
+        x, w, bias if bias is not None else w, out, plan.sorted_pairs, plan.block_expert, plan.num_padded,
+        plan.num_pairs, plan.max_blocks, inter, hidden, plan.top_k, up_offset, col_step,
+        x.stride(0), x.stride(1), *w_strides, *bias_strides, out.stride(0),
+        HAS_GATE=has_gate, HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
+        EVEN_K=hidden % cfg.block_k == 0, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, UPCAST=_UPCAST, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def down(act: torch.Tensor, w: torch.Tensor, weights: torch.Tensor, plan: RoutingPlan, cfg: GemmConfig, *,
+         hidden: int, w_strides: tuple[int, int, int], bias: torch.Tensor | None = None,
+         bias_strides: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """GEMM 2 over ``plan``: ``y [T·k, hidden]`` = routing weight × (act · Wd[e]) in (token, k) row order."""
+    inter = act.shape[1]
+    y = torch.empty(plan.num_pairs, hidden, dtype=act.dtype, device=act.device)
+    down_kernel[_grid(plan, hidden, cfg)](
+        act, w, bias if bias is not None else w, weights.reshape(-1), y, plan.sorted_pairs, plan.block_expert,
+        plan.num_padded, plan.num_pairs, plan.max_blocks, hidden, inter,
+        act.stride(0), *w_strides, *bias_strides, y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=inter % cfg.block_k == 0, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y

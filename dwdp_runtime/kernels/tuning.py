@@ -1,0 +1,131 @@
+"""Tile configs of the grouped GEMMs: a measured default table, a warm-up tuner, and the cache between them.
+
+Key of a choice (``ShapeKey``): the GEMM (``gate_up`` / ``down``), its N and K, the expert count, top-k,
+the dtype, and the *load bucket* — average rows per expert ``T·k / E`` rounded up to a power of two
+(the quantity that decides how full a row block is). The key is pure host arithmetic on shapes: choosing
+a config never touches the device.
+
+Life cycle:
+  * ``config_for(key)`` → the tuned choice if ``tune`` ran for that key in this process, else the default
+    table's entry (``default_config``). A forward therefore never tunes, never compiles more than the
+    configs it was told to use, and never synchronises.
+  * ``tune(key, run)`` times every candidate (``candidates``) with ``triton.testing.do_bench`` on a
+    caller-supplied closure and caches the fastest; the engine/bench call it at warm-up only.
+
+Batch invariance (see ``grouped_gemm``): a row's value depends on its GEMM's BLOCK_K pipeline only if
+the MMA instruction shape changed with it; to be safe every candidate of one (GEMM, N, K) keeps the same
+BLOCK_K, so a token's output is bitwise the same whichever load bucket its batch falls in. BLOCK_M must
+also be the same for both GEMMs of one forward (they share one routing plan): the tuner picks BLOCK_M
+on GEMM 1 and tunes GEMM 2's N-tiling under it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+#: fixed reduction step per GEMM (see the module docstring: one BLOCK_K per weight shape)
+BLOCK_K = 64
+#: row blocks per L2 swizzle group: 8 blocks of one expert's rows sweep its B columns while they stay in L2
+GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int = BLOCK_K
+    group_m: int = GROUP_M
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    gemm: str          # "gate_up" | "down"
+    n: int             # output columns (I for gate_up after the gate, H for down)
+    k: int             # reduction length
+    num_experts: int
+    top_k: int
+    dtype: str
+    load: int          # power-of-two bucket of T·k / E
+
+
+def load_bucket(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Average rows per expert, rounded up to a power of two (at least 1)."""
+    avg = max(1, -(-num_tokens * top_k // max(1, num_experts)))
+    return 1 << (avg - 1).bit_length()
+
+
+def default_config(key: ShapeKey) -> GemmConfig:
+    """The config a forward uses when ``tune`` has not run for ``key``.
+
+    Row block: as full as the average expert allows (16 rows for decode-size loads, 64 up to 256 rows per
+    expert, 128 beyond: a 128-row wgmma tile keeps the tensor cores fed while padding waste stays under a
+    block per expert). Column block 128 with 8 warps for large loads (two 64-row warpgroups), 64 with 4
+    warps for small ones. Four pipeline stages cover HBM latency at 64-wide K steps (4 × (128+128) × 64 ×
+    2 B = 128 KiB of shared memory, inside Hopper's 227 KiB)."""
+    if key.load <= 32:
+        return GemmConfig(block_m=16 if key.load <= 16 else 32, block_n=64, num_warps=4, num_stages=4)
+    if key.load <= 256:
+        return GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
+
+
+def candidates(key: ShapeKey, block_m: int | None = None) -> list[GemmConfig]:
+    """Configs the tuner tries for ``key`` (BLOCK_K fixed; BLOCK_M fixed when given)."""
+    ms = [block_m] if block_m else [m for m in (16, 32, 64, 128) if m <= max(16, 2 * key.load)]
+    out = []
+    for m in ms:
+        for n in (64, 128, 256):
+            for warps in (4, 8):
+                if m * n >= 128 * 256 and warps == 4:
+                    continue  # a 128×256 fp32 accumulator (two for gate_up) spills at 4 warps
+                for stages in (3, 4):
+                    out.append(GemmConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages))
+    return out
+
+
+_TUNED: dict[ShapeKey, GemmConfig] = {}
+
+
+def config_for(key: ShapeKey) -> GemmConfig:
+    return _TUNED.get(key) or default_config(key)
+
+
+def is_tuned(key: ShapeKey) -> bool:
+    return key in _TUNED
+
+
+def remember(key: ShapeKey, cfg: GemmConfig) -> None:
+    _TUNED[key] = cfg
+
+
+def forget_all() -> None:
+    _TUNED.clear()
+
+
+def tune(key: ShapeKey, run: Callable[[GemmConfig], None], *, block_m: int | None = None,
+         warmup_ms: int = 5, rep_ms: int = 20) -> tuple[GemmConfig, dict[GemmConfig, float]]:
+    """Time ``run(cfg)`` for every candidate (median ms, CUDA events) and cache the fastest for ``key``.
+
+    A candidate that fails to compile or launch (e.g. too much shared memory) is skipped."""
+    import triton.testing
+
+    times: dict[GemmConfig, float] = {}
+    for cfg in candidates(key, block_m):
+        try:
+            times[cfg] = float(triton.testing.do_bench(lambda: run(cfg), warmup=warmup_ms, rep=rep_ms,
+                                                       return_mode="median"))
+        except Exception:  # noqa: BLE001 - an infeasible config (out of resources) is not a choice
+            continue
+    if not times:
+        best = default_config(key)
+    else:
+        best = min(times, key=times.get)
+    remember(key, best)
+    return best, times
+
+
+def with_block_m(cfg: GemmConfig, block_m: int) -> GemmConfig:
+    return replace(cfg, block_m=block_m)
