@@ -17,26 +17,68 @@ from dwdp_worker.synth import add_synth_arguments, synth_main, write_synthetic
 MOE_LAYERS = {"qwen3_moe": [0, 2], "mixtral": [0, 1, 2], "deepseek_v3": [1, 2]}
 
 
+# per-expert checkpoint names save_pretrained writes (transformers' reverse conversion), per architecture
+CKPT_PARTS = {"qwen3_moe": {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
+              "deepseek_v3": {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
+              "mixtral": {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}}
+
+
 @pytest.mark.parametrize("name", sorted(MOE_LAYERS))
-def test_experts_sites_and_checkpoint_keys(name, checkpoints):
+def test_discovered_layout_and_checkpoint_keys(name, checkpoints):
+    from dwdp_worker.checkpoint_names import CheckpointMap, resolve_sources
+    from dwdp_worker.experts_layout import ParamRole, SourceKind
+
     config = load_config(checkpoints[name])
     model = build_meta_model(config, torch.float32)
-    sites = arch.experts_sites(model)
-    assert [s.layer for s in sites] == MOE_LAYERS[name]
-    spec = arch.arch_spec(name)
+    layout = arch.model_layout(model)
+    assert layout.layers == MOE_LAYERS[name] and layout.num_experts == 8
     with SafetensorsIndex(checkpoints[name]) as ckpt:
-        for s in sites:
-            for w in arch.EXPERT_WEIGHTS:
-                for e in range(8):
-                    keys = arch.expert_ckpt_keys(spec, s.name, w, e)
-                    assert all(k in ckpt for k in keys), keys
-                    rows = sum(ckpt.shape(k)[0] for k in keys)
-                    assert rows == s.module._parameters[w].shape[1]
-        # replicated per-expert tensors (routers, DeepSeek-V3's score-correction bias) exist per MoE layer
-        for s in sites:
-            layer_prefix = arch.to_ckpt_name(spec, s.name).rsplit(".experts", 1)[0].rsplit(".", 1)[0]
-            for suffix in spec.replicated_per_expert:
-                assert f"{layer_prefix}.{suffix}" in ckpt
+        layout = resolve_sources(layout, CheckpointMap.build(model, ckpt.entries), ckpt.shape)
+        for e in layout.experts:
+            module = model.get_submodule(e.path)
+            assert (e.is_transposed, e.has_gate, e.has_bias, e.is_concatenated) == (False, True, False, True)
+            assert e.param_names == ("gate_up_proj", "down_proj")
+            for p in e.params:
+                assert p.role is ParamRole.WEIGHT and p.expert_shape == tuple(module._parameters[p.name].shape[1:])
+                assert p.source.kind is SourceKind.PER_EXPERT and p.source.concat_dim == 0
+                ckpt_block = e.path.replace(".mlp.", ".block_sparse_moe.") if name == "mixtral" else e.path
+                for x in range(8):
+                    keys = p.source.keys(x)
+                    assert keys == [f"{ckpt_block}.{x}.{proj}.weight" for proj in CKPT_PARTS[name][p.name]]
+                    assert sum(ckpt.shape(k)[0] for k in keys) == p.expert_shape[0]
+            # the router (and DeepSeek-V3's score-correction bias, shared experts) are replicated
+            block = e.path.rsplit(".", 1)[0]
+            assert any(r.startswith(f"{block}.gate.") for r in e.replicated)
+            assert not any(layout.is_sharded(r) for r in e.replicated)
+            if name == "deepseek_v3":
+                assert f"{block}.gate.e_score_correction_bias" in e.replicated
+                assert any(".shared_experts." in r for r in e.replicated)
+
+
+def test_fused_checkpoint_is_one_byte_range(checkpoints):
+    from dwdp_worker.checkpoint_names import CheckpointMap, resolve_sources
+    from dwdp_worker.experts_layout import SourceKind
+
+    model = build_meta_model(load_config(checkpoints["qwen3_moe_fused"]), torch.float32)
+    with SafetensorsIndex(checkpoints["qwen3_moe_fused"]) as ckpt:
+        layout = resolve_sources(arch.model_layout(model), CheckpointMap.build(model, ckpt.entries), ckpt.shape)
+    for e in layout.experts:
+        for p in e.params:
+            assert p.source.kind is SourceKind.FUSED and p.source.keys(3) == [e.full_name(p.name)]
+
+
+def test_layout_takes_extra_per_expert_tensors(checkpoints):
+    """A quantization method adds its per-expert tensors (e.g. FP8 scales) as more sharded parameters."""
+    from dwdp_worker.experts_layout import ExpertParam, ParamRole
+
+    model = build_meta_model(load_config(checkpoints["qwen3_moe"]), torch.float32)
+    e = arch.model_layout(model).experts[0]
+    scale = ExpertParam("gate_up_proj_scale_inv", ParamRole.of("gate_up_proj_scale_inv"), (1, 1), torch.float32)
+    e2 = e.with_params(scale)
+    assert e2.param_names == ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv")
+    assert e2.param("gate_up_proj_scale_inv").role is ParamRole.SCALE and e.param_names == ("gate_up_proj", "down_proj")
+    with pytest.raises(ValueError, match="already declared"):
+        e2.with_params(scale)
 
 
 def test_pread_reader_matches_safetensors(checkpoints):
@@ -88,8 +130,10 @@ def test_synth_cli_errors_are_messages(tmp_path, capsys):
 def test_unsupported_and_quantized_models_are_refused():
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    with pytest.raises(arch.UnsupportedModelError, match="not supported by DWDP"):
-        arch.check_supported_config(LlamaConfig())
+    dense = build_meta_model(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, vocab_size=64,
+                                         num_attention_heads=2), torch.float32)
+    with pytest.raises(arch.UnsupportedModelError, match="'llama' is not supported by DWDP: .* no experts module"):
+        arch.model_layout(dense)
     q = Qwen3MoeConfig(num_experts=4)
     q.quantization_config = {"quant_method": "fp8"}
     with pytest.raises(arch.UnsupportedModelError, match="quantized"):
@@ -102,13 +146,17 @@ def test_dense_weights_match_from_pretrained_in_bf16(name, checkpoints):
     from dwdp_worker.loader import load_dense
     from dwdp_worker.oracle import Reference
 
+    from dwdp_worker.checkpoint_names import CheckpointMap
+
     config = load_config(checkpoints[name])
     model = build_meta_model(config, torch.bfloat16)
+    layout = arch.model_layout(model)
     with SafetensorsIndex(checkpoints[name]) as ckpt:
-        load_dense(model, arch.arch_spec(name), ckpt, torch.device("cpu"), dtype=torch.bfloat16)
+        load_dense(model, layout, CheckpointMap.build(model, ckpt.entries), ckpt, torch.device("cpu"),
+                   dtype=torch.bfloat16)
     ref = dict(Reference(checkpoints[name], dtype="bfloat16").model.state_dict())
-    ours = {k: v for k, v in model.state_dict().items() if not arch.is_expert_param(k)}
-    assert set(ours) == {k for k in ref if not arch.is_expert_param(k)}
+    ours = {k: v for k, v in model.state_dict().items() if not layout.is_sharded(k)}
+    assert set(ours) == {k for k in ref if not layout.is_sharded(k)}
     for k, v in ours.items():
         assert v.dtype == ref[k].dtype and torch.equal(v, ref[k]), k
     if name == "deepseek_v3":

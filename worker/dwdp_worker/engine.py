@@ -33,7 +33,7 @@ from typing import Any
 from . import experts_impl
 from . import models as arch
 from .hooks import install_hooks
-from .loader import has_tokenizer, load_config, load_sharded, read_config_json, unbind_experts
+from .loader import has_tokenizer, load_config, load_sharded, unbind_experts
 from .packing import packed_logits, packed_scored_logits, validate
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,8 @@ class ForwardResult:
 
 
 def num_experts_of(model_dir) -> int:
-    """The routed expert count of the checkpoint in ``model_dir`` (from config.json)."""
-    raw = read_config_json(model_dir)
-    spec = arch.arch_spec(raw.get("model_type"))
-    # transformers 5 may serialise the alias (Qwen3-MoE writes num_local_experts for num_experts)
-    n = next((raw[k] for k in (spec.num_experts_attr, *arch.NUM_EXPERTS_KEYS) if raw.get(k)), None)
-    if not n:
-        raise arch.UnsupportedModelError(f"{model_dir}: config.json has no {spec.num_experts_attr}")
-    return int(n)
+    """The routed expert count of the checkpoint in ``model_dir`` (from the model its config.json builds)."""
+    return arch.num_experts_in_config(load_config(model_dir))
 
 
 class Engine:

@@ -6,6 +6,8 @@
                  ── kernels of layer L enqueued ──
                  ── hook:      manager.finish_layer(L)           (records the WAR event AFTER the kernels)
 
+``wait_and_bind`` binds every sharded tensor of the experts layout (weights, per-expert biases, scales).
+
 Invariants:
   * the DWDP layer key is the decoder-layer index, registered in forward order by the loader;
   * dense layers have no experts module, hence no hook — they run unchanged;
@@ -25,7 +27,7 @@ class DwdpHooks:
         self._handles = []
         self.layers: list[int] = []
         self._handles.append(model.register_forward_pre_hook(self._start_forward))
-        for site in experts_sites(model):
+        for site in experts_sites(model, getattr(model, "dwdp_layout", None)):
             self.layers.append(site.layer)
             self._handles.append(site.module.register_forward_pre_hook(self._bind(site.layer)))
             self._handles.append(site.module.register_forward_hook(self._finish(site.layer)))

@@ -1,17 +1,20 @@
 """Local-expert loader: a `transformers` MoE model whose experts live in DWDP transport handles.
 
 Pipeline (``load_sharded``):
-  1. read ``config.json``; refuse unsupported/quantized models with a clear ``UnsupportedModelError``;
+  1. read ``config.json``; refuse quantized models with a clear ``UnsupportedModelError``;
   2. build the model on the **meta** device (no memory), with the dtype and the attention/experts
      implementations `from_pretrained` would pick — so the kernels match the unsharded oracle;
-  3. load every dense tensor (attention, norms, embeddings, routers, shared experts, dense MLPs) fully
+  3. discover its experts layout (``models.model_layout``) and map every checkpoint key to the model tensor
+     it loads into by `transformers`' own conversion rules (``checkpoint_names``);
+  4. load every dense tensor (attention, norms, embeddings, routers, shared experts, dense MLPs) fully
      onto ``manager.device`` from the safetensors files, in the dtype of the meta parameter;
-  4. rebuild non-persistent buffers (rotary ``inv_freq``) with the model's own ``_init_weights``
+  5. rebuild non-persistent buffers (rotary ``inv_freq``) with the model's own ``_init_weights``
      — the same path `from_pretrained` takes for them;
-  5. for each experts module (forward order) register the layer with DWDP and a ``fill`` callback per
-     fused weight that reads **only experts [a, b)** of this rank from safetensors (one expert at a time,
-     or the row range of a fused tensor) straight into the transport handle with ``pread``;
-  6. ``manager.setup()`` (handle exchange, composites), then bind each experts parameter to its
+  6. for each experts module (forward order) register the layer with DWDP and a ``fill`` callback per
+     sharded tensor (weights and per-expert biases) that reads **only experts [a, b)** of this rank from
+     safetensors (one expert at a time, or the row range of a fused tensor) straight into the transport
+     handle with ``pread``;
+  7. ``manager.setup()`` (handle exchange, composites), then bind each experts parameter to its
      composite ``[E, ...]`` tensor (zero-copy).
 
 Memory invariant: a rank holds its local experts (in the transport handles) and the dense weights, plus at
@@ -28,6 +31,8 @@ import pathlib
 from dataclasses import dataclass
 
 from . import models as arch
+from .checkpoint_names import CheckpointMap, dense_tensors, resolve_sources
+from .experts_layout import ExpertParam, ExpertsLayout, ModelLayout, SourceKind
 from .safetensors_index import CheckpointError, SafetensorsIndex
 
 log = logging.getLogger(__name__)
@@ -117,7 +122,8 @@ def target_dtype(name: str, default, plan: dict):
     return default
 
 
-def load_dense(model, spec, ckpt: SafetensorsIndex, device, *, progress: bool = False, dtype=None) -> int:
+def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: SafetensorsIndex, device, *,
+               progress: bool = False, dtype=None) -> int:
     """Load every non-expert parameter/persistent buffer; rebuild non-persistent buffers. Returns bytes."""
     import torch
 
@@ -125,29 +131,35 @@ def load_dense(model, spec, ckpt: SafetensorsIndex, device, *, progress: bool = 
 
     non_persistent = {n for n, _ in model.named_non_persistent_buffers()} if hasattr(
         model, "named_non_persistent_buffers") else set()
-    todo = [(n, t, False) for n, t in model.named_parameters() if not arch.is_expert_param(n)]
-    todo += [(n, t, True) for n, t in model.named_buffers() if n not in non_persistent]
+    todo = {n: (t, False) for n, t in model.named_parameters() if not layout.is_sharded(n)}
+    todo.update({n: (t, True) for n, t in model.named_buffers() if n not in non_persistent})
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     nbytes = 0
     missing = []
+    done: set[str] = set()
     from tqdm.auto import tqdm
 
-    for name, meta, is_buffer in tqdm(todo, desc="dwdp: loading dense weights", unit="tensor", leave=False,
-                                      disable=not progress):
-        key = arch.to_ckpt_name(spec, name)
-        if key not in ckpt:
-            if name in tied:
-                continue
-            missing.append(key)
+    for name in tqdm(list(todo), desc="dwdp: loading dense weights", unit="tensor", leave=False,
+                     disable=not progress):
+        if name in done:
             continue
-        value = ckpt.get(key)
-        if tuple(value.shape) != tuple(meta.shape):
-            raise CheckpointError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(meta.shape)} "
-                                  f"(config.json does not match the weights)")
-        want = target_dtype(name, meta.dtype, plan) if meta.is_floating_point() else meta.dtype
-        value = value.to(device=device, dtype=want)
-        _set_tensor(model, name, value, buffer=is_buffer)
-        nbytes += value.numel() * value.element_size()
+        produced = dense_tensors(model, name, cmap, ckpt.get)
+        if name not in produced:
+            if name not in tied:
+                missing.append(name)
+            continue
+        for out_name, value in produced.items():
+            if out_name not in todo or out_name in done:
+                continue
+            meta, is_buffer = todo[out_name]
+            if tuple(value.shape) != tuple(meta.shape):
+                raise CheckpointError(f"{out_name}: checkpoint shape {tuple(value.shape)} != model shape "
+                                      f"{tuple(meta.shape)} (config.json does not match the weights)")
+            want = target_dtype(out_name, meta.dtype, plan) if meta.is_floating_point() else meta.dtype
+            value = value.to(device=device, dtype=want)
+            _set_tensor(model, out_name, value, buffer=is_buffer)
+            nbytes += value.numel() * value.element_size()
+            done.add(out_name)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} dense tensor(s), e.g. {missing[:3]}")
     if tied:
@@ -165,33 +177,46 @@ def load_dense(model, spec, ckpt: SafetensorsIndex, device, *, progress: bool = 
                 raise arch.UnsupportedModelError(f"module {owner} mixes parameters and non-persistent buffers")
             model._init_weights(module)
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-                if t.device.type == "meta" and not arch.is_expert_param(n)]
+                if t.device.type == "meta" and not layout.is_sharded(n)]
     if leftover:
         raise CheckpointError(f"tensors left uninitialised after loading: {leftover[:5]}")
     return nbytes
 
 
-def _expert_reader(spec, ckpt: SafetensorsIndex, site: arch.ExpertsSite, weight: str, progress_bar):
-    """fill(view, a, b): write experts [a, b) of ``weight`` into ``view`` ([b−a, ...] on the handle's device)."""
-    fused = arch.fused_ckpt_key(spec, site.name, weight)
+def _expert_reader(ckpt: SafetensorsIndex, experts: ExpertsLayout, param: ExpertParam, progress_bar):
+    """fill(view, a, b): write experts [a, b) of ``param`` into ``view`` ([b−a, ...] on the handle's device).
+
+    FUSED: rows [a, b) of one tensor (one byte range; per expert through a one-expert staging buffer when the
+    checkpoint stores it transposed). PER_EXPERT: expert e's parts read one after the other into their
+    slices of ``view[e − a]`` (contiguous rows when the parts concatenate along dim 0)."""
+    import torch
+
+    src = param.source
+    full = experts.full_name(param.name)
+    if src is None:
+        raise CheckpointError(f"{full}: no checkpoint source resolved")
 
     def fill(view, a: int, b: int) -> None:
-        if fused in ckpt:  # one byte range: experts [a, b) of the fused tensor
-            ckpt.read_rows(fused, a, b, view)
+        if src.kind is SourceKind.FUSED:
+            key = src.fused_key
+            if src.transpose is None:
+                ckpt.read_rows(key, a, b, view)
+            else:
+                d0, d1 = src.transpose
+                staging = torch.empty((1, *ckpt.shape(key)[1:]), dtype=ckpt.entries[key].dtype)
+                for e in range(a, b):
+                    ckpt.read_rows(key, e, e + 1, staging)
+                    view[e - a].copy_(staging[0].transpose(d0, d1))
             progress_bar.update(b - a)
             return
+        dim = src.concat_dim
         for e in range(a, b):
-            row = 0
-            for key in arch.expert_ckpt_keys(spec, site.name, weight, e):
-                if key not in ckpt:
-                    raise CheckpointError(f"checkpoint lacks expert tensor {key} (and the fused {fused})")
-                n = ckpt.shape(key)[0]
-                if row + n > view.shape[1]:
-                    raise CheckpointError(f"{key}: {n} rows overflow {weight} expert shape {tuple(view.shape[1:])}")
-                ckpt.read_rows(key, 0, n, view[e - a, row:row + n])
-                row += n
-            if row != view.shape[1]:
-                raise CheckpointError(f"{weight} expert {e}: checkpoint rows {row} != {view.shape[1]}")
+            offset = 0
+            for key in src.keys(e):
+                shape = ckpt.shape(key)
+                n = shape[dim]
+                ckpt.read_rows(key, 0, shape[0], view[e - a].narrow(dim, offset, n))
+                offset += n
             progress_bar.update(1)
 
     return fill
@@ -200,48 +225,49 @@ def _expert_reader(spec, ckpt: SafetensorsIndex, site: arch.ExpertsSite, weight:
 def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, config=None):
     """Build the model with dense weights loaded and experts bound to DWDP composites. Runs ``manager.setup()``.
 
-    Returns ``(model, LoadReport)``.
+    Returns ``(model, LoadReport)``; the resolved ``ModelLayout`` is ``model.dwdp_layout``.
     """
     import torch
 
     model_dir = pathlib.Path(model_dir)
     config = config or load_config(model_dir)
-    spec = arch.check_supported_config(config)
+    arch.check_supported_config(config)
     dtype = resolve_dtype(config, dtype)
     device = torch.device(manager.device)
     model = build_meta_model(config, dtype)
-    sites = arch.experts_sites(model)
-    if not sites:
-        raise arch.UnsupportedModelError(f"{spec.model_type}: the model has no fused experts module")
+    layout = arch.model_layout(model)
     a, b = manager.local_range
     with SafetensorsIndex(model_dir) as ckpt:
-        dense = load_dense(model, spec, ckpt, device, progress=progress, dtype=dtype)
+        cmap = CheckpointMap.build(model, ckpt.entries)
+        layout = resolve_sources(layout, cmap, ckpt.shape)
+        dense = load_dense(model, layout, cmap, ckpt, device, progress=progress, dtype=dtype)
         plan = dtype_plan(model, dtype)
         from tqdm.auto import tqdm
 
-        total_local = len(sites) * len(arch.EXPERT_WEIGHTS) * (b - a)
+        total_local = sum(len(e.params) for e in layout.experts) * (b - a)
         local_bytes = total_bytes = largest = 0
         with tqdm(total=total_local, desc=f"dwdp: loading local experts [{a}, {b})", unit="expert", leave=False,
                   disable=not progress) as bar:
-            for site in sites:
-                manager.add_layer(site.layer)
-                for w in arch.EXPERT_WEIGHTS:
-                    meta = site.module._parameters[w]
-                    wdt = target_dtype(f"{site.name}.{w}", meta.dtype, plan)
-                    manager.add_expert_weight(site.layer, w, expert_shape=tuple(meta.shape[1:]), dtype=wdt,
-                                              fill=_expert_reader(spec, ckpt, site, w, bar))
-                    per_expert = meta[0].numel() * torch.empty((), dtype=wdt).element_size()
+            for experts in layout.experts:
+                manager.add_layer(experts.layer)
+                for p in experts.params:
+                    wdt = target_dtype(experts.full_name(p.name), p.dtype, plan)
+                    manager.add_expert_weight(experts.layer, p.name, expert_shape=p.expert_shape, dtype=wdt,
+                                              fill=_expert_reader(ckpt, experts, p, bar))
+                    per_expert = p.numel * torch.empty((), dtype=wdt).element_size()
                     local_bytes += (b - a) * per_expert
                     largest = max(largest, (b - a) * per_expert)
-                    total_bytes += meta.shape[0] * per_expert
+                    total_bytes += experts.num_experts * per_expert
     manager.setup()
-    for site in sites:
-        for w in arch.EXPERT_WEIGHTS:
-            composite = manager.composite(site.layer, w)
-            site.module._parameters[w] = torch.nn.Parameter(composite, requires_grad=False)
-    log.info("loaded %s from %s: dense %.1f MiB, local experts [%d, %d) %.1f MiB of %.1f MiB", spec.model_type,
+    for experts in layout.experts:
+        module = model.get_submodule(experts.path)
+        for p in experts.params:
+            module._parameters[p.name] = torch.nn.Parameter(manager.composite(experts.layer, p.name),
+                                                            requires_grad=False)
+    model.dwdp_layout = layout
+    log.info("loaded %s from %s: dense %.1f MiB, local experts [%d, %d) %.1f MiB of %.1f MiB", layout.model_type,
              model_dir, dense / 2**20, a, b, local_bytes / 2**20, total_bytes / 2**20)
-    return model, LoadReport(dense, local_bytes, total_bytes, largest, [s.layer for s in sites])
+    return model, LoadReport(dense, local_bytes, total_bytes, largest, layout.layers)
 
 
 def unbind_experts(model) -> None:
@@ -249,10 +275,12 @@ def unbind_experts(model) -> None:
     a stray forward then fails loudly instead of reading unmapped memory)."""
     import torch
 
-    for site in arch.experts_sites(model):
-        for w in arch.EXPERT_WEIGHTS:
-            p = site.module._parameters[w]
-            site.module._parameters[w] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+    layout = getattr(model, "dwdp_layout", None) or arch.model_layout(model)
+    for experts in layout.experts:
+        module = model.get_submodule(experts.path)
+        for p in experts.params:
+            old = module._parameters[p.name]
+            module._parameters[p.name] = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"),
                                                             requires_grad=False)
 
 
