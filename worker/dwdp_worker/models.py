@@ -20,6 +20,11 @@ from typing import Any
 from .experts_discovery import UnsupportedModelError, discover
 from .experts_layout import ExpertsLayout, ModelLayout
 
+#: the architectures the GPU oracle (tests/gpu/test_oracle_gpu.py, H200) checks and ``synth`` has hand-sized
+#: presets for. Not a gate on what is served (any discovered experts layout is); ``experts_impl``'s ``auto``
+#: keeps the fused kernels on these until the GPU oracle covers more.
+SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "deepseek_v3")
+
 
 def check_supported_config(config: Any) -> None:
     """Refuse configs DWDP cannot shard faithfully before building anything."""
@@ -66,5 +71,5 @@ def experts_sites(model: Any, layout: ModelLayout | None = None) -> list[Experts
     return [ExpertsSite(e.layer, e.path, model.get_submodule(e.path), e) for e in layout.experts]
 
 
-__all__ = ["ExpertsSite", "UnsupportedModelError", "check_supported_config", "experts_sites", "model_layout",
+__all__ = ["SUPPORTED_ARCHS", "ExpertsSite", "UnsupportedModelError", "check_supported_config", "experts_sites", "model_layout",
            "num_experts_in_config"]

@@ -19,8 +19,7 @@ import json
 import pathlib
 from typing import Any
 
-#: architectures with a hand-sized tiny config below (``synth_configs`` builds any other from its config class)
-SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "deepseek_v3")
+from .models import SUPPORTED_ARCHS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
