@@ -7,16 +7,12 @@ touching CUDA: torch is imported lazily and nothing here needs cuda-python at im
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Rank programs (gpu_workloads) and the process harness (tests/runtime/group.py) must be importable
-# by name in spawned processes, which inherit sys.path from this one.
-for path in (HERE, os.path.join(os.path.dirname(HERE), "runtime")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+# Rank programs (tests.gpu.gpu_workloads) are imported by their package name in spawned processes:
+# tests/ is a package, so pytest puts the repository root on sys.path and the children inherit it.
 
 
 def cuda_skip_reason() -> str | None:

@@ -8,9 +8,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _run(world, **kw):
-    from group import run_group
-
-    from gpu_workloads import gpu_composite_program
+    from ..runtime.group import run_group
+    from .gpu_workloads import gpu_composite_program
 
     results = run_group(gpu_composite_program, world, timeout_s=240, **kw)
     errors = {r: v for r, (status, v) in results.items() if status != "ok"}

@@ -3,14 +3,9 @@ posix_fd handles) answers like the unsharded transformers model on the same GPU.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 pytestmark = pytest.mark.gpu
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker"))
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +19,7 @@ def test_cuda_local_group_matches_transformers_on_gpu(model_dir):
     import torch
 
     from dwdp_worker.oracle import reference_logits
-    from serving_helpers import Server
+    from ..worker.serving_helpers import Server
 
     srv = Server(["--local", "--model", str(model_dir), "--groups", "1", "--dwdp-size", "2", "--backend", "cuda"])
     try:

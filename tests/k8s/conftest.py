@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("K8S_TEST_BIN") or Path.home() / ".cache/k8s-test/bin")
 NEEDED = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
 NS_PREFIX = "dwdp-t-"
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_collection_modifyitems(items):
@@ -172,7 +171,7 @@ def cluster():
         subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "down"], env=env, capture_output=True)
         pytest.fail(f"scripts/test-cluster up failed:\n{up.stdout}\n{up.stderr}")
     kubeconfig = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    from kubelet import HealthServer, Kubelet, make_nodes
+    from .kubelet import HealthServer, Kubelet, make_nodes
     c = Cluster(kubeconfig, tmp, env)
     try:
         make_nodes(c.core)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from kubernetes.client.rest import ApiException
 
-from conftest import Operator, group_body, wait_for
+from .conftest import Operator, group_body, wait_for
 
 PER = 4  # pods per group in group_body (dwdpSize 4, gpusPerPod 1)
 FAULTS_DIR = Path(__file__).parent / "faultinject"
@@ -94,7 +94,7 @@ def test_pod_killed_during_rendezvous_and_during_serving(cluster, ns):
 
 
 def test_node_deleted_group_moves_to_a_whole_clique(cluster, ns):
-    from kubelet import make_nodes
+    from .kubelet import make_nodes
     c = cluster
     # unschedulableSeconds short: if the scheduler puts the new attempt's first pod in the clique that
     # lost the node (3 nodes left for 4 pods), the operator must notice the dead end and move the group

@@ -7,19 +7,15 @@ the operator neither crashes nor logs a failed reconcile."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 import uuid
-from pathlib import Path
 
 from hypothesis import HealthCheck, assume, given, settings
+from dwdp_operator.spec import validate_spec
 from kubernetes.client.rest import ApiException
 
-from conftest import wait_for
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from dwdp_fuzz import specs  # noqa: E402
-from dwdp_operator.spec import validate_spec  # noqa: E402
+from ..operator.dwdp_fuzz import specs
+from .conftest import wait_for
 
 N = 15
 

@@ -6,7 +6,7 @@ import time
 
 from kubernetes.client.rest import ApiException
 
-from conftest import group_body, wait_for
+from .conftest import group_body, wait_for
 
 CONTRACT_ENV = ["DWDP_JOB", "DWDP_NAMESPACE", "DWDP_GROUP", "DWDP_POD_INDEX", "DWDP_RANK_BASE",
                 "DWDP_GPUS_PER_POD", "DWDP_SIZE", "DWDP_STORE_ADDR", "DWDP_STORE_PORT", "DWDP_ATTEMPT",

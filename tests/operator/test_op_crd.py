@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dwdp_operator.spec import DwdpGroupSpec, validate_spec
-from dwdp_op_util import spec
+from .dwdp_op_util import spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds/dwdpgroup.yaml").read_text())

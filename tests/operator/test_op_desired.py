@@ -4,7 +4,7 @@ from dwdp_operator import labels as L
 from dwdp_operator.desired import desired_state
 from dwdp_operator.status import iso
 from dwdp_operator.restart import backoff_seconds, exhausted
-from dwdp_op_util import cr, pods_from, spec, with_
+from .dwdp_op_util import cr, pods_from, spec, with_
 
 T0 = 1_000_000.0
 

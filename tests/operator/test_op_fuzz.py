@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from dwdp_operator.desired import desired_state
 from dwdp_operator.spec import DwdpGroupSpec, validate_spec
-from dwdp_fuzz import ANY_JSON, specs
-from dwdp_op_util import cr
+from .dwdp_fuzz import ANY_JSON, specs
+from .dwdp_op_util import cr
 
 FUZZ = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 T0 = 1_700_000_000.0

@@ -5,7 +5,7 @@ rank sees all of them (nothing narrows CUDA_VISIBLE_DEVICES)."""
 from dwdp_operator import manifests as M
 from dwdp_operator.desired import desired_state
 from dwdp_operator.spec import DwdpGroupSpec
-from dwdp_op_util import cr, spec
+from .dwdp_op_util import cr, spec
 from dwdp_worker.envcontract import parse_env
 from dwdp_worker.gpu_map import rank_devices
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from dwdp_operator import manifests as M
 from dwdp_operator.spec import DwdpGroupSpec
-from dwdp_op_util import spec
+from .dwdp_op_util import spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

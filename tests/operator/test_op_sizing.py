@@ -5,7 +5,7 @@ from dwdp_operator.desired import desired_state
 from dwdp_operator.spec import validate_spec
 from dwdp_runtime.planner import memory_fit, plan
 
-from dwdp_op_util import cr, spec
+from .dwdp_op_util import cr, spec
 
 R1_D2 = {"numExperts": 256, "numExpertsPerWorker": 128, "numPrefetchExperts": 128}
 R1_D4 = {"numExperts": 256, "numExpertsPerWorker": 64, "numPrefetchExperts": 64}

@@ -3,7 +3,7 @@
 import pytest
 
 from dwdp_operator import spec as S
-from dwdp_op_util import spec
+from .dwdp_op_util import spec
 
 INVALID = {
     "dwdp size 1": spec(dwdpSize=1),

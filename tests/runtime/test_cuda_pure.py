@@ -15,11 +15,26 @@ def no_cuda_python(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
 
 
+GPU_MODULES = ("dwdp_runtime.memory.cuda", "dwdp_runtime.cuda_streams", "dwdp_runtime.sm_gather")
+
+
 def test_modules_import_without_cuda_python(no_cuda_python):
     import importlib
 
-    for mod in ("dwdp_runtime.memory.cuda", "dwdp_runtime.cuda_streams", "dwdp_runtime.sm_gather"):
-        importlib.reload(importlib.import_module(mod))
+    for mod in GPU_MODULES:
+        assert importlib.reload(importlib.import_module(mod)).__name__ == mod  # ImportError here = not lazy
+    assert sys.modules["cuda.bindings.driver"] is None  # nothing replaced the blocked driver module
+
+
+def test_gpu_modules_import_nothing_heavy():
+    """A fresh interpreter imports the GPU modules without loading torch, cuda-python or CuTe DSL."""
+    import subprocess
+
+    code = ("import sys; " + "; ".join(f"import {m}" for m in GPU_MODULES) + "; "
+            "print(sorted(m for m in ('torch', 'cuda', 'cutlass') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_cuda_memory_without_cuda_python_says_how_to_install(no_cuda_python):

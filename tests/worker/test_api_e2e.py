@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving_helpers import Server, greedy_reference
+from .serving_helpers import Server, greedy_reference
 
 PROMPTS = [[5, 17, 42, 99, 3], [7], [200, 11, 11, 11, 64, 1, 2, 3, 4, 5, 6, 7], [250, 0, 128]]
 

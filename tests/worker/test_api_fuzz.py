@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving_helpers import Server, greedy_reference
+from .serving_helpers import Server, greedy_reference
 
 CASES = 300
 tried = {"n": 0, "by_status": {}}

@@ -7,7 +7,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving_helpers import ROOT  # noqa: F401 - puts this checkout on sys.path
+from .serving_helpers import ROOT  # noqa: F401 - puts this checkout on sys.path
 
 from dwdp_worker.batcher import Limits, admit, pack, queued_tokens, requeue_front
 

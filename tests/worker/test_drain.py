@@ -22,7 +22,7 @@ from collections import Counter
 
 import httpx
 
-from serving_helpers import Server, free_port, greedy_reference
+from .serving_helpers import Server, free_port, greedy_reference
 
 TOTAL = 200          # requests, bounded
 WORKERS = 8          # client threads, each with its own keep-alive connection pool

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from serving_helpers import ROOT
+from .serving_helpers import ROOT
 
 from dwdp_worker.envcontract import ENV_VARS, EnvContractError, parse_env
 from dwdp_worker.pod import build_pod_specs
@@ -76,7 +76,7 @@ def test_bad_values_are_named_with_the_fix(var, value, needle):
 
 
 def test_pod_with_bad_env_exits_2_naming_the_variable():
-    from serving_helpers import child_env
+    from .serving_helpers import child_env
     import subprocess
     import sys
 

@@ -28,7 +28,7 @@ from datetime import timedelta
 import httpx
 import pytest
 
-from serving_helpers import Server, free_port, greedy_reference
+from .serving_helpers import Server, free_port, greedy_reference
 
 COPY_DELAY_S = 0.05   # widens forwards for the kill tests
 SLOW_COPY_S = 0.2     # the slow-copy fault: larger than a tiny forward's compute, so it cannot hide

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving_helpers import Server, child_env, free_port, greedy_reference
+from .serving_helpers import Server, child_env, free_port, greedy_reference
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from serving_helpers import Server, free_port, greedy_reference
+from .serving_helpers import Server, free_port, greedy_reference
 
 PROBE_KEYS = ("prefetch_restarts", "group_attempt", "forwards", "last_forward_age_s")
 
