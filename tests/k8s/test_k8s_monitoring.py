@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import ROOT, group_body, wait_for
+from .conftest import ROOT, group_body, wait_for
 
 CHART = str(ROOT / "charts/dwdp-operator")
 MONITORING_CRDS = ROOT / "tests/k8s/crds/monitoring.yaml"

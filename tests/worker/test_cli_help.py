@@ -14,7 +14,7 @@ from dwdp_worker.launcher import add_local_arguments
 from dwdp_worker.pod import add_pod_arguments
 from dwdp_worker.synth import add_synth_arguments
 
-from serving_helpers import ROOT, child_env
+from .serving_helpers import ROOT, child_env
 
 
 def _operator_parser():
