@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 echo "== python deps"
 # torch: the CPU build of 2.13.0 (on disk on CI machines); never upgrade an installed torch
 $PY -c 'import torch' 2>/dev/null || $PY -m pip install -q torch==2.13.0
-$PY -m pip install -q -e '.[worker,operator,test,mpi]' mpich
+$PY -m pip install -q -e '.[worker,operator,test,mpi,kv]' mpich
 
 if [ -x scripts/k8s-install.sh ]; then
   echo "== kubernetes control plane binaries (built once, cached in ~/.cache/k8s-test)"

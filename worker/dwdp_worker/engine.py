@@ -20,6 +20,10 @@ cache → last-position logits of each sequence, float32 on CPU. Timings per for
 Invariants: ``close()`` is idempotent, removes the hooks, releases the manager and points expert
 parameters back to meta (a forward after close raises RuntimeError instead of reading unmapped memory).
 ``forward`` is serialised by a lock (the model and the prefetch schedule are single-stream state).
+
+Cache path (``Engine.generate``, ``generation.py``): packed prefill with the model's KV cache, greedy decode
+for ``max_new_tokens > 1``, and — when built with a KV budget (``kv=KvSettings(...)``) — each requested
+sequence's K/V kept in the rank's NIXL-registered KV region for a decode engine to pull (docs/KV_TRANSFER.md).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 from . import experts_impl
 from . import models as arch
+from .generation import check_requests, generate_batch
 from .hooks import install_hooks
 from .loader import has_tokenizer, load_config, load_sharded, unbind_experts
 from .packing import packed_logits, packed_scored_logits, validate
@@ -48,14 +53,23 @@ class ForwardResult:
     prompt_logits: list | None = None  # with ``score``: [len-1, vocab] per flagged sequence, else None
 
 
+@dataclass
+class GenerateResult:
+    outputs: list           # generation.SequenceOutput per sequence
+    compute_s: float
+    prefetch_wait_s: float
+    restarts: int
+
+
 def num_experts_of(model_dir) -> int:
     """The routed expert count of the checkpoint in ``model_dir`` (from the model its config.json builds)."""
     return arch.num_experts_in_config(load_config(model_dir))
 
 
 class Engine:
-    def __init__(self, *, model, manager, hooks, hf_config, model_dir, tokenizer=None, load_report=None):
+    def __init__(self, *, model, manager, hooks, hf_config, model_dir, tokenizer=None, load_report=None, kv=None):
         self.model, self.manager, self._hooks = model, manager, hooks
+        self.kv = kv  # kv.service.KvService, or None (no KV budget)
         self.hf_config = hf_config
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -72,7 +86,8 @@ class Engine:
     @classmethod
     def build(cls, *, model_dir, config, rank: int, rendezvous, backend: str = "auto", device=None,
               token: str = "", dtype: str | None = None, progress: bool = True,
-              copy_delay_s: float = 0.0, experts: str = "auto") -> "Engine":
+              copy_delay_s: float = 0.0, experts: str = "auto", kv=None, identity=None) -> "Engine":
+        """``kv``: ``kv.service.KvSettings`` (a budget > 0 starts the KV service); ``identity``: its ``RankIdentity``."""
         from dwdp_runtime.manager import DwdpManager
 
         hf_config = load_config(model_dir)
@@ -87,6 +102,7 @@ class Engine:
             model, report = load_sharded(model_dir, manager, dtype=dtype, progress=progress, config=hf_config)
             hooks = install_hooks(model, manager)
             experts_impl.select(model, manager.device, experts)
+            kv_service = _start_kv(kv, manager.device, identity, rank)
         except BaseException:
             manager.release(barrier=False)
             raise
@@ -96,7 +112,7 @@ class Engine:
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls(model=model, manager=manager, hooks=hooks, hf_config=hf_config, model_dir=model_dir,
-                   tokenizer=tokenizer, load_report=report)
+                   tokenizer=tokenizer, load_report=report, kv=kv_service)
 
     # -- run ------------------------------------------------------------------------------------------------
     def _bind_wait_s(self) -> float:
@@ -122,6 +138,27 @@ class Engine:
             return ForwardResult(logits=logits, compute_s=elapsed, prefetch_wait_s=self._bind_wait_s() - wait0,
                                  restarts=self.manager.num_restarts, prompt_logits=prompt_logits)
 
+    def generate(self, sequences: list[list[int]], *, max_new_tokens=None, keep_kv=None,
+                 model_name: str = "") -> GenerateResult:
+        """Packed prefill with the KV cache; per sequence ``max_new_tokens`` greedy tokens and, for a request id
+        in ``keep_kv``, its KV kept for a remote decode. Raises ``BadBatchError`` (ValueError) for bad input."""
+        sequences = validate(sequences, vocab_size=self.vocab_size, max_positions=self.max_positions)
+        max_new, keep = check_requests(sequences, max_new_tokens, keep_kv, max_positions=self.max_positions,
+                                       kv_enabled=self.kv is not None)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            wait0 = self._bind_wait_s()
+            t0 = time.perf_counter()
+            outputs = generate_batch(self.model, self.device, sequences, max_new, keep, self.kv,
+                                     model_name=model_name)
+            elapsed = time.perf_counter() - t0
+            self._forwards += 1 + sum(m - 1 for m in max_new)
+            self._tokens += sum(len(s) for s in sequences) + sum(m - 1 for m in max_new)
+            self._last_forward_s = elapsed
+            return GenerateResult(outputs=outputs, compute_s=elapsed, prefetch_wait_s=self._bind_wait_s() - wait0,
+                                  restarts=self.manager.num_restarts)
+
     def stats(self) -> dict:
         m = self.manager.stats() if not self._closed else {"restarts": self.manager.num_restarts,
                                                            "backend": self.manager.backend_name}
@@ -134,6 +171,7 @@ class Engine:
             "last_forward_s": self._last_forward_s,
             "backend": m.get("backend"),
             "local_experts": list(self.manager.local_range),
+            **({f"kv_{k}": v for k, v in self.kv.stats().as_dict().items()} if self.kv is not None else {}),
         }
 
     # -- teardown -------------------------------------------------------------------------------------------
@@ -143,6 +181,8 @@ class Engine:
                 return
             self._closed = True
             self._hooks.remove()
+            if self.kv is not None:
+                self.kv.close()  # deregister the KV region before the process may unmap anything
             try:
                 self.manager.release()
             finally:
@@ -153,6 +193,14 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _start_kv(settings, device, identity, rank):
+    if settings is None or not settings.enabled:
+        return None
+    from .kv.service import KvService, RankIdentity
+
+    return KvService.start(settings, device=device, identity=identity or RankIdentity(rank=rank))
 
 
 def _set_cuda_device(device) -> None:

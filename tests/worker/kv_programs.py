@@ -1,0 +1,153 @@
+"""Programs for the KV handoff tests (importable by spawned processes).
+
+``prefill_program`` is one DWDP rank: for each checkpoint it builds an Engine with a KV budget, prefills
+the packed prompts keeping their KV, writes the transfer params (JSON) into ``exchange`` and waits (bounded)
+until the decode process says it is done; it also decodes the prompts itself (``max_new_tokens``) so the
+engine's own cache path is checked. ``decode_program`` is the separate decode process: its own NIXL agent
+(the reference client) pulls every rank's KV, continues with plain transformers, and compares against the
+unsharded model (K/V bitwise against its packed cached prefill, tokens against ``generate``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+WAIT_S = 120.0
+
+
+def _wait_for(path: pathlib.Path, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def _write(path: pathlib.Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.rename(path)
+
+
+def prefill_program(rank, world, port, *, runs, prompts, exchange, new_tokens, block_bytes=4096,
+                    budget_bytes=1 << 20):
+    import torch
+
+    torch.set_num_threads(1)
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.kv.service import KvSettings, RankIdentity
+    from tests.worker.programs import _rdzv
+
+    exchange = pathlib.Path(exchange)
+    out = {}
+    for job, model_dir in runs:
+        cfg = DwdpConfig.even(dwdp_size=world, num_experts=num_experts_of(model_dir))
+        with _rdzv(rank, world, ports_for(port, job), job) as rdzv:
+            engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
+                                  token="tok", progress=False,
+                                  kv=KvSettings(budget_bytes=budget_bytes, block_bytes=block_bytes),
+                                  identity=RankIdentity(job=job, rank=rank))
+            try:
+                res = engine.generate(prompts, keep_kv=[f"{job}-r{rank}-{i}" for i in range(len(prompts))],
+                                      model_name=job)
+                params = [o.kv_params.model_dump(mode="json") for o in res.outputs]
+                first = [o.tokens[0] for o in res.outputs]
+                decoded = engine.generate(prompts, max_new_tokens=[new_tokens] * len(prompts))
+                _write(exchange / f"{job}-r{rank}.json", {"params": params, "first": first})
+                _wait_for(exchange / f"{job}-done")
+                out[job] = {"first": first, "decoded": [o.tokens for o in decoded.outputs],
+                            "stats": engine.stats()}
+            finally:
+                engine.close()
+    return out
+
+
+def ports_for(base: int, job: str) -> int:
+    """One store port per run: rank 0's store of the previous run may still be closing."""
+    return base + sum(job.encode()) % 97 + 1
+
+
+def decode_program(*, runs, world, prompts, exchange, new_tokens, result):
+    import torch
+
+    torch.set_num_threads(1)
+    from dwdp_worker.kv.prefill import cached_prefill
+    from dwdp_worker.kv_client import KvPuller, decode_from_params
+    from dwdp_worker.oracle import Reference
+
+    exchange = pathlib.Path(exchange)
+    report = {}
+    with KvPuller() as puller:
+        for job, model_dir in runs:
+            ref = Reference(model_dir)
+            _, ref_kv = cached_prefill(ref.model, prompts, "cpu")
+            with torch.inference_mode():
+                expected = [ref.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                               max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                               pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+                            for p in prompts]
+            per_rank = {}
+            for rank in range(world):
+                f = exchange / f"{job}-r{rank}.json"
+                _wait_for(f)
+                got = json.loads(f.read_text())
+                rows = []
+                for i, (params, first) in enumerate(zip(got["params"], got["first"])):
+                    pulled = puller.pull(params)
+                    kv_equal = all(torch.equal(a, c) and torch.equal(b, d)
+                                   for (a, b), (c, d) in zip(pulled.kv, ref_kv[i]))
+                    tokens, _ = decode_from_params(ref.model, prompts[i], first, pulled, max_new_tokens=new_tokens)
+                    rows.append({"kv_equal": kv_equal, "layers": len(pulled.kv), "ref_layers": len(ref_kv[i]),
+                                 "tokens": tokens, "nbytes": pulled.nbytes,
+                                 "shapes": [[list(k.shape), list(v.shape)] for k, v in pulled.kv]})
+                per_rank[rank] = rows
+            (exchange / f"{job}-done").write_text("1")
+            report[job] = {"expected": expected, "ranks": per_rank}
+    pathlib.Path(result).write_text(json.dumps(report))
+
+
+def open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def mapped_regions() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, peer_idle_s=5.0):
+    """A KV service on CPU in its own process, driven over a pipe: ("keep", request_id, seq_len, seed) → params
+    (and the tensors kept), ("stats",) → store stats + fds + mapped regions + NIXL peers, ("stop",)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from dwdp_worker.kv.service import KvService, KvSettings, RankIdentity
+    from dwdp_worker.kv.store import KvBudgetFull
+
+    svc = KvService.start(KvSettings(budget_bytes=budget_bytes, block_bytes=block_bytes, ttl_s=ttl_s,
+                                     lease_s=lease_s), device="cpu", identity=RankIdentity(job="faults"),
+                          peer_idle_s=peer_idle_s)
+    conn.send(("ready", svc.engine_id))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "keep":
+            _, rid, seq_len, seed = msg
+            g = torch.Generator().manual_seed(seed)
+            kv = [(torch.randn(1, 2, seq_len, 8, generator=g), torch.randn(1, 2, seq_len, 4, generator=g))
+                  for _ in range(2)]
+            try:
+                conn.send(("ok", svc.keep(rid, kv, seq_len, model="m").model_dump(mode="json"), kv))
+            except KvBudgetFull as exc:
+                conn.send(("full", str(exc), None))
+        elif msg[0] == "stats":
+            conn.send({**svc.stats().as_dict(), "fds": open_fds(), "maps": mapped_regions(),
+                       "peers": svc.server.num_peers})
+        elif msg[0] == "stop":
+            svc.close()
+            conn.send(("stopped", open_fds()))
+            return

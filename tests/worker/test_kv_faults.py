@@ -1,0 +1,130 @@
+"""KV handoff faults, with a real NIXL service in its own process and the reference client here."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from tests.worker.kv_programs import kv_server_program, mapped_regions, open_fds
+
+pytest.importorskip("nixl", reason="KV transfer tests need NIXL (the kv extra)")
+
+from dwdp_worker.kv_client import KvPuller, KvPullError  # noqa: E402
+
+
+class Server:
+    def __init__(self, **kw):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=kv_server_program, args=(child,), kwargs=kw, daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "KV server did not start"
+        self.engine_id = self.conn.recv()[1]
+
+    def keep(self, rid, seq_len=5, seed=0):
+        self.conn.send(("keep", rid, seq_len, seed))
+        return self.conn.recv()
+
+    def stats(self):
+        self.conn.send(("stats",))
+        return self.conn.recv()
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            out = self.conn.recv()
+            self.proc.join(10)
+            return out
+        return None
+
+
+def settle(server, timeout_s=10.0):
+    """Stats once the last PULLED notifications are handled and idle peers unloaded (both asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = server.stats()
+        if (s["held_sequences"] == 0 and s["peers"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def server(request):
+    s = Server(**getattr(request, "param", dict(budget_bytes=1 << 20, block_bytes=4096, ttl_s=1.0)))
+    yield s
+    if s.proc.is_alive():
+        s.proc.kill()
+        s.proc.join()
+
+
+def test_decode_side_never_comes_ttl_frees_and_late_pull_says_expired(server):
+    status, params, _ = server.keep("never")
+    assert status == "ok" and server.stats()["held_sequences"] == 1
+    deadline = time.monotonic() + 10
+    while server.stats()["held_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = server.stats()
+    assert (s["held_sequences"], s["held_bytes"], s["expirations_total"]) == (0, 0, 1)
+    with KvPuller() as puller:
+        with pytest.raises(KvPullError, match="refused request never: expired"):
+            puller.pull(params)
+
+
+def test_unknown_and_repeated_pulls_are_clear_errors(server):
+    _, params, kv = server.keep("once", seq_len=9, seed=3)
+    with KvPuller() as puller:
+        got = puller.pull(params)
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(kv, got.kv))
+        with pytest.raises(KvPullError, match="already pulled"):
+            puller.pull(params)
+        with pytest.raises(KvPullError, match="unknown request id"):
+            puller.pull({**params, "request_id": "nobody"})
+    s = server.stats()
+    assert (s["pulls_total"], s["held_sequences"], s["refusals_total"]) == (1, 0, 2)
+
+
+def test_pull_from_a_dead_or_restarted_rank_fails_cleanly(server):
+    _, params, _ = server.keep("orphan")
+    server.proc.kill()                      # the group restarts: this rank's agent is gone
+    server.proc.join()
+    restarted = Server(budget_bytes=1 << 20, block_bytes=4096, ttl_s=5.0)
+    try:
+        assert restarted.engine_id != params["remote_engine_id"]
+        with KvPuller() as puller:
+            t0 = time.monotonic()
+            with pytest.raises(KvPullError, match="gone, restarted|unreachable"):
+                puller.pull(params, claim_timeout_s=2.0)
+            assert time.monotonic() - t0 < 10
+            _, fresh, _ = restarted.keep("fresh")       # the restarted rank serves new requests
+            assert puller.pull(fresh).nbytes == fresh["stream_bytes"]
+    finally:
+        restarted.stop()
+
+
+@pytest.mark.parametrize("server", [dict(budget_bytes=1 << 20, block_bytes=4096, ttl_s=30.0, peer_idle_s=0.2)],
+                         indirect=True)
+def test_nothing_leaks_across_1000_requests(server):
+    puller = KvPuller()
+    for i in range(20):                                  # warm-up: connections, allocator pools
+        puller.pull(server.keep(f"w{i}", seq_len=1 + i % 13, seed=i)[1])
+    settle(server)
+    base, client_fds, client_maps = server.stats(), open_fds(), mapped_regions()
+    for i in range(1000):
+        if i % 250 == 0:                                 # a new decode agent now and then: peers come and go
+            puller.close()
+            puller = KvPuller()
+        status, params, kv = server.keep(f"r{i}", seq_len=1 + i % 13, seed=i)
+        assert status == "ok"
+        got = puller.pull(params)
+        if i % 100 == 0:
+            assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(kv, got.kv))
+    puller.close()
+    s = settle(server)
+    assert (s["pulls_total"] - base["pulls_total"], s["held_sequences"], s["held_bytes"]) == (1000, 0, 0)
+    assert s["peers"] == 0
+    assert s["fds"] <= base["fds"] + 2, (base["fds"], s["fds"])
+    assert s["maps"] <= base["maps"] + 16, (base["maps"], s["maps"])
+    assert open_fds() <= client_fds + 8 and mapped_regions() <= client_maps + 64

@@ -1,0 +1,148 @@
+"""KV store and block allocator: budget, TTL, claims, layout round trip (real tensors, no NIXL)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dwdp_worker.kv.blocks import BlockAllocator, DoubleFreeError, runs
+from dwdp_worker.kv.layout import plan_for, read_stream
+from dwdp_worker.kv.params import STREAM_ALIGN, AgentMessage, AgentOp, KvTransferParams
+from dwdp_worker.kv.region import KvRegion
+from dwdp_worker.kv.store import KvBudgetFull, KvStore, Refusal
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def kv_of(seq_len, layers=3, heads=2, kdim=8, vdim=4, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, heads, seq_len, kdim, generator=g).to(dtype),
+             torch.randn(1, heads, seq_len, vdim, generator=g).to(dtype)) for _ in range(layers)]
+
+
+def test_allocator_prefers_runs_never_overcommits_and_refuses_double_free():
+    a = BlockAllocator(8)
+    x, y = a.allocate(3), a.allocate(2)
+    assert x == [0, 1, 2] and y == [3, 4]
+    a.free(x)
+    assert a.allocate(4) == [0, 1, 2, 5]           # fragmented: lowest free ids
+    assert a.allocate(3) is None and a.num_free == 2  # never partial
+    with pytest.raises(DoubleFreeError):
+        a.free([0, 0])
+    assert runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 1), (7, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layout_round_trips_every_tensor_aligned(dtype):
+    kv = kv_of(5, dtype=dtype)
+    descs, nbytes = plan_for(kv)
+    assert [d.offset % STREAM_ALIGN for d in descs] == [0] * 6 and nbytes % STREAM_ALIGN == 0
+    assert descs[1].shape == (1, 2, 5, 4) and descs[1].kind == "value" and descs[0].dtype == str(dtype)[6:]
+    region = KvRegion(1 << 16, block_bytes=256)
+    store = KvStore(region)
+    e = store.put("r", kv, 5)
+    back = read_stream(region.gather(e.block_ids)[:e.stream_bytes], e.descs)
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(kv, back))
+
+
+def test_fragmented_blocks_still_round_trip():
+    region = KvRegion(64 * 256, block_bytes=256)
+    store = KvStore(region)
+    held = [store.put(f"f{i}", kv_of(1, layers=1, heads=1, kdim=16, vdim=16), 1) for i in range(64)]
+    for e in held[::2]:                               # free every other block
+        store.release(e.request_id, pulled=False)
+    kv = kv_of(7, layers=2)                          # needs several blocks: no run of them is free
+    e = store.put("big", kv, 7)
+    assert len(runs(e.block_ids)) > 1
+    back = read_stream(region.gather(e.block_ids)[:e.stream_bytes], e.descs)
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(kv, back))
+
+
+def test_ttl_frees_unclaimed_and_counts_it_and_late_claims_say_expired():
+    clock = Clock()
+    store = KvStore(KvRegion(1 << 16, block_bytes=1024), ttl_s=10, lease_s=15, clock=clock)
+    store.put("a", kv_of(4), 4)
+    store.put("b", kv_of(4), 4)
+    assert store.claim("b", "dec", "n1").entry is not None
+    clock.t = 10.0
+    assert store.sweep() == ["a"]                    # b is leased, not on the TTL any more
+    assert store.claim("a", "dec", "n2").refusal is Refusal.EXPIRED
+    assert store.claim("zz", "dec", "n3").refusal is Refusal.UNKNOWN
+    assert store.claim("b", "other", "n4").refusal is Refusal.CLAIMED
+    clock.t = 16.0                                   # the lease lapsed: the decode side died mid-pull
+    assert store.sweep() == ["b"]
+    s = store.stats()
+    assert (s.expirations_total, s.held_bytes, s.held_sequences, s.refusals_total) == (2, 0, 0, 3)
+
+
+def test_pulled_frees_at_once_only_for_the_claim_holder():
+    clock = Clock()
+    store = KvStore(KvRegion(1 << 16, block_bytes=1024), clock=clock)
+    e = store.put("a", kv_of(4), 4)
+    assert store.stats().held_bytes == len(e.block_ids) * 1024
+    assert store.claim("a", "dec", "n1").entry is e
+    assert not store.release("a", claimer="dec", nonce="wrong", pulled=True)
+    clock.t = 0.25
+    assert store.release("a", claimer="dec", nonce="n1", pulled=True)
+    s = store.stats()
+    assert (s.pulls_total, s.held_bytes, s.pulled_bytes_total) == (1, 0, e.stream_bytes)
+    assert s.pull_seconds_total == pytest.approx(0.25)
+    assert store.claim("a", "dec", "n2").refusal is Refusal.PULLED
+    with pytest.raises(ValueError, match="already stored"):
+        store.put("b", kv_of(1), 1) and store.put("b", kv_of(1), 1)
+
+
+def test_budget_is_never_exceeded_under_100_concurrent_puts():
+    region = KvRegion(40 * 1024, block_bytes=1024)   # room for 20 sequences of 2 blocks
+    store = KvStore(region)
+    kv = kv_of(12, layers=2, heads=2, kdim=8, vdim=8)  # 4 tensors × 768 B → 2 blocks
+    peak, full, stop = [0], [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], store.stats().held_bytes)
+
+    def request(i):
+        try:
+            store.put(f"r{i}", kv, 12)
+            if i % 3 == 0:                            # some are pulled (and freed) at once
+                store.claim(f"r{i}", "dec", "n")
+                store.release(f"r{i}", claimer="dec", nonce="n", pulled=True)
+        except KvBudgetFull as exc:
+            assert "retry later" in str(exc)
+            full[0] += 1
+
+    w = threading.Thread(target=watch)
+    w.start()
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    w.join()
+    s = store.stats()
+    assert peak[0] <= region.capacity_bytes and s.held_bytes <= region.capacity_bytes
+    assert full[0] > 0 and s.full_total == full[0] and s.stored_total == 100 - full[0]
+
+
+def test_wire_models_refuse_unknown_fields():
+    msg = AgentMessage(op=AgentOp.CLAIM, request_id="r", nonce="n", metadata="QUJD")
+    assert AgentMessage.decode(msg.encode()) == msg
+    with pytest.raises(ValueError):
+        AgentMessage.decode(b'{"op": "claim", "request_id": "r", "typo": 1}')
+    with pytest.raises(ValueError):
+        KvTransferParams.model_validate({"remote_engine_id": "x"})
+
+
+def test_region_refuses_a_budget_below_one_block():
+    with pytest.raises(ValueError, match="smaller than one block"):
+        KvRegion(100, block_bytes=1024)

@@ -1,0 +1,61 @@
+"""The NIXL adapter's one import point (lazy: every module imports without NIXL installed).
+
+``nixl`` on PyPI is a meta package that picks ``nixl_cu12``/``nixl_cu13`` by the CUDA it finds (either
+works on CPU); the ``kv`` extra installs ``nixl-cu13`` alone (CUDA 13 drivers, as on our H200s; half the
+download), so without the meta package the backend module is imported directly. Only one of them may
+ever be imported in a process (their bindings register the same C++ types). ``new_agent`` creates an agent with the UCX backend and **no progress thread**: NIXL's
+progress thread spins (measured here: ~0.5 core per idle agent, on a 2-core CI machine that is a
+quarter of it per rank); every agent in this project is progressed by the thread that polls it
+(notifications on the prefill side, transfer state on the decode side) instead, and UCX's shared
+memory and RDMA transports move a READ without the target's CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+
+class NixlUnavailableError(RuntimeError):
+    """NIXL (``pip install nixl``, the ``kv`` extra) is not installed or failed to load."""
+
+
+#: import names of NIXL's Python API, in preference order (the meta package first: it picks by CUDA)
+NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+def load_nixl() -> Any:
+    import importlib
+    import logging
+    import os
+
+    errors = []
+    for name in NIXL_MODULES:
+        try:
+            api = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per agent otherwise
+        return api
+    raise NixlUnavailableError("KV transfer needs NIXL: pip install 'dwdp-k8s[kv]' (or `pip install nixl`); "
+                               + "; ".join(errors))
+
+
+def new_agent(name: str):
+    api = load_nixl()
+    config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
+                                   sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    agent = api.nixl_agent(name, config)
+    if "UCX" not in agent.backends:
+        raise NixlUnavailableError(f"NIXL has no UCX backend here (plugins: {agent.plugin_list})")
+    return agent
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
