@@ -15,6 +15,11 @@ or ``fabric`` handles). It mirrors the CUDA virtual-memory API because that is w
 
 Teardown order: unmap every mapping, free the reservation, release allocations. An allocation
 stays alive while any process still maps it (importers release before owners).
+
+Shared by both backends (one definition each): ``_check_size`` (every create/reserve/import size
+is a positive multiple of the granularity), ``choose_granularity`` (the backend's minimum — the OS
+page, the driver's recommended granularity — or a requested multiple of it), ``nbytes_of``
+(numel × itemsize; also the manager's per-expert bytes).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ are not datasheet peaks; each names the measurement it comes from and where it i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 GB = 1e9
 TB = 1e12
@@ -201,19 +202,20 @@ def _norm(name: str) -> str:
     return name.strip().lower().replace(" ", "-")
 
 
+def _preset(table: dict, key: str | None, *, name: str, what: str, known) -> Any:
+    if key not in table:
+        raise PresetError(f"unknown {what} {name!r}; known: {', '.join(known)}")
+    return table[key]
+
+
 def get_hardware(name: str | Hardware) -> Hardware:
     if isinstance(name, Hardware):
         return name
-    key = HARDWARE_ALIASES.get(_norm(name))
-    if key is None:
-        raise PresetError(f"unknown hardware preset {name!r}; known: {', '.join(sorted(HARDWARE))}")
-    return HARDWARE[key]
+    return _preset(HARDWARE, HARDWARE_ALIASES.get(_norm(name)), name=name, what="hardware preset",
+                   known=sorted(HARDWARE))
 
 
 def get_dtype(name: str | WeightDtype) -> WeightDtype:
     if isinstance(name, WeightDtype):
         return name
-    dt = DTYPES.get(_norm(name))
-    if dt is None:
-        raise PresetError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
-    return dt
+    return _preset(DTYPES, _norm(name), name=name, what="dtype", known=DTYPES)
