@@ -1,7 +1,8 @@
 """DWDP group configuration and the sharding rules, shared by the runtime, the CRD and the operator.
 
 Pure Python (no torch): the operator image imports this module to validate a DwdpGroup with
-exactly the rules the runtime enforces.
+exactly the rules the runtime enforces. The transfer modes are ``contract.Transfer`` (re-exported
+here as ``TRANSFER_MODES`` / ``TransferMode``).
 
 Rules (each error message names the rule and suggests a fix):
   1. ``dwdp_size >= 2``                    — one rank has no peer to pull from (that is plain DP).

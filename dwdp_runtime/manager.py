@@ -29,7 +29,7 @@ import logging
 from typing import Any, Callable, Hashable
 
 from .config import DwdpConfig
-from .contract import DEFAULT_TRANSFER
+from .contract import DEFAULT_TRANSFER, Backend
 from .layout import DEFAULT_PAGE_MULTIPLIER, peer_ranges
 from .memory import MemoryBackend, select_backend
 from .memory.base import nbytes_of
@@ -76,7 +76,7 @@ class DwdpManager:
         self._released = False
 
     @classmethod
-    def create(cls, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, backend: str = "auto",
+    def create(cls, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, backend: str = Backend.AUTO.value,
                device=None, token: str = "", granularity: int | None = None, copy_delay_s: float = 0.0,
                progress: bool = False, page_multiplier: int = DEFAULT_PAGE_MULTIPLIER) -> "DwdpManager":
         memory = select_backend(backend, device=device, granularity=granularity)

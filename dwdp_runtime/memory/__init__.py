@@ -14,12 +14,14 @@ from __future__ import annotations
 import glob
 import logging
 
-from .base import Allocation, BackendUnavailable, MemoryBackend
+from ..contract import Backend
+from .base import HANDLE_TYPES, Allocation, BackendUnavailable, MemoryBackend
 from .host import HostMemory
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "host", "cuda", "posix_fd", "fabric")
+# DWDP_BACKEND's values (contract.Backend) and, to force one handle type, the handle types themselves
+BACKENDS: tuple[str, ...] = (*(b.value for b in Backend), *HANDLE_TYPES)
 IMEX_CHANNEL_GLOB = "/dev/nvidia-caps-imex-channels/channel*"
 
 __all__ = ["Allocation", "BackendUnavailable", "MemoryBackend", "HostMemory", "select_backend", "BACKENDS"]
@@ -37,17 +39,17 @@ def _cuda_backend(device, handle_type: str, granularity: int | None):
     return CudaMemory(device=device, handle_type=handle_type, granularity=granularity)
 
 
-def select_backend(name: str = "auto", *, device=None, granularity: int | None = None) -> MemoryBackend:
+def select_backend(name: str = Backend.AUTO.value, *, device=None, granularity: int | None = None) -> MemoryBackend:
     """Build the memory backend ``name`` for ``device`` (a torch.device, index or None)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown memory backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "host":
+    if name == Backend.HOST:
         return HostMemory(granularity=granularity)
     import torch
 
-    want_cuda = name in ("cuda", "posix_fd", "fabric") or (
+    want_cuda = name == Backend.CUDA or name in HANDLE_TYPES or (
         device is not None and torch.device(device).type == "cuda")
-    if name == "auto" and device is None and torch.cuda.is_available():
+    if name == Backend.AUTO and device is None and torch.cuda.is_available():
         device, want_cuda = torch.device("cuda", torch.cuda.current_device()), True
     if not want_cuda:
         log.info("DWDP memory backend: host (no CUDA device requested)")
@@ -56,7 +58,7 @@ def select_backend(name: str = "auto", *, device=None, granularity: int | None =
         raise BackendUnavailable(f"memory backend {name!r} needs a CUDA GPU and none is visible "
                                  f"(use --backend host to run on CPU)")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if name in ("fabric", "posix_fd"):
+    if name in HANDLE_TYPES:
         return _cuda_backend(device, name, granularity)
     if imex_channel_present():
         try:

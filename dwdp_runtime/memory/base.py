@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 
+# CUDA shareable-handle types, also accepted as backend names (``select_backend("posix_fd")``)
+HANDLE_TYPES: tuple[str, ...] = ("posix_fd", "fabric")
+
+
 class BackendUnavailable(RuntimeError):
     """The requested memory backend cannot run on this machine (raised at start, never mid-forward)."""
 

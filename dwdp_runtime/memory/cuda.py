@@ -35,11 +35,11 @@ import logging
 import os
 from typing import Any
 
-from .base import Allocation, BackendUnavailable, MemoryBackend, choose_granularity, element_size, nbytes_of
+from .base import (HANDLE_TYPES, Allocation, BackendUnavailable, MemoryBackend, choose_granularity, element_size,
+                   nbytes_of)
 
 log = logging.getLogger(__name__)
 
-HANDLE_TYPES = ("posix_fd", "fabric")
 FABRIC_HANDLE_BYTES = 64
 _READONLY_FALLBACK_LOGGED = False
 
