@@ -39,7 +39,7 @@ def prefill_program(rank, world, port, *, runs, prompts, exchange, new_tokens, b
     from dwdp_runtime.config import DwdpConfig
     from dwdp_worker.engine import Engine, num_experts_of
     from dwdp_worker.kv.service import KvSettings, RankIdentity
-    from tests.worker.programs import _rdzv
+    from .programs import _rdzv
 
     exchange = pathlib.Path(exchange)
     out = {}

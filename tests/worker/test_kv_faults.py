@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.worker.kv_programs import kv_server_program, mapped_regions, open_fds
+from .kv_programs import kv_server_program, mapped_regions, open_fds
 
 pytest.importorskip("nixl", reason="KV transfer tests need NIXL (the kv extra)")
 

@@ -7,8 +7,8 @@ import multiprocessing as mp
 
 import pytest
 
-from tests.runtime.group import run_group
-from tests.worker.kv_programs import decode_program, prefill_program
+from ..runtime.group import run_group
+from .kv_programs import decode_program, prefill_program
 
 pytest.importorskip("nixl", reason="KV transfer tests need NIXL (the kv extra)")
 

@@ -1,0 +1,116 @@
+"""Programs of the GPU KV handoff test (importable by spawned processes; see test_kv_gpu.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import statistics
+import time
+
+from ..worker.kv_programs import _wait_for, _write
+
+
+def digest(kv) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for k, v in kv:
+        for t in (k, v):
+            h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budget_bytes, repeats):
+    """Rank 0 prefills ``prompts`` on CUDA, keeping their KV in GPU memory; times the prefill with and without."""
+    import torch
+
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.kv.prefill import cached_prefill
+    from dwdp_worker.kv.service import KvSettings, RankIdentity
+
+    from ..worker.programs import _rdzv
+
+    exchange = pathlib.Path(exchange)
+    device = f"cuda:{rank % torch.cuda.device_count()}"
+    cfg = DwdpConfig.even(dwdp_size=world, num_experts=num_experts_of(model_dir))
+    with _rdzv(rank, world, port, "kvgpu", timeout_s=240) as rdzv:
+        t0 = time.perf_counter()
+        engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="cuda",
+                              device=device, token="tok", progress=False,
+                              kv=KvSettings(budget_bytes=budget_bytes), identity=RankIdentity(job="kvgpu", rank=rank))
+        build_s = time.perf_counter() - t0
+        try:
+            if rank != 0:
+                _wait_for(exchange / "done", timeout_s=480)
+                return {"build_s": build_s}
+            engine.forward(prompts)                       # warm-up: kernels, prefetch schedule
+            plain, kept = [], []
+            for i in range(repeats):
+                _sync()
+                t = time.perf_counter()
+                engine.forward(prompts)
+                _sync()
+                plain.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                res = engine.generate(prompts, keep_kv=[f"warm{i}-{j}" for j in range(len(prompts))])
+                _sync()
+                kept.append(time.perf_counter() - t)
+                for j in range(len(prompts)):             # free them again (never pulled)
+                    engine.kv.store.release(f"warm{i}-{j}", pulled=False)
+            res = engine.generate(prompts, keep_kv=[f"r{j}" for j in range(len(prompts))], model_name="kvgpu")
+            # the kept bytes, recomputed the same way, to check the pull bit for bit
+            _, per_seq = cached_prefill(engine.model, prompts, engine.device)
+            out = {"build_s": build_s, "prefill_plain_s": statistics.median(plain),
+                   "prefill_keep_kv_s": statistics.median(kept),
+                   "params": [o.kv_params.model_dump(mode="json") for o in res.outputs],
+                   "first": [o.tokens[0] for o in res.outputs], "digests": [digest(kv) for kv in per_seq],
+                   "kv_stats": engine.kv.stats().as_dict()}
+            _write(exchange / "r0.json", out)
+            _wait_for(exchange / "done", timeout_s=480)
+            out["kv_stats_after"] = engine.kv.stats().as_dict()
+            return out
+        finally:
+            engine.close()
+
+
+def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result):
+    """The decode side on CUDA: pull every sequence into GPU memory, check it, decode with plain transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dwdp_worker.kv.prefill import cached_prefill
+    from dwdp_worker.kv_client import KvPuller, decode_from_params
+
+    exchange = pathlib.Path(exchange)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).to("cuda:0").eval()
+        _, ref_kv = cached_prefill(model, prompts, torch.device("cuda:0"))
+        with torch.inference_mode():
+            expected = [model.generate(torch.tensor([p], device="cuda:0"), max_new_tokens=new_tokens,
+                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                       eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+        f = exchange / "r0.json"
+        _wait_for(f, timeout_s=480)
+        got = json.loads(f.read_text())
+        rows = []
+        with KvPuller(device="cuda:0") as puller:
+            for i, params in enumerate(got["params"]):
+                pulled = puller.pull(params)
+                torch.cuda.synchronize()
+                max_diff = max(float((a.float() - c.float()).abs().max()) for (a, _), (c, _) in zip(pulled.kv, ref_kv[i]))
+                tokens, _ = decode_from_params(model, prompts[i], got["first"][i], pulled, max_new_tokens=new_tokens)
+                rows.append({"bitwise": digest(pulled.kv) == got["digests"][i], "nbytes": pulled.nbytes,
+                             "read_s": pulled.read_s, "claim_s": pulled.claim_s, "gbps": pulled.read_gbps,
+                             "device": str(pulled.kv[0][0].device), "max_diff_vs_unsharded": max_diff,
+                             "tokens": tokens, "expected": expected[i]})
+        pathlib.Path(result).write_text(json.dumps({"rows": rows}))
+    finally:
+        (exchange / "done").write_text("1")
