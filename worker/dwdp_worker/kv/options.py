@@ -1,0 +1,77 @@
+"""KV handoff settings from flags (``--kv-*``) and from the pod environment (``DWDP_KV_*``).
+
+Sizes accept plain bytes or units (``512MiB``, ``2GiB``, ``1.5GB``: pydantic's ``ByteSize``); the budget
+is per rank (each rank registers its own region). Budget 0 (the default) turns the KV handoff off:
+requests asking ``do_remote_decode`` are refused with a clear error and no NIXL agent starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Mapping
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from .region import DEFAULT_BLOCK_BYTES
+from .service import KvSettings
+from .store import DEFAULT_LEASE_S, DEFAULT_TTL_S
+
+_BYTES = TypeAdapter(ByteSize)
+
+
+def parse_bytes(text: str | int) -> int:
+    try:
+        n = int(_BYTES.validate_python(text))
+    except ValidationError:
+        raise ValueError(f"{text!r} is not a size (bytes, or with a unit: 512MiB, 2GiB)") from None
+    if n < 0:
+        raise ValueError(f"{text!r}: a size must be >= 0")
+    return n
+
+
+def _arg_bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("KV handoff (disaggregated serving, docs/KV_TRANSFER.md)")
+    g.add_argument("--kv-budget-bytes", type=_arg_bytes, default=0,
+                   help="KV region per rank for requests with kv_transfer_params.do_remote_decode "
+                        "(e.g. 8GiB; GPU memory on CUDA ranks). 0 = off (default)")
+    g.add_argument("--kv-block-bytes", type=_arg_bytes, default=DEFAULT_BLOCK_BYTES,
+                   help=f"KV allocation unit (default {DEFAULT_BLOCK_BYTES >> 20} MiB, a multiple of 64)")
+    g.add_argument("--kv-ttl-s", type=float, default=DEFAULT_TTL_S,
+                   help=f"seconds unclaimed KV is kept before it is freed (default {DEFAULT_TTL_S:g})")
+    g.add_argument("--kv-lease-s", type=float, default=DEFAULT_LEASE_S,
+                   help=f"seconds a claimed pull may take before its KV is freed (default {DEFAULT_LEASE_S:g})")
+
+
+def settings_from_args(args: argparse.Namespace) -> KvSettings:
+    return check(KvSettings(budget_bytes=args.kv_budget_bytes, block_bytes=args.kv_block_bytes, ttl_s=args.kv_ttl_s,
+                            lease_s=args.kv_lease_s))
+
+
+def settings_from_env(env: Mapping[str, str], *, budget: str, block: str, ttl: str) -> KvSettings:
+    """From the pod env; the variable names come from ``dwdp_runtime.contract`` (passed by the parser)."""
+    def get(name, conv, default):
+        raw = env.get(name, "")
+        try:
+            return conv(raw) if raw != "" else default
+        except ValueError as exc:
+            raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+    return check(KvSettings(budget_bytes=get(budget, parse_bytes, 0), block_bytes=get(block, parse_bytes,
+                            DEFAULT_BLOCK_BYTES), ttl_s=get(ttl, float, DEFAULT_TTL_S)))
+
+
+def check(s: KvSettings) -> KvSettings:
+    if s.block_bytes <= 0 or s.block_bytes % 64:
+        raise ValueError(f"KV block size must be a positive multiple of 64 bytes (got {s.block_bytes})")
+    if s.enabled and s.budget_bytes < s.block_bytes:
+        raise ValueError(f"KV budget {s.budget_bytes} B is smaller than one block ({s.block_bytes} B)")
+    if s.ttl_s <= 0 or s.lease_s <= 0:
+        raise ValueError(f"KV TTL and lease must be > 0 s (got {s.ttl_s}, {s.lease_s})")
+    return s
