@@ -56,13 +56,33 @@ def prefill_program(rank, world, port, *, runs, prompts, exchange, new_tokens, b
                 params = [o.kv_params.model_dump(mode="json") for o in res.outputs]
                 first = [o.tokens[0] for o in res.outputs]
                 decoded = engine.generate(prompts, max_new_tokens=[new_tokens] * len(prompts))
+                plain = engine.forward(prompts).logits
+                same_logits = all(torch.equal(o.logits[0], plain[i]) for i, o in enumerate(res.outputs)) and \
+                    all(torch.equal(o.logits[0], plain[i]) for i, o in enumerate(decoded.outputs))
                 _write(exchange / f"{job}-r{rank}.json", {"params": params, "first": first})
+                full = _fill_until_full(engine, prompts, job)
                 _wait_for(exchange / f"{job}-done")
                 out[job] = {"first": first, "decoded": [o.tokens for o in decoded.outputs],
-                            "stats": engine.stats()}
+                            "same_logits": same_logits, "full": full, "stats": engine.stats()}
             finally:
                 engine.close()
     return out
+
+
+def _fill_until_full(engine, prompts, job):
+    """Keep KV until the budget refuses a sequence; the refused one gets ``kv_error``, the batch still answers."""
+    kept, errors, peak = [], [], 0
+    for n in range(1000):
+        res = engine.generate(prompts, keep_kv=[f"{job}-fill{n}-{i}" for i in range(len(prompts))])
+        for i, o in enumerate(res.outputs):
+            (errors if o.kv_error else kept).append(o.kv_error or f"{job}-fill{n}-{i}")
+        peak = max(peak, engine.kv.stats().held_bytes)
+        if errors:
+            break
+    for rid in kept:
+        engine.kv.store.release(rid, pulled=False)
+    return {"errors": errors, "kept": len(kept), "peak": peak, "budget": engine.kv.stats().budget_bytes,
+            "full_total": engine.kv.stats().full_total, "held_after": engine.kv.stats().held_bytes}
 
 
 def ports_for(base: int, job: str) -> int:

@@ -54,6 +54,10 @@ def test_round_trip_every_arch(world, checkpoints, tmp_path):
                 assert row["shapes"][0][0][2] == len(PROMPTS[i])            # [1, heads, seq, dim]
                 assert row["tokens"] == expected[i], (job, rank, i)          # pulled KV → plain transformers
                 assert served["decoded"][i] == expected[i], (job, rank, i)   # the engine's own cache path
+            assert served["same_logits"]            # keeping the KV / decoding on never changes the first step
+            full = served["full"]
+            assert full["errors"] and all("KV budget full" in e for e in full["errors"])
+            assert full["kept"] > 0 and full["peak"] <= full["budget"] and full["full_total"] == len(full["errors"])
             st = served["stats"]
             assert st["kv_pulls_total"] == len(PROMPTS) and st["kv_held_sequences"] == 0
             assert st["kv_held_bytes"] == 0 and st["kv_expirations_total"] == 0

@@ -146,3 +146,18 @@ def test_wire_models_refuse_unknown_fields():
 def test_region_refuses_a_budget_below_one_block():
     with pytest.raises(ValueError, match="smaller than one block"):
         KvRegion(100, block_bytes=1024)
+
+
+def test_engine_requests_are_checked_before_any_forward():
+    from dwdp_worker.generation import KvDisabledError, check_requests
+    from dwdp_worker.packing import BadBatchError
+
+    assert check_requests([[1, 2]], None, None, max_positions=8, kv_enabled=False) == ([1], [None])
+    with pytest.raises(KvDisabledError, match="KV transfer is off"):
+        check_requests([[1, 2]], [1], ["r"], max_positions=8, kv_enabled=False)
+    with pytest.raises(BadBatchError, match="max_position_embeddings=8"):
+        check_requests([[1, 2, 3]], [7], None, max_positions=8, kv_enabled=True)
+    with pytest.raises(BadBatchError, match="integer >= 1"):
+        check_requests([[1]], [0], None, max_positions=8, kv_enabled=True)
+    with pytest.raises(BadBatchError, match="one entry per sequence"):
+        check_requests([[1], [2]], [1], None, max_positions=8, kv_enabled=True)
