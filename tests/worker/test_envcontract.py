@@ -173,3 +173,17 @@ def test_tuning_variables_pass_through_template_env_but_contract_ones_are_refuse
     for var in POD_ENV:
         errors = spec_mod.validate_spec({**base, "template": {"env": [{"name": var.value, "value": "1"}]}})
         assert errors and var.value in errors[0]
+
+
+def test_the_crd_enums_are_the_contract_values():
+    """The CRD (YAML, so it cannot import) spells the transfer modes and dtypes: pinned here."""
+    import yaml
+
+    from dwdp_runtime.contract import ModelDtype, Transfer
+
+    crd = yaml.safe_load((ROOT / "crds" / "dwdpgroup.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    transfer = spec["experts"]["properties"]["transfer"]
+    dtype = spec["model"]["properties"]["dtype"]
+    assert transfer["enum"] == [m.value for m in Transfer] and transfer["default"] == Transfer.COPY_ENGINE
+    assert dtype["enum"] == [m.value for m in ModelDtype] and dtype["default"] == ModelDtype.BFLOAT16
