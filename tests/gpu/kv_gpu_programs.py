@@ -24,10 +24,11 @@ def digest(kv) -> str:
 def _sync():
     import torch
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budget_bytes, repeats):
+def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budget_bytes, repeats, backend="cuda"):
     """Rank 0 prefills ``prompts`` on CUDA, keeping their KV in GPU memory; times the prefill with and without."""
     import torch
 
@@ -39,11 +40,11 @@ def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budg
     from ..worker.programs import _rdzv
 
     exchange = pathlib.Path(exchange)
-    device = f"cuda:{rank % torch.cuda.device_count()}"
+    device = f"cuda:{rank % torch.cuda.device_count()}" if backend == "cuda" else None
     cfg = DwdpConfig.even(dwdp_size=world, num_experts=num_experts_of(model_dir))
     with _rdzv(rank, world, port, "kvgpu", timeout_s=240) as rdzv:
         t0 = time.perf_counter()
-        engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="cuda",
+        engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
                               device=device, token="tok", progress=False,
                               kv=KvSettings(budget_bytes=budget_bytes), identity=RankIdentity(job="kvgpu", rank=rank))
         build_s = time.perf_counter() - t0
@@ -81,7 +82,7 @@ def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budg
             engine.close()
 
 
-def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result):
+def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result, device="cuda:0"):
     """The decode side on CUDA: pull every sequence into GPU memory, check it, decode with plain transformers."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -91,20 +92,20 @@ def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result):
 
     exchange = pathlib.Path(exchange)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir).to("cuda:0").eval()
-        _, ref_kv = cached_prefill(model, prompts, torch.device("cuda:0"))
+        model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+        _, ref_kv = cached_prefill(model, prompts, torch.device(device))
         with torch.inference_mode():
-            expected = [model.generate(torch.tensor([p], device="cuda:0"), max_new_tokens=new_tokens,
+            expected = [model.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens,
                                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                                        eos_token_id=None)[0, len(p):].tolist() for p in prompts]
         f = exchange / "r0.json"
         _wait_for(f, timeout_s=480)
         got = json.loads(f.read_text())
         rows = []
-        with KvPuller(device="cuda:0") as puller:
+        with KvPuller(device=device) as puller:
             for i, params in enumerate(got["params"]):
                 pulled = puller.pull(params)
-                torch.cuda.synchronize()
+                _sync()
                 max_diff = max(float((a.float() - c.float()).abs().max()) for (a, _), (c, _) in zip(pulled.kv, ref_kv[i]))
                 tokens, _ = decode_from_params(model, prompts[i], got["first"][i], pulled, max_new_tokens=new_tokens)
                 rows.append({"bitwise": digest(pulled.kv) == got["digests"][i], "nbytes": pulled.nbytes,
