@@ -11,10 +11,10 @@ Everything here but ``fp8_block`` is pure and imports without torch.
 
 from .config import (NONE, SUPPORTED, QuantConfig, UnsupportedQuantizationError, fp8_config_dict,
                      parse_quantization_config)
-from .memory import ExpertMemory, expert_memory, layer_tensors
+from .memory import ExpertMemory, expert_memory, layer_tensors, layers_memory
 from .scheme import (FP8_BLOCK, FP8_BLOCK_SCHEME, REPLICATED, UNQUANTIZED, ExpertTensor, QuantScheme,
                      TensorRole)
 
 __all__ = ["NONE", "SUPPORTED", "QuantConfig", "UnsupportedQuantizationError", "fp8_config_dict",
-           "parse_quantization_config", "ExpertMemory", "expert_memory", "layer_tensors", "FP8_BLOCK",
+           "parse_quantization_config", "ExpertMemory", "expert_memory", "layer_tensors", "layers_memory", "FP8_BLOCK",
            "FP8_BLOCK_SCHEME", "REPLICATED", "UNQUANTIZED", "ExpertTensor", "QuantScheme", "TensorRole"]

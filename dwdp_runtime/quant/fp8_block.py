@@ -82,9 +82,32 @@ def expand_scales(scale_inv, rows: int, cols: int, *, block: tuple[int, int] = F
 
 
 def dequantize(q, scale_inv, dtype, *, block: tuple[int, int] = FP8_BLOCK, row_segments: Sequence[int] | None = None):
-    """``float(q) · scale_inv`` (float32) rounded once to ``dtype``; ``q [..., N, K]``."""
+    """``float(q) · scale_inv`` (float32) rounded once to ``dtype``; ``q [..., N, K]``.
+
+    One float32 temporary of ``q``'s size (multiplied in place, block row by block row; the scales are
+    broadcast over a view, never expanded): dequantizing a big dense weight at load costs no more than the
+    float32 copy. Each element is one float32 product, so any formulation gives the same bits.
+    """
     import torch
 
+    bn, bk = block
     n, k = q.shape[-2:]
-    scale = expand_scales(scale_inv.to(torch.float32), n, k, block=block, row_segments=row_segments)
-    return (q.to(torch.float32) * scale).to(dtype)
+    segs = _segments(n, row_segments)
+    if sum(ceil_div(x, bn) for x in segs) != scale_inv.shape[-2] or ceil_div(k, bk) != scale_inv.shape[-1]:
+        raise ValueError(f"scale grid {tuple(scale_inv.shape[-2:])} does not fit a [{n}, {k}] weight in "
+                         f"{bn}×{bk} blocks (segments {segs})")
+    out = q.to(torch.float32)
+    s32 = scale_inv.to(device=out.device, dtype=torch.float32)
+    full = (k // bk) * bk
+    row = srow = 0
+    for seg in segs:
+        for r0 in range(0, seg, bn):
+            rows = out[..., row + r0:row + min(seg, r0 + bn), :]
+            srow_s = s32[..., srow, :]                             # [..., ⌈K/bk⌉]
+            if full:
+                rows[..., :full].unflatten(-1, (full // bk, bk)).mul_(srow_s[..., None, : full // bk, None])
+            if full < k:
+                rows[..., full:].mul_(srow_s[..., None, full // bk:])
+            srow += 1
+        row += seg
+    return out if dtype == torch.float32 else out.to(dtype)

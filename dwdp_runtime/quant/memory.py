@@ -44,16 +44,29 @@ def expert_memory(*, tensors: Sequence[ExpertTensor], num_moe_layers: int, num_e
                   ranges: Sequence[tuple[int, int]], rank: int, slots: int, granularity: int,
                   compute_itemsize: int = 2, page_multiplier: int = layout.DEFAULT_PAGE_MULTIPLIER) -> ExpertMemory:
     """Bytes rank ``rank`` maps for the experts of ``num_moe_layers`` identical MoE layers."""
-    weights = scales = pages = 0
-    for t in tensors:
-        lay = layout.composite_layout(num_experts=num_experts, expert_bytes=t.expert_bytes(compute_itemsize),
-                                      local_range=tuple(ranges[rank]), granularity=granularity,
-                                      page_multiplier=page_multiplier)
-        if t.role is TensorRole.SCALE:
-            scales += lay.local_bytes
-        else:
-            weights += lay.local_bytes
-        pages += lay.pool_pages
-    page_bytes = granularity * page_multiplier
-    used_slots = min(slots, num_moe_layers)
-    return ExpertMemory(weights * num_moe_layers, scales * num_moe_layers, used_slots * pages * page_bytes)
+    return layers_memory(layers=[tensors] * num_moe_layers, num_experts=num_experts, ranges=ranges, rank=rank,
+                         slots=slots, granularity=granularity, compute_itemsize=compute_itemsize,
+                         page_multiplier=page_multiplier)
+
+
+def layers_memory(*, layers: Sequence[Sequence[ExpertTensor]], num_experts: int, ranges: Sequence[tuple[int, int]],
+                  rank: int, slots: int, granularity: int, compute_itemsize: int = 2,
+                  page_multiplier: int = layout.DEFAULT_PAGE_MULTIPLIER) -> ExpertMemory:
+    """Bytes rank ``rank`` maps for MoE ``layers`` (forward order; each its list of sharded tensors): local
+    handles by role, and the pool as the weight buffer sizes it (``layout.slot_pool_pages``)."""
+    weights = scales = 0
+    pages_per_layer = []
+    for tensors in layers:
+        pages = 0
+        for t in tensors:
+            lay = layout.composite_layout(num_experts=num_experts, expert_bytes=t.expert_bytes(compute_itemsize),
+                                          local_range=tuple(ranges[rank]), granularity=granularity,
+                                          page_multiplier=page_multiplier)
+            if t.role is TensorRole.SCALE:
+                scales += lay.local_bytes
+            else:
+                weights += lay.local_bytes
+            pages += lay.pool_pages
+        pages_per_layer.append(pages)
+    pool_pages = sum(layout.slot_pool_pages(pages_per_layer, slots))
+    return ExpertMemory(weights, scales, pool_pages * granularity * page_multiplier)

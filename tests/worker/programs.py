@@ -55,6 +55,15 @@ def _vm_rss_kib() -> int:
     raise RuntimeError("no VmRSS")
 
 
+def _handle_bytes_by_role(manager) -> dict:
+    """What the runtime really allocated: local handle bytes of scale / weight tensors, and the page pool."""
+    by = {"scales": 0, "weights": 0}
+    for e in manager.transport._entries:
+        by["scales" if str(e.key[1]).endswith("_scale_inv") else "weights"] += e.alloc.nbytes
+    by["pool"] = sum(a.nbytes for pages in manager.buffer._pool for a in pages)
+    return by
+
+
 def memory_program(rank, world, port, *, model_dir, k, s):
     """Peak RSS growth of Engine.build (dense + this rank's experts), measured with the kernel's high-water mark."""
     import gc
@@ -83,7 +92,8 @@ def memory_program(rank, world, port, *, model_dir, k, s):
         result = {"peak_growth": (peak - base) * 1024, "local_expert_bytes": report.local_expert_bytes,
                   "total_expert_bytes": report.total_expert_bytes, "dense_bytes": report.dense_bytes,
                   "largest_local_weight": report.largest_local_weight,
-                  "pid": os.getpid()}
+                  "local_scale_bytes": report.local_scale_bytes, "mapped": report.mapped,
+                  "handles": _handle_bytes_by_role(engine.manager), "pid": os.getpid()}
         engine.forward([[1, 2, 3]])
         engine.close()
     return result

@@ -29,8 +29,10 @@ import json
 import logging
 import pathlib
 from dataclasses import dataclass
+from typing import Any
 
 from . import models as arch
+from . import quant_loading as quant
 from .checkpoint_names import CheckpointMap, dense_tensors, resolve_sources
 from .experts_layout import ExpertParam, ExpertsLayout, ModelLayout, SourceKind
 from .safetensors_index import CheckpointError, SafetensorsIndex
@@ -104,6 +106,8 @@ class LoadReport:
     total_expert_bytes: int
     largest_local_weight: int   # bytes of the largest single (layer, weight) local share
     layers: list[int]
+    local_scale_bytes: int = 0  # of local_expert_bytes: the block scales (FP8 ``*_scale_inv``)
+    mapped: Any = None          # quant.ExpertMemory: mapped bytes by part (weights, scales, pool), as planned
 
 
 def dtype_plan(model, dtype) -> dict:
@@ -124,7 +128,8 @@ def target_dtype(name: str, default, plan: dict):
 
 def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: SafetensorsIndex, device, *,
                progress: bool = False, dtype=None) -> int:
-    """Load every non-expert parameter/persistent buffer; rebuild non-persistent buffers. Returns bytes."""
+    """Load every non-expert parameter/persistent buffer; rebuild non-persistent buffers. Returns bytes.
+    FP8 tensors (e4m3 + ``weight_scale_inv``) are dequantized here (``quant_loading.dense_reader``)."""
     import torch
 
     plan = dtype_plan(model, dtype) if dtype is not None else {}
@@ -137,13 +142,14 @@ def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: Safetensor
     nbytes = 0
     missing = []
     done: set[str] = set()
+    read = quant.dense_reader(ckpt, device)
     from tqdm.auto import tqdm
 
     for name in tqdm(list(todo), desc="dwdp: loading dense weights", unit="tensor", leave=False,
                      disable=not progress):
         if name in done:
             continue
-        produced = dense_tensors(model, name, cmap, ckpt.get)
+        produced = dense_tensors(model, name, cmap, read)
         if name not in produced:
             if name not in tied:
                 missing.append(name)
@@ -240,34 +246,41 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     with SafetensorsIndex(model_dir) as ckpt:
         cmap = CheckpointMap.build(model, ckpt.entries)
         layout = resolve_sources(layout, cmap, ckpt.shape)
+        layout, fp8 = quant.quantize_layout(layout, quant.quant_config_of(config), ckpt)
         dense = load_dense(model, layout, cmap, ckpt, device, progress=progress, dtype=dtype)
         plan = dtype_plan(model, dtype)
         from tqdm.auto import tqdm
 
         total_local = sum(len(e.params) for e in layout.experts) * (b - a)
-        local_bytes = total_bytes = largest = 0
+        local_bytes = total_bytes = largest = scale_bytes = 0
         with tqdm(total=total_local, desc=f"dwdp: loading local experts [{a}, {b})", unit="expert", leave=False,
                   disable=not progress) as bar:
             for experts in layout.experts:
                 manager.add_layer(experts.layer)
                 for p in experts.params:
-                    wdt = target_dtype(experts.full_name(p.name), p.dtype, plan)
+                    # quantized tensors keep their declared dtype (no fp32 override of an e4m3 weight)
+                    wdt = p.dtype if experts.path in fp8 else target_dtype(experts.full_name(p.name), p.dtype, plan)
                     manager.add_expert_weight(experts.layer, p.name, expert_shape=p.expert_shape, dtype=wdt,
                                               fill=_expert_reader(ckpt, experts, p, bar))
                     per_expert = p.numel * torch.empty((), dtype=wdt).element_size()
                     local_bytes += (b - a) * per_expert
                     largest = max(largest, (b - a) * per_expert)
                     total_bytes += experts.num_experts * per_expert
+                    scale_bytes += (b - a) * per_expert if p.role.value == "scale" else 0
     manager.setup()
     for experts in layout.experts:
         module = model.get_submodule(experts.path)
         for p in experts.params:
             module._parameters[p.name] = torch.nn.Parameter(manager.composite(experts.layer, p.name),
                                                             requires_grad=False)
+        if experts.path in fp8:
+            quant.install_fp8_forward(module, fp8[experts.path], dtype)
     model.dwdp_layout = layout
-    log.info("loaded %s from %s: dense %.1f MiB, local experts [%d, %d) %.1f MiB of %.1f MiB", layout.model_type,
-             model_dir, dense / 2**20, a, b, local_bytes / 2**20, total_bytes / 2**20)
-    return model, LoadReport(dense, local_bytes, total_bytes, largest, layout.layers)
+    by_part = quant.mapped_memory(manager, layout, dtype)
+    log.info("loaded %s from %s: dense %.1f MiB, local experts [%d, %d) %.1f MiB of %.1f MiB (mapped: %s)",
+             layout.model_type, model_dir, dense / 2**20, a, b, local_bytes / 2**20, total_bytes / 2**20, by_part)
+    return model, LoadReport(dense, local_bytes, total_bytes, largest, layout.layers, local_scale_bytes=scale_bytes,
+                             mapped=by_part)
 
 
 def unbind_experts(model) -> None:
@@ -278,6 +291,7 @@ def unbind_experts(model) -> None:
     layout = getattr(model, "dwdp_layout", None) or arch.model_layout(model)
     for experts in layout.experts:
         module = model.get_submodule(experts.path)
+        quant.uninstall_fp8_forward(module)
         for p in experts.params:
             old = module._parameters[p.name]
             module._parameters[p.name] = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"),

@@ -27,12 +27,15 @@ SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
 def check_supported_config(config: Any) -> None:
-    """Refuse configs DWDP cannot shard faithfully before building anything."""
+    """Refuse configs DWDP cannot shard faithfully before building anything: a quantization other than FP8
+    block-scaled (``dwdp_runtime.quant.parse_quantization_config`` names what is supported)."""
+    from dwdp_runtime.quant import UnsupportedQuantizationError, parse_quantization_config
+
     model_type = getattr(config, "model_type", None)
-    if getattr(config, "quantization_config", None):
-        raise UnsupportedModelError(
-            f"{model_type}: quantized checkpoints (quantization_config={config.quantization_config!r}) carry "
-            f"per-expert scale tensors that DWDP does not shard yet; use a bf16/fp16/fp32 checkpoint")
+    try:
+        parse_quantization_config(getattr(config, "quantization_config", None))
+    except UnsupportedQuantizationError as exc:
+        raise UnsupportedModelError(f"{model_type}: {exc}") from None
 
 
 def model_layout(model: Any) -> ModelLayout:

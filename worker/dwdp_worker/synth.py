@@ -22,6 +22,8 @@ from typing import Any
 from .models import SUPPORTED_ARCHS
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: checkpoint quantizations synth can write (None = unquantized); see dwdp_runtime.quant
+QUANTS = (None, "fp8")
 
 
 def _config(arch: str, *, num_experts: int, num_layers: int, hidden_size: int, vocab_size: int,
@@ -67,13 +69,21 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
                     num_layers: int | None = None, hidden_size: int | None = None, vocab_size: int | None = None,
                     dtype: str = "float32", tokenizer: bool = False, intermediate_size: int | None = None,
                     moe_intermediate_size: int | None = None, num_heads: int | None = None,
-                    max_positions: int = 4096, top_k: int = 2) -> pathlib.Path:
-    """Write a seeded random tiny checkpoint of ``arch`` to ``out_dir`` and return its path."""
+                    max_positions: int = 4096, top_k: int = 2, quant: str | None = None,
+                    fused_experts: bool = False) -> pathlib.Path:
+    """Write a seeded random tiny checkpoint of ``arch`` to ``out_dir`` and return its path.
+
+    ``quant="fp8"``: then quantized from those seeded weights as a fine-grained FP8 checkpoint
+    (``fp8_checkpoint.quantize_checkpoint``; ``fused_experts`` stores the experts as fused 3-D tensors)."""
     import torch
     import transformers as tf
 
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    if quant not in QUANTS:
+        raise ValueError(f"quant {quant!r}: must be one of {', '.join(q for q in QUANTS if q)} (or none)")
+    if fused_experts and quant is None:
+        raise ValueError("fused_experts applies to a quantized checkpoint (--quant fp8)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
     sizes = dict(num_experts=num_experts, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
@@ -113,6 +123,10 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer:
         write_tokenizer(out, vocab_size=sizes["vocab_size"], max_positions=max_positions)
+    if quant == "fp8":
+        from .fp8_checkpoint import quantize_checkpoint
+
+        quantize_checkpoint(out, fused_experts=fused_experts)
     return out
 
 
@@ -174,6 +188,10 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=2, help="experts per token")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default float32)")
     parser.add_argument("--tokenizer", action="store_true", help="also write a small word-level tokenizer with a chat template")
+    parser.add_argument("--quant", choices=[q for q in QUANTS if q], default=None,
+                        help="quantize the seeded weights: fp8 = e4m3 with 128x128 block scales (DeepSeek-V3 format)")
+    parser.add_argument("--fused-experts", action="store_true",
+                        help="with --quant: store experts as fused gate_up_proj/down_proj (+ _scale_inv) tensors")
 
 
 def synth_main(args: argparse.Namespace) -> int:
@@ -184,13 +202,15 @@ def synth_main(args: argparse.Namespace) -> int:
                                num_layers=args.num_layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size,
                                dtype=args.dtype, tokenizer=args.tokenizer, intermediate_size=args.intermediate_size,
                                moe_intermediate_size=args.moe_intermediate_size, num_heads=args.num_heads,
-                               max_positions=args.max_positions, top_k=args.top_k)
+                               max_positions=args.max_positions, top_k=args.top_k,
+                               quant=getattr(args, "quant", None), fused_experts=getattr(args, "fused_experts", False))
     except (ValueError, OSError) as exc:
         print(f"dwdp-worker synth: error: {exc}", file=sys.stderr)
         return 2
     cfg = json.loads((path / "config.json").read_text())
     print(f"wrote {args.arch} checkpoint to {path} (layers={cfg.get('num_hidden_layers')}, "
-          f"hidden={cfg.get('hidden_size')}, vocab={cfg.get('vocab_size')}, dtype={args.dtype})")
+          f"hidden={cfg.get('hidden_size')}, vocab={cfg.get('vocab_size')}, dtype={args.dtype}"
+          f"{', quant=' + args.quant if getattr(args, 'quant', None) else ''})")
     return 0
 
 

@@ -1,0 +1,131 @@
+"""FP8 block-scaled checkpoints on disk: write one from a saved model, and its dequantized twin (the reference).
+
+``quantize_checkpoint(dir)`` rewrites a ``save_pretrained`` directory the way DeepSeek-V3/R1 and Qwen3-*-FP8 are
+published: every ``nn.Linear`` weight except ``lm_head`` (attention projections, dense MLPs, shared experts)
+and every routed expert projection (``…experts.{e}.{gate,up,down}_proj.weight``; Mixtral ``w1/w3/w2``) becomes
+``weight`` float8_e4m3fn + ``weight_scale_inv`` float32 ``[⌈out/128⌉, ⌈in/128⌉]``; embeddings, norms, routers
+(not ``nn.Linear`` in `transformers`, unquantized in the released checkpoints), DeepSeek-V3's score-correction
+bias and ``lm_head`` stay as they are. ``config.json`` gains the ``quantization_config`` DeepSeek-V3 writes.
+With ``fused_experts=True`` the experts are stored as the fused tensors `transformers`' ``FP8Experts`` holds:
+``experts.gate_up_proj [E, 2I, H]`` + ``experts.gate_up_proj_scale_inv [E, 2⌈I/128⌉, ⌈H/128⌉]`` (gate and up
+quantized separately, as in the per-expert checkpoint) and ``experts.down_proj`` + its scale.
+
+``dequantize_checkpoint(src, dst)`` writes the reference every FP8 test compares against: the same directory
+with every FP8 tensor replaced by ``fp8_block.dequantize`` of it (float32, no scale tensors, no
+``quantization_config``): plain `transformers` on it is "the dequantized-weights model".
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+from dwdp_runtime.quant import fp8_config_dict
+from dwdp_runtime.quant import fp8_block
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def scale_key(weight_key: str) -> str:
+    """``x.weight`` → ``x.weight_scale_inv``; a fused ``experts.gate_up_proj`` → ``…gate_up_proj_scale_inv``."""
+    return weight_key + SCALE_SUFFIX
+
+
+def _plan(model_dir: pathlib.Path, keys):
+    """(checkpoint keys of ``nn.Linear`` weights but ``lm_head``, the resolved experts layout) by `transformers`'
+    own loading rules (``checkpoint_names``): the same names the loader reads."""
+    import torch
+
+    from .checkpoint_names import CheckpointMap, resolve_sources
+    from .loader import build_meta_model, load_config
+    from .models import model_layout
+
+    model = build_meta_model(load_config(model_dir), torch.float32)
+    cmap = CheckpointMap.build(model, keys)
+    linear = set()
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and name != "lm_head":
+            linear.update(m.key for m in cmap.matches(f"{name}.weight"))
+    return linear, resolve_sources(model_layout(model), cmap, lambda k: tuple(keys[k].shape))
+
+
+def quantize_checkpoint(model_dir, *, fused_experts: bool = False) -> pathlib.Path:
+    """Rewrite ``model_dir`` (written by ``save_pretrained``, unquantized) as an FP8 block-scaled checkpoint."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .experts_layout import ParamRole, SourceKind
+
+    model_dir = pathlib.Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    if raw.get("quantization_config"):
+        raise ValueError(f"{model_dir} is already quantized")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"{model_dir}: expected one model.safetensors (synthetic checkpoints are one file)")
+    tensors = load_file(str(files[0]))
+    linear, layout = _plan(model_dir, tensors)
+    out = {}
+    expert_keys = set()
+    for experts in layout.experts:
+        for p in experts.params:
+            if p.role is not ParamRole.WEIGHT:
+                continue
+            src = p.source
+            if src.kind is not SourceKind.PER_EXPERT or src.concat_dim != 0:
+                raise ValueError(f"{experts.full_name(p.name)}: synth quantizes save_pretrained's per-expert layout")
+            expert_keys.update(k for part in src.parts for k in part)
+            if not fused_experts:  # as the released checkpoints: each per-expert projection quantized
+                for part in src.parts:
+                    for k in part:
+                        out[k], out[scale_key(k)] = fp8_block.quantize(tensors[k])
+                continue
+            segs = tuple(tensors[part[0]].shape[0] for part in src.parts)
+            fused = torch.stack([torch.cat([tensors[part[e]] for part in src.parts]) for e in range(experts.num_experts)])
+            key = experts.full_name(p.name)
+            out[key], out[scale_key(key)] = fp8_block.quantize(fused, row_segments=segs)
+    for key, value in tensors.items():
+        if key in expert_keys:
+            continue
+        if key in linear and value.dim() == 2:
+            out[key], out[scale_key(key)] = fp8_block.quantize(value)
+        else:
+            out[key] = value
+    save_file(out, str(files[0]), metadata={"format": "pt"})
+    raw["quantization_config"] = fp8_config_dict(("lm_head",))
+    cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return model_dir
+
+
+def dequantize_checkpoint(src, dst, *, dtype: str = "float32") -> pathlib.Path:
+    """Write the dequantized-weights twin of FP8 checkpoint ``src`` to ``dst`` (see module docstring)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    raw = json.loads((src / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    raw["dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    want = getattr(torch, dtype)
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        out = {}
+        for key, value in tensors.items():
+            if key.endswith(SCALE_SUFFIX):
+                continue
+            if value.dtype == torch.float8_e4m3fn:
+                s = tensors[scale_key(key)]
+                segs = None
+                if key.endswith(".gate_up_proj"):  # fused: gate and up were quantized separately
+                    segs = (value.shape[-2] // 2, value.shape[-2] // 2)
+                value = fp8_block.dequantize(value, s, want, row_segments=segs)
+            out[key] = value.contiguous()
+        save_file(out, str(dst / f.name), metadata={"format": "pt"})
+    return dst
