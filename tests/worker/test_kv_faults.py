@@ -128,3 +128,17 @@ def test_nothing_leaks_across_1000_requests(server):
     assert s["fds"] <= base["fds"] + 2, (base["fds"], s["fds"])
     assert s["maps"] <= base["maps"] + 16, (base["maps"], s["maps"])
     assert open_fds() <= client_fds + 8 and mapped_regions() <= client_maps + 64
+
+
+def test_rank_dying_between_claim_and_read_fails_the_pull_cleanly(server):
+    _, params, _ = server.keep("mid")
+
+    def kill_rank():
+        server.proc.kill()
+        server.proc.join()
+
+    with KvPuller() as puller:
+        t0 = time.monotonic()
+        with pytest.raises(KvPullError, match="READ of request mid"):
+            puller.pull(params, after_claim=kill_rank, read_timeout_s=5.0)
+        assert time.monotonic() - t0 < 20

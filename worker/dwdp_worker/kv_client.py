@@ -110,7 +110,8 @@ class KvPuller:
                           "restarted (a new group start has new engine ids) or unreachable")
 
     def pull(self, params: KvTransferParams | dict, *, claim_timeout_s: float = CLAIM_TIMEOUT_S,
-             read_timeout_s: float = READ_TIMEOUT_S) -> PulledKv:
+             read_timeout_s: float = READ_TIMEOUT_S, after_claim=None) -> PulledKv:
+        """Claim, READ, confirm. ``after_claim()`` (fault-injection tests) runs between CLAIMED and the READ."""
         import torch
 
         if not isinstance(params, KvTransferParams):
@@ -133,6 +134,8 @@ class KvPuller:
         if reply.op is not AgentOp.CLAIMED:
             raise KvPullError(f"unexpected answer {reply.op} from {remote}")
         t_claimed = time.monotonic()
+        if after_claim is not None:
+            after_claim()
 
         region = params.region
         bb = region.block_bytes
