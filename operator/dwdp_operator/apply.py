@@ -1,15 +1,22 @@
 """Idempotent writes of a ``Plan`` to the API server (the only module that changes the cluster).
 
-Order (invariant 4 of ``desired``): status first (the intent: attempt numbers, phases), then
+Order (invariant 5 of ``desired``): status first (the intent: attempt numbers, phases), then
 deletes, creates, patches, events. Every step is safe to repeat: AlreadyExists on create and
 NotFound on delete/patch are success (only a 409 whose Status reason is AlreadyExists: any other
-409, a 429 or a 5xx fails the pass, which is retried, and nothing is remembered as created); a failed status write aborts the plan (nothing else runs),
-so the next reconcile sees the old intent and redoes the same steps.
+409, a 429 or a 5xx fails the pass, which is retried, and nothing is remembered as created); a
+failed status write aborts the plan (nothing else runs), so the next reconcile sees the old intent
+and redoes the same steps.
 
-Creates of long-lived children (Secret, Services, ComputeDomain) are remembered for
-``REMEMBER_S`` seconds so a resync does not hammer the API with creates that answer 409;
-a child deleted by hand comes back within that time. Pod creates are remembered per
-(name, attempt) for ``POD_REMEMBER_S`` (the kopf index lags our own writes by a few events).
+Refusals: a create the API server refuses for a reason only a person can fix (``refusals.classify``:
+kind not served, RBAC, quota, validation or webhook) does not fail the pass; it is returned in
+``ApplyResult.refusals`` for the reconciler to show (condition, Event). Pods are created only when
+every other child was accepted (a pod without its Secret, Services or ComputeDomain cannot run).
+
+Creates of long-lived children (Secret, Services, ComputeDomain) are remembered for ``REMEMBER_S``
+seconds so a resync does not hammer the API with creates that answer 409; a child deleted by hand
+comes back within that time. Pod creates are remembered per (name, attempt) for ``POD_REMEMBER_S``
+(the kopf index lags our own writes by a few events). The memory is bounded: entries expire and are
+dropped, and at most ``MEMORY_MAX`` are kept (invariant: it never grows with pods ever created).
 """
 
 from __future__ import annotations
@@ -17,29 +24,75 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from .children import KINDS
 from .desired import Plan
-from .manifests import CD_API_VERSION
+from .refusals import Refusal, classify, describe
 from .spec import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger("dwdp_operator.apply")
 REMEMBER_S = 30.0
 POD_REMEMBER_S = 5.0
+MEMORY_MAX = 100_000  # far above any live child count; a hard bound if the clock stalls
+
+
+class ApiError(RuntimeError):
+    """A transient API failure, described in one line (``refusals.describe``): retried."""
+
+
+class CreateMemory:
+    """Keys remembered until their TTL passes; insertion-ordered, so expiry pops from the front."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, max_entries: int = MEMORY_MAX):
+        self.clock, self.max_entries = clock, max_entries
+        self._until: OrderedDict[tuple, float] = OrderedDict()
+
+    def remember(self, key: tuple, ttl: float) -> None:
+        self._until.pop(key, None)
+        self._until[key] = self.clock() + ttl
+        self._expire()
+
+    def __contains__(self, key: tuple) -> bool:
+        self._expire()
+        return key in self._until
+
+    def forget(self, match: Callable[[tuple], bool]) -> None:
+        for k in [k for k in self._until if match(k)]:
+            del self._until[k]
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        # TTLs differ per kind, so the front is not always the earliest: pop expired ones from the front,
+        # and let the size bound catch any that hide behind a longer-lived entry
+        while self._until and (next(iter(self._until.values())) <= now or len(self._until) > self.max_entries):
+            self._until.popitem(last=False)
+
+
+@dataclass
+class ApplyResult:
+    counts: dict[str, int] = field(default_factory=lambda: {"status": 0, "deleted": 0, "created": 0,
+                                                            "patched": 0, "events": 0})
+    refusals: list[Refusal] = field(default_factory=list)
 
 
 class Applier:
-    def __init__(self, api: client.ApiClient | None = None, *, parallel: int = 8):
+    def __init__(self, api: client.ApiClient | None = None, *, parallel: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
         self.api = api or client.ApiClient()
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
-        self.net = client.NetworkingV1Api(self.api)
         self.pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dwdp-apply")
-        self._known: dict[tuple[str, str, str, str], float] = {}
+        self.known = CreateMemory(clock=clock)
 
     # -- reads -------------------------------------------------------------------------------
     def get_group(self, ns: str, name: str) -> dict | None:
@@ -48,26 +101,36 @@ class Applier:
         except ApiException as e:
             if e.status == 404:
                 return None
-            raise
+            raise ApiError(f"GET DwdpGroup {ns}/{name}: {describe(e)}") from None
 
     # -- the plan ----------------------------------------------------------------------------
-    def apply(self, cr: dict[str, Any], plan: Plan) -> dict[str, int]:
+    def apply(self, cr: dict[str, Any], plan: Plan) -> ApplyResult:
         meta = cr["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        counts = {"status": 0, "deleted": 0, "created": 0, "patched": 0, "events": 0}
+        out = ApplyResult()
         if _changed(cr.get("status") or {}, plan.status):
-            self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, ns, PLURAL, name, {"status": plan.status})
-            counts["status"] = 1
-        counts["deleted"] = sum(self._map(lambda d: self._delete(ns, *d), plan.deletes))
-        pods = [m for m in plan.creates if m["kind"] == "Pod" and not self._remembered(ns, m, uid)]
-        others = [m for m in plan.creates if m["kind"] != "Pod" and not self._remembered(ns, m, uid)]
-        counts["created"] = sum(self._map(lambda m: self._create(ns, m, uid), others))
-        counts["created"] += sum(self._map(lambda m: self._create(ns, m, uid), pods))
-        counts["patched"] = sum(self._map(lambda p: self._patch_pod(ns, *p), plan.patches))
+            self.write_status(ns, name, plan.status)
+            out.counts["status"] = 1
+        out.counts["deleted"] = sum(self._map(lambda d: self._delete(ns, *d), plan.deletes))
+        pods = [m for m in plan.creates if m["kind"] == "Pod" and self._key(ns, m, uid) not in self.known]
+        others = [m for m in plan.creates if m["kind"] != "Pod" and self._key(ns, m, uid) not in self.known]
+        for batch in (others, pods):
+            results = self._map(lambda m: self._create(ns, m, uid), batch)
+            out.counts["created"] += sum(1 for r in results if r is True)
+            out.refusals += _distinct(r for r in results if isinstance(r, Refusal))
+            if out.refusals:
+                break  # pods need every other child (invariant: refused prerequisites stop the pods)
+        out.counts["patched"] = sum(self._map(lambda p: self._patch_pod(ns, *p), plan.patches))
         for etype, reason, message in plan.events:
-            counts["events"] += self.event(cr, etype, reason, message)
-        return counts
+            out.counts["events"] += self.event(cr, etype, reason, message)
+        return out
+
+    def write_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, PLURAL, name, {"status": status},
+                                                              _preload_content=False)
+        except ApiException as e:
+            raise ApiError(f"status of DwdpGroup {ns}/{name}: {describe(e)}") from None
 
     def _map(self, fn, items) -> list:
         items = list(items)
@@ -81,61 +144,41 @@ class Applier:
         tag = uid if m["kind"] != "Pod" else f"{uid}/{m['metadata']['labels'].get('dwdp.io/attempt')}"
         return (m["kind"], ns, m["metadata"]["name"], tag)
 
-    def _remembered(self, ns: str, m: dict, uid: str) -> bool:
-        ttl = REMEMBER_S if m["kind"] != "Pod" else POD_REMEMBER_S
-        return time.monotonic() - self._known.get(self._key(ns, m, uid), -1e9) < ttl
-
-    def _create(self, ns: str, m: dict, uid: str) -> int:
-        kind = m["kind"]
+    def _create(self, ns: str, m: dict, uid: str) -> bool | Refusal:
+        """True = created, False = already there, a Refusal = refused; transient errors raise."""
+        child, name = KINDS[m["kind"]], m["metadata"]["name"]
         try:
-            if kind == "Pod":
-                self.core.create_namespaced_pod(ns, m)
-            elif kind == "Service":
-                self.core.create_namespaced_service(ns, m)
-            elif kind == "Secret":
-                self.core.create_namespaced_secret(ns, m)
-            elif kind == "NetworkPolicy":
-                self.net.create_namespaced_network_policy(ns, m)
-            elif kind == "ComputeDomain":
-                g, v = CD_API_VERSION.split("/")
-                self.custom.create_namespaced_custom_object(g, v, ns, "computedomains", m)
-            else:
-                raise ValueError(f"unknown kind {kind}")
-            created = 1
+            child.create(self.api, ns, m)
+            created = True
         except ApiException as e:
             if not _already_exists(e):
-                raise
-            created = 0
-        self._known[self._key(ns, m, uid)] = time.monotonic()
+                refusal = classify(e, child, ns=ns, name=name)
+                if refusal is not None:
+                    return refusal
+                raise ApiError(f"create {child.kind} {ns}/{name}: {describe(e)}") from None
+            created = False
+        self.known.remember(self._key(ns, m, uid), POD_REMEMBER_S if m["kind"] == "Pod" else REMEMBER_S)
         return created
 
     def _delete(self, ns: str, kind: str, name: str) -> int:
         try:
-            if kind == "Pod":
-                # _preload_content=False: a 1.20 server answers some deletes with a Status that the
-                # typed client cannot parse into the object type
-                self.core.delete_namespaced_pod(name, ns, _preload_content=False)
-            elif kind in ("Service", "NetworkPolicy"):
-                if kind == "Service":
-                    self.core.delete_namespaced_service(name, ns, _preload_content=False)
-                else:
-                    self.net.delete_namespaced_network_policy(name, ns, _preload_content=False)
-                self._known = {k: v for k, v in self._known.items() if k[:3] != (kind, ns, name)}
-            else:
-                raise ValueError(f"unknown kind {kind}")
+            KINDS[kind].delete(self.api, ns, name)
+            if kind != "Pod":
+                self.known.forget(lambda k: k[:3] == (kind, ns, name))
             return 1
         except ApiException as e:
             if e.status != 404:
-                raise
+                raise ApiError(f"delete {kind} {ns}/{name}: {describe(e)}") from None
             return 0
 
     def _patch_pod(self, ns: str, name: str, patch: dict) -> int:
         try:
-            self.core.patch_namespaced_pod(name, ns, patch, _content_type="application/merge-patch+json")
+            self.core.patch_namespaced_pod(name, ns, patch, _content_type="application/merge-patch+json",
+                                           _preload_content=False)
             return 1
         except ApiException as e:
             if e.status != 404:
-                raise
+                raise ApiError(f"patch Pod {ns}/{name}: {describe(e)}") from None
             return 0
 
     def event(self, cr: dict, etype: str, reason: str, message: str) -> int:
@@ -151,11 +194,18 @@ class Applier:
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], body)
+            self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False)
             return 1
         except ApiException as e:  # an Event is best effort: never fail a reconcile for it
-            log.warning("event %s/%s not posted: %s", meta["name"], reason, e.reason)
+            log.warning("event %s/%s not posted: %s", meta["name"], reason, describe(e))
             return 0
+
+
+def _distinct(refusals) -> list[Refusal]:
+    seen: dict[str, Refusal] = {}
+    for r in refusals:
+        seen.setdefault(r.reason, r)
+    return list(seen.values())
 
 
 def _already_exists(e: ApiException) -> bool:

@@ -33,12 +33,18 @@ def _transient(e: BaseException) -> bool:
         return isinstance(e, (ConnectionError, TimeoutError))
 
 
+def is_pattern(namespace: str) -> bool:
+    """A kopf namespace pattern (glob, negation, list) rather than one exact name."""
+    return any(c in namespace for c in "*?[]!,")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dwdp-operator", description="Run the DwdpGroup operator.")
     p.add_argument("-n", "--namespace", action="append", default=[],
                    help="watch this namespace (repeatable; globs like 'team-*' work); default: all")
-    p.add_argument("--resync-seconds", type=float, default=5.0,
-                   help="level-triggered resync period of every DwdpGroup (default 5)")
+    p.add_argument("--resync-seconds", type=float, default=300.0,
+                   help="safety resync of every DwdpGroup, jittered +-20%% (default 300); reconciles are "
+                        "event-driven, this only catches what a missed event would leave behind")
     p.add_argument("--drain-seconds", type=float, default=5.0,
                    help="how long a scaled-away group stays out of the client Service before deletion")
     p.add_argument("--health-interval", type=float, default=10.0,
@@ -59,13 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import kopf
 
-        from . import handlers
+        from . import handlers  # noqa: F401 — registers the kopf handlers
+        from .reconciler import Settings
+        from .refusals import describe
     except ImportError as e:
         print(f"dwdp-operator: missing dependency ({e}); install with: pip install 'dwdp-k8s[operator]'",
               file=sys.stderr)
         return 1
-    s = handlers.SETTINGS
-    s.resync_seconds, s.drain_seconds, s.health_interval = args.resync_seconds, args.drain_seconds, args.health_interval
+    settings = Settings(resync_seconds=args.resync_seconds, drain_seconds=args.drain_seconds,
+                        health_interval=args.health_interval,
+                        literal_namespaces=bool(args.namespace) and not any(map(is_pattern, args.namespace)))
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port)
@@ -73,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         try:
             kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-                     liveness_endpoint=args.liveness)
+                     liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings))
         except KeyboardInterrupt:
             return 0
         except Exception as e:  # noqa: BLE001 — a message, never a traceback, for the user
@@ -81,12 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
             if _transient(e) and len(restarts) < MAX_RESTARTS:
                 restarts.append(now)
-                log.warning("kopf stopped on a transient API error (%s: %s); restarting it in %.0fs (%d/%d)",
-                            type(e).__name__, e, RESTART_DELAY_S, len(restarts), MAX_RESTARTS)
-                handlers.STATE.clear()  # nothing from the stopped kopf (its pod index) is reused
-                time.sleep(RESTART_DELAY_S)
+                log.warning("kopf stopped on a transient API error (%s); restarting it in %.0fs (%d/%d)",
+                            describe(e), RESTART_DELAY_S, len(restarts), MAX_RESTARTS)
+                time.sleep(RESTART_DELAY_S)  # a fresh memo: nothing from the stopped kopf (its pod index) is reused
                 continue
-            print(f"dwdp-operator: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"dwdp-operator: {describe(e)}", file=sys.stderr)
             return 1
         return 0
 

@@ -4,7 +4,7 @@ No I/O, no clock (``now`` is an argument), no randomness except the token passed
 triggered: the plan depends only on the DwdpGroup (spec + the status it wrote last time) and the
 pods that exist now, so running it twice, or after an operator restart, gives the same plan.
 
-Per group g the phase machine (status.groups[g].phase):
+Per group g the phase machine (``state.GroupPhase``, status.groups[g].phase):
 
     (new) ──► Pending ──all pods ready──► Ready
                  ▲  ▲                       │ pod Failed/Succeeded/deleted/missing, container restart
@@ -25,6 +25,12 @@ Invariants:
   3. ``groupRestarts`` counts restarts since the group's last rollout; ``history`` keeps the last 10.
   4. An invalid spec yields a status-only plan (condition Invalid + one Event per new message).
   5. Plans are ordered for apply: status, deletes, creates, patches, events.
+  6. ``Plan.requeue_after`` is the time until the next transition that no API event announces
+     (a backoff ending, a drain ending, a placement dead end maturing); the reconciler sleeps that
+     long instead of polling. ``None``: only an event (or the long safety resync) changes anything.
+  7. Group state is typed (``state.GroupStatus``, frozen): each pass derives new values from the
+     status it read; ``status.refusals`` (written by the reconciler from apply's answers) is carried
+     over untouched and rendered as the ChildrenAccepted condition.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from typing import Any
 from . import labels as L
 from . import manifests as M
 from .restart import backoff_seconds, exhausted
-from .spec import DwdpGroupSpec, parse_spec
 from .sizing import sizing_status
-from .status import aggregate, conditions_for, invalid_conditions, iso, parse_iso
+from .spec import DwdpGroupSpec, parse_spec
+from .state import (BUSY_PHASES, EventReason, EventType, Failure, FailureKind, GroupPhase, GroupStatus,
+                    PlannedEvent, RestartRecord, read_groups)
+from .status import aggregate, conditions_for, invalid_conditions, iso, parse_iso, summarize
 
 HISTORY = 10
 
@@ -48,8 +56,16 @@ class Plan:
     creates: list[dict[str, Any]] = field(default_factory=list)      # manifests; AlreadyExists is fine
     deletes: list[tuple[str, str]] = field(default_factory=list)     # (kind, name); NotFound is fine
     patches: list[tuple[str, dict]] = field(default_factory=list)    # (pod name, merge patch)
-    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    events: list[PlannedEvent] = field(default_factory=list)
     valid: bool = True
+    requeue_after: float | None = None                               # invariant 6
+
+    def event(self, etype: EventType, reason: EventReason, message: str) -> None:
+        self.events.append(PlannedEvent(etype, reason, message))
+
+    def wake_in(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
 
 
 def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float, token: str = "",
@@ -68,6 +84,9 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
     ctx = _Ctx(name=name, ns=ns, uid=uid, spec=spec, thash=thash, now=now, health=health or {},
                drain_seconds=drain_seconds)
     plan = Plan(status={})
+    if not old.get("groups") and not old.get("templateHash"):
+        plan.event(EventType.NORMAL, EventReason.CREATED,
+                   f"creating {spec.numGroups} group(s) of {spec.pods_per_group} pod(s) x {spec.gpusPerPod} GPU(s)")
     plan.creates += [M.token_secret(name=name, ns=ns, uid=uid, token=token),
                      M.client_service(name=name, ns=ns, uid=uid, spec=spec)]
     if spec.imex.mode == "ComputeDomain":
@@ -79,38 +98,37 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
             plan.deletes.append(("Pod", p["name"]))  # ours by label but malformed: never adopt
             continue
         by_group.setdefault(p["group"], []).append(p)
-    old_groups = {int(g["index"]): dict(g) for g in old.get("groups") or [] if "index" in g}
+    old_groups = read_groups(old)
     indices = sorted(set(range(spec.numGroups)) | set(old_groups) | set(by_group))
 
-    groups: list[dict] = []
-    outdated: list[dict] = []
+    groups: list[GroupStatus] = []
     for g in indices:
         gpods = by_group.get(g, [])
         if g < spec.numGroups:
-            st = old_groups.get(g) or _new_group(g, thash)
-            st = _live_group(ctx, plan, st, gpods)
-            if st["phase"] in ("Pending", "Ready") and st.get("templateHash") != thash:
-                outdated.append(st)
-            groups.append(st)
+            if g not in old_groups and old.get("templateHash"):
+                plan.event(EventType.NORMAL, EventReason.SCALE_UP, f"group {g} added (numGroups={spec.numGroups})")
+            groups.append(_live_group(ctx, plan, old_groups.get(g) or _new_group(g, thash), gpods))
         else:
-            st = _surplus_group(ctx, plan, old_groups.get(g) or _new_group(g, thash), gpods,
-                                known=g in old_groups)
+            st = _surplus_group(ctx, plan, old_groups.get(g) or _new_group(g, thash), gpods, known=g in old_groups)
             if st is not None:
                 groups.append(st)
 
-    _roll(ctx, plan, outdated, groups, by_group)
+    groups = _roll(ctx, plan, groups, by_group)
     for st in groups:
-        if st["index"] < spec.numGroups or st["phase"] == "Draining":
-            plan.creates.append(M.group_service(name=name, ns=ns, uid=uid, g=st["index"], spec=spec))
-            plan.creates.append(M.network_policy(name=name, ns=ns, uid=uid, g=st["index"], spec=spec))
+        if st.index < spec.numGroups or st.phase == GroupPhase.DRAINING:
+            plan.creates.append(M.group_service(name=name, ns=ns, uid=uid, g=st.index, spec=spec))
+            plan.creates.append(M.network_policy(name=name, ns=ns, uid=uid, g=st.index, spec=spec))
+        _schedule_wake(ctx, plan, st, by_group.get(st.index, []))
 
     agg = aggregate(groups, num_groups=spec.numGroups)
-    still_outdated = sum(1 for st in groups if st.get("templateHash") != thash and st["index"] < spec.numGroups)
+    still_outdated = sum(1 for st in groups if st.templateHash != thash and st.index < spec.numGroups)
+    conditions = conditions_for(groups, num_groups=spec.numGroups, outdated=still_outdated,
+                                refusals=old.get("refusals") or [], old=old.get("conditions"), now=now,
+                                generation=gen)
     plan.status = {
         "observedGeneration": gen, **agg, "selector": L.selector(name), "templateHash": thash,
-        "groups": groups,
-        "conditions": conditions_for(groups, num_groups=spec.numGroups, outdated=still_outdated,
-                                     old=old.get("conditions"), now=now, generation=gen),
+        "groups": [st.to_status() for st in groups], "refusals": list(old.get("refusals") or []),
+        "conditions": conditions, **summarize(conditions),
     }
     sized = sizing_status(spec)
     if sized is not None:
@@ -130,184 +148,200 @@ class _Ctx:
     drain_seconds: float
 
 
-def _new_group(g: int, thash: str) -> dict[str, Any]:
-    return {"index": g, "attempt": 0, "phase": "Pending", "templateHash": thash, "gangComplete": False, "pods": 0,
-            "readyPods": 0, "podRestarts": 0, "groupRestarts": 0, "prefetchRestarts": 0, "history": []}
+def _new_group(g: int, thash: str) -> GroupStatus:
+    return GroupStatus(index=g, templateHash=thash)
 
 
 def _delete_all(plan: Plan, gpods: list[dict]) -> None:
     plan.deletes += [("Pod", p["name"]) for p in gpods if not p["deleting"]]
 
 
-def _failure_reasons(ctx: _Ctx, st: dict, cur: list[dict]) -> list[str]:
-    reasons = []
+def _failures(ctx: _Ctx, st: GroupStatus, cur: list[dict]) -> list[Failure]:
+    out = []
     for p in sorted(cur, key=lambda p: p["name"]):
         if p["deleting"]:
-            reasons.append(f"pod {p['name']} deleted")
+            out.append(Failure(FailureKind.POD_DELETED, f"pod {p['name']} deleted"))
         elif p["phase"] in ("Failed", "Succeeded"):
-            reasons.append(f"pod {p['name']} {p['phase']}")
+            out.append(Failure(FailureKind.POD_ENDED, f"pod {p['name']} {p['phase']}"))
         elif p["restarts"] > 0:
-            reasons.append(f"pod {p['name']} container restarted ({p['restarts']}x)")
+            out.append(Failure(FailureKind.CONTAINER_RESTARTED, f"pod {p['name']} container restarted ({p['restarts']}x)"))
     dead_end = _placement_dead_end(ctx, cur)
     if dead_end:
-        reasons.append(dead_end)
-    if st.get("gangComplete") or any(p["labels"].get(L.GANG) == "complete" for p in cur):
+        out.append(dead_end)
+    if st.gangComplete or any(p["labels"].get(L.GANG) == "complete" for p in cur):
         have = {p["name"] for p in cur}
         for i in range(ctx.spec.pods_per_group):
-            n = M.pod_name(ctx.name, st["index"], i)
+            n = M.pod_name(ctx.name, st.index, i)
             if n not in have:
-                reasons.append(f"pod {n} disappeared")
-    return reasons
+                out.append(Failure(FailureKind.POD_DISAPPEARED, f"pod {n} disappeared"))
+    return out
 
 
-def _placement_dead_end(ctx: _Ctx, cur: list[dict]) -> str:
-    """A group split between bound pods and a pod no node can take (the bound ones pin the clique)."""
-    limit = ctx.spec.restartPolicy.unschedulableSeconds
+def _stuck(ctx: _Ctx, cur: list[dict]) -> tuple[list[str], float | None]:
+    """(nodes the group's bound pods hold, since when another pod has been unschedulable) or ([], None)."""
     bound = sorted({p["node"] for p in cur if p["node"] and not p["deleting"]})
     stuck = [p for p in cur if not p["node"] and p.get("unschedulable_since")]
-    if not limit or not bound or not stuck:
-        return ""
-    since = min(parse_iso(p["unschedulable_since"]) or ctx.now for p in stuck)
-    if ctx.now - since < limit:
-        return ""
-    return (f"placement dead end: pod {stuck[0]['name']} unschedulable for {ctx.now - since:.0f}s while the "
-            f"group's other pods hold {', '.join(bound)}; restarting away from those nodes")
+    if not ctx.spec.restartPolicy.unschedulableSeconds or not bound or not stuck:
+        return [], None
+    return bound, min(parse_iso(p["unschedulable_since"]) or ctx.now for p in stuck)
 
 
-def _live_group(ctx: _Ctx, plan: Plan, st: dict, gpods: list[dict]) -> dict:
+def _placement_dead_end(ctx: _Ctx, cur: list[dict]) -> Failure | None:
+    """A group split between bound pods and a pod no node can take (the bound ones pin the clique)."""
+    bound, since = _stuck(ctx, cur)
+    if since is None or ctx.now - since < ctx.spec.restartPolicy.unschedulableSeconds:
+        return None
+    stuck = next(p for p in cur if not p["node"] and p.get("unschedulable_since"))
+    return Failure(FailureKind.PLACEMENT_DEAD_END,
+                   f"placement dead end: pod {stuck['name']} unschedulable for {ctx.now - since:.0f}s while the "
+                   f"group's other pods hold {', '.join(bound)}; restarting away from those nodes")
+
+
+def _live_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> GroupStatus:
     """One desired group (index < numGroups)."""
-    g, spec, now = st["index"], ctx.spec, ctx.now
-    phase = st.get("phase", "Pending")
-    if phase == "Draining":  # scaled back up while draining: keep the pods, serve again
-        phase = st["phase"] = "Pending"
-        st.pop("drainUntil", None)
-        plan.events.append(("Normal", "ScaleUp", f"group {g} kept (scaled back up while draining)"))
-    cur = [p for p in gpods if p["attempt"] == st["attempt"]]
-    stale = [p for p in gpods if p["attempt"] != st["attempt"]]
-    _delete_all(plan, stale)
+    g, spec, now = st.index, ctx.spec, ctx.now
+    if st.phase == GroupPhase.DRAINING:  # scaled back up while draining: keep the pods, serve again
+        st = st.model_copy(update={"phase": GroupPhase.PENDING, "drainUntil": None})
+        plan.event(EventType.NORMAL, EventReason.SCALE_UP, f"group {g} kept (scaled back up while draining)")
+    cur = [p for p in gpods if p["attempt"] == st.attempt]
+    _delete_all(plan, [p for p in gpods if p["attempt"] != st.attempt])
 
-    if phase == "Failed":
+    if st.phase == GroupPhase.FAILED:
         _delete_all(plan, gpods)
-        if st.get("templateHash") != ctx.thash:  # a new template earns a fresh restart budget
-            st.update(phase="Updating", restartAt=iso(now), groupRestarts=0)
-            plan.events.append(("Normal", "RollingUpdate", f"group {g}: failed group retried with the new template"))
+        if st.templateHash != ctx.thash:  # a new template earns a fresh restart budget
+            st = st.model_copy(update={"phase": GroupPhase.UPDATING, "restartAt": iso(now), "groupRestarts": 0})
+            plan.event(EventType.NORMAL, EventReason.ROLLING_UPDATE, f"group {g}: failed group retried with the new template")
         return _observe(ctx, st, [])
 
-    if phase in ("Restarting", "Updating"):
+    if st.phase in (GroupPhase.RESTARTING, GroupPhase.UPDATING):
         _delete_all(plan, gpods)
-        due = parse_iso(st.get("restartAt")) or 0.0
+        due = parse_iso(st.restartAt) or 0.0
         if gpods or now < due:
             return _observe(ctx, st, [])
-        st.update(attempt=int(st["attempt"]) + 1, phase="Pending", templateHash=ctx.thash, gangComplete=False)
-        st.pop("restartAt", None)
+        st = st.model_copy(update={"attempt": st.attempt + 1, "phase": GroupPhase.PENDING, "templateHash": ctx.thash,
+                                   "gangComplete": False, "restartAt": None})
         cur, gpods = [], []
-        plan.events.append(("Normal", "GroupCreated", f"group {g} attempt {st['attempt']}: creating "
-                                                      f"{spec.pods_per_group} pods"))
+        plan.event(EventType.NORMAL, EventReason.GROUP_CREATED,
+                   f"group {g} attempt {st.attempt}: creating {spec.pods_per_group} pods")
 
-    reasons = _failure_reasons(ctx, st, cur)
-    if reasons:
-        why = "; ".join(reasons)
-        n = int(st.get("groupRestarts") or 0)
-        hist = list(st.get("history") or [])[-(HISTORY - 1):] + [{"attempt": int(st["attempt"]), "time": iso(now), "reason": why}]
-        st.update(history=hist, lastRestartTime=iso(now), lastRestartReason=why)
-        if why.startswith("placement dead end") or "; placement dead end" in why:
-            st["avoidNodes"] = sorted({p["node"] for p in cur if p["node"]})
-        else:
-            st.pop("avoidNodes", None)
-        _delete_all(plan, gpods)
-        if exhausted(n, max_restarts=spec.restartPolicy.maxRestarts):
-            st["phase"] = "Failed"
-            st.pop("restartAt", None)
-            plan.events.append(("Warning", "GroupFailed",
-                                f"group {g} attempt {st['attempt']} failed ({why}); restart budget "
-                                f"maxRestarts={spec.restartPolicy.maxRestarts} spent"))
-        else:
-            delay = backoff_seconds(n, base=spec.restartPolicy.backoffSeconds)
-            st.update(phase="Restarting", groupRestarts=n + 1, restartAt=iso(now + delay))
-            plan.events.append(("Warning", "GroupRestart",
-                                f"group {g} attempt {st['attempt']} failed ({why}); restart "
-                                f"{n + 1}/{spec.restartPolicy.maxRestarts} in {delay:g}s"))
-        return _observe(ctx, st, [])
+    failures = _failures(ctx, st, cur)
+    if failures:
+        return _restart(ctx, plan, st, cur, gpods, failures)
 
-    if st.get("templateHash") != ctx.thash:  # rolled (or not yet) by _roll, within the budget
-        st = _observe(ctx, st, cur)
-        st["phase"] = "Ready" if st["readyPods"] == spec.pods_per_group else "Pending"
-        return st
+    if st.templateHash != ctx.thash:  # rolled (or not yet) by _roll, within the budget
+        return _ready_or_pending(ctx, _observe(ctx, st, cur))
 
     # create what is missing, then lift the gang gate once every pod of the attempt exists
     have = {p["name"] for p in gpods}
     for i in range(spec.pods_per_group):
-        n = M.pod_name(ctx.name, g, i)
-        if n not in have:
-            plan.creates.append(M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=i,
-                                             attempt=int(st["attempt"]), spec=spec, thash=ctx.thash,
-                                             avoid_nodes=st.get("avoidNodes") or ()))
+        if M.pod_name(ctx.name, g, i) not in have:
+            plan.creates.append(M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=i, attempt=st.attempt,
+                                             spec=spec, thash=ctx.thash, avoid_nodes=st.avoidNodes or ()))
     if len(cur) == spec.pods_per_group:
-        st["gangComplete"] = True  # from now on a missing pod is a failure, even if all vanish
+        st = st.model_copy(update={"gangComplete": True})  # from now on a missing pod is a failure
         plan.patches += [(p["name"], M.lift_gate_patch()) for p in cur if p["labels"].get(L.GANG) != "complete"]
     plan.patches += [(p["name"], M.serving_patch(True)) for p in cur if p["labels"].get(L.SERVING) != "true"]
-    st = _observe(ctx, st, cur)
-    st["phase"] = "Ready" if st["readyPods"] == spec.pods_per_group else "Pending"
-    if st["phase"] == "Ready":
-        st.pop("avoidNodes", None)  # placed: the next restart may use any node again
+    st = _ready_or_pending(ctx, _observe(ctx, st, cur))
+    if st.phase == GroupPhase.READY:
+        st = st.model_copy(update={"avoidNodes": None})  # placed: the next restart may use any node again
     return st
 
 
-def _surplus_group(ctx: _Ctx, plan: Plan, st: dict, gpods: list[dict], *, known: bool) -> dict | None:
+def _restart(ctx: _Ctx, plan: Plan, st: GroupStatus, cur: list[dict], gpods: list[dict],
+             failures: list[Failure]) -> GroupStatus:
+    spec, now = ctx.spec, ctx.now
+    why = "; ".join(f.text for f in failures)
+    n = st.groupRestarts
+    hist = st.history[-(HISTORY - 1):] + [RestartRecord(attempt=st.attempt, time=iso(now), reason=why)]
+    dead_end = any(f.kind == FailureKind.PLACEMENT_DEAD_END for f in failures)
+    avoid = sorted({p["node"] for p in cur if p["node"]}) if dead_end else None
+    st = st.model_copy(update={"history": hist, "lastRestartTime": iso(now), "lastRestartReason": why,
+                               "avoidNodes": avoid})
+    _delete_all(plan, gpods)
+    if exhausted(n, max_restarts=spec.restartPolicy.maxRestarts):
+        st = st.model_copy(update={"phase": GroupPhase.FAILED, "restartAt": None})
+        plan.event(EventType.WARNING, EventReason.GROUP_FAILED,
+                   f"group {st.index} attempt {st.attempt} failed ({why}); restart budget "
+                   f"maxRestarts={spec.restartPolicy.maxRestarts} spent")
+    else:
+        delay = backoff_seconds(n, base=spec.restartPolicy.backoffSeconds)
+        st = st.model_copy(update={"phase": GroupPhase.RESTARTING, "groupRestarts": n + 1,
+                                   "restartAt": iso(now + delay)})
+        plan.event(EventType.WARNING, EventReason.GROUP_RESTART,
+                   f"group {st.index} attempt {st.attempt} failed ({why}); restart "
+                   f"{n + 1}/{spec.restartPolicy.maxRestarts} in {delay:g}s")
+    return _observe(ctx, st, [])
+
+
+def _ready_or_pending(ctx: _Ctx, st: GroupStatus) -> GroupStatus:
+    ready = st.readyPods == ctx.spec.pods_per_group
+    return st.model_copy(update={"phase": GroupPhase.READY if ready else GroupPhase.PENDING})
+
+
+def _surplus_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict], *, known: bool) -> GroupStatus | None:
     """A group beyond numGroups: drain it, delete it, then forget it (None)."""
-    g = st["index"]
+    g = st.index
     if not gpods:
         if known:
-            plan.events.append(("Normal", "ScaleDown", f"group {g} removed"))
+            plan.event(EventType.NORMAL, EventReason.SCALE_DOWN, f"group {g} removed")
         plan.deletes.append(("Service", M.group_service_name(ctx.name, g)))
         plan.deletes.append(("NetworkPolicy", M.network_policy_name(ctx.name, g)))
         return None
-    if st.get("phase") != "Draining":
-        st.update(phase="Draining", drainUntil=iso(ctx.now + ctx.drain_seconds))
-        st.pop("restartAt", None)
-        plan.events.append(("Normal", "ScaleDown", f"group {g} draining: removed from the client Service, "
-                                                   f"deleted in {ctx.drain_seconds:g}s"))
+    if st.phase != GroupPhase.DRAINING:
+        st = st.model_copy(update={"phase": GroupPhase.DRAINING, "drainUntil": iso(ctx.now + ctx.drain_seconds),
+                                   "restartAt": None})
+        plan.event(EventType.NORMAL, EventReason.SCALE_DOWN, f"group {g} draining: removed from the client Service, "
+                                                              f"deleted in {ctx.drain_seconds:g}s")
     plan.patches += [(p["name"], M.serving_patch(False)) for p in gpods
                      if p["labels"].get(L.SERVING) != "false" and not p["deleting"]]
-    if ctx.now >= (parse_iso(st.get("drainUntil")) or 0.0):
+    if ctx.now >= (parse_iso(st.drainUntil) or 0.0):
         _delete_all(plan, gpods)
-    cur = [p for p in gpods if p["attempt"] == st.get("attempt")]
-    return _observe(ctx, st, cur)
+    return _observe(ctx, st, [p for p in gpods if p["attempt"] == st.attempt])
 
 
-def _roll(ctx: _Ctx, plan: Plan, outdated: list[dict], groups: list[dict], by_group: dict) -> None:
+def _roll(ctx: _Ctx, plan: Plan, groups: list[GroupStatus], by_group: dict) -> list[GroupStatus]:
     """Start rolling outdated groups: unavailable ones at once, Ready ones within the budget."""
-    live = [st for st in groups if st["index"] < ctx.spec.numGroups]
-    for st in [s for s in outdated if s["phase"] != "Ready"]:
-        _start_update(ctx, plan, st, by_group.get(st["index"], []))
-    unavailable = sum(1 for st in live if st["phase"] != "Ready")
-    budget = ctx.spec.rollout.maxUnavailableGroups - unavailable
-    for st in sorted([s for s in outdated if s["phase"] == "Ready"], key=lambda s: -s["index"]):
+    live = [st for st in groups if st.index < ctx.spec.numGroups]
+    outdated = [st for st in live if st.phase in (GroupPhase.PENDING, GroupPhase.READY) and st.templateHash != ctx.thash]
+    start = {st.index for st in outdated if st.phase != GroupPhase.READY}
+    budget = ctx.spec.rollout.maxUnavailableGroups - sum(1 for st in live if st.phase != GroupPhase.READY)
+    for st in sorted([s for s in outdated if s.phase == GroupPhase.READY], key=lambda s: -s.index):
         if budget <= 0:
             break
-        _start_update(ctx, plan, st, by_group.get(st["index"], []))
+        start.add(st.index)
         budget -= 1
+    out = []
+    for st in groups:
+        if st.index in start:
+            _delete_all(plan, by_group.get(st.index, []))
+            plan.event(EventType.NORMAL, EventReason.ROLLING_UPDATE,
+                       f"group {st.index}: replacing attempt {st.attempt} with template {ctx.thash}")
+            st = st.model_copy(update={"phase": GroupPhase.UPDATING, "restartAt": iso(ctx.now), "readyPods": 0})
+        out.append(st)
+    return out
 
 
-def _start_update(ctx: _Ctx, plan: Plan, st: dict, gpods: list[dict]) -> None:
-    _delete_all(plan, gpods)
-    st.update(phase="Updating", restartAt=iso(ctx.now), readyPods=0)
-    plan.events.append(("Normal", "RollingUpdate", f"group {st['index']}: replacing attempt {st['attempt']} "
-                                                   f"with template {ctx.thash}"))
+def _schedule_wake(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> None:
+    """Invariant 6: when this group next changes without an API event."""
+    if st.phase in (GroupPhase.RESTARTING, GroupPhase.UPDATING) and st.restartAt:
+        plan.wake_in((parse_iso(st.restartAt) or ctx.now) - ctx.now)
+    if st.phase == GroupPhase.DRAINING and st.drainUntil:
+        plan.wake_in((parse_iso(st.drainUntil) or ctx.now) - ctx.now)
+    if st.phase in BUSY_PHASES:
+        _, since = _stuck(ctx, [p for p in gpods if p["attempt"] == st.attempt])
+        if since is not None:
+            plan.wake_in(since + ctx.spec.restartPolicy.unschedulableSeconds - ctx.now)
 
 
-def _observe(ctx: _Ctx, st: dict, cur: list[dict]) -> dict:
+def _observe(ctx: _Ctx, st: GroupStatus, cur: list[dict]) -> GroupStatus:
     live = [p for p in cur if not p["deleting"]]
-    st["pods"] = len(live)
-    st["readyPods"] = sum(1 for p in live if p["ready"] and p["phase"] == "Running")
-    st["podRestarts"] = sum(p["restarts"] for p in cur)
     known = [ctx.health[p["uid"]] for p in live if p["uid"] in ctx.health]
-    if known:
-        st["prefetchRestarts"] = int(sum(known))
-    st.setdefault("prefetchRestarts", 0)
-    st.setdefault("groupRestarts", 0)
-    st.setdefault("history", [])
-    return st
+    return st.model_copy(update={
+        "pods": len(live),
+        "readyPods": sum(1 for p in live if p["ready"] and p["phase"] == "Running"),
+        "podRestarts": sum(p["restarts"] for p in cur),
+        "prefetchRestarts": int(sum(known)) if known else st.prefetchRestarts,
+    })
 
 
 def _invalid(old: dict, errors: list[str], *, now: float, generation: int | None) -> Plan:
@@ -315,8 +349,9 @@ def _invalid(old: dict, errors: list[str], *, now: float, generation: int | None
     prev = next((c for c in old.get("conditions") or [] if c.get("type") == "Invalid"), None)
     status["observedGeneration"] = generation
     status["conditions"] = invalid_conditions(errors, old=old.get("conditions"), now=now, generation=generation)
+    status.update(summarize(status["conditions"]))
     msg = "; ".join(errors)
     plan = Plan(status=status, valid=False)
     if not prev or prev.get("status") != "True" or prev.get("message") != msg:
-        plan.events.append(("Warning", "InvalidSpec", msg))
+        plan.event(EventType.WARNING, EventReason.INVALID_SPEC, msg)
     return plan

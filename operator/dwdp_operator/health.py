@@ -8,6 +8,9 @@ Invariants:
      replaces the whole template (fields ``{ip} {port} {pod} {namespace}``), so tests can serve a
      fake ``/healthz`` on 127.0.0.1 and never touch pod networks.
   3. A pod is read at most once per ``min_interval`` seconds.
+  4. The cache holds only live pods: it is kept per DwdpGroup, each read keeps just the pods passed
+     in, and ``forget(key)`` drops a deleted DwdpGroup, so its size never grows with the pods ever
+     seen (pod uids change on every group restart).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Hashable
 
 TIMEOUT_S = 1.0
 
@@ -37,21 +42,28 @@ def read_one(url: str, *, timeout: float = TIMEOUT_S) -> int | None:
         return None
 
 
+@dataclass
+class _Seen:
+    value: int | None = None
+    read_at: float = -1e18
+
+
 class HealthReader:
-    """Cache of pod uid -> prefetch_restarts, refreshed at most every ``min_interval`` seconds."""
+    """Per DwdpGroup: pod uid -> prefetch_restarts, refreshed at most every ``min_interval`` seconds."""
 
     def __init__(self, *, min_interval: float = 10.0, parallel: int = 8):
         self.min_interval = min_interval
-        self.values: dict[str, int] = {}
-        self._last: dict[str, float] = {}
+        self._groups: dict[Hashable, dict[str, _Seen]] = {}
         self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dwdp-health")
 
-    def read_all(self, pods: list[dict], *, port: int, namespace: str) -> dict[str, int]:
+    def read_all(self, key: Hashable, pods: list[dict], *, port: int, namespace: str) -> dict[str, int]:
         now = time.monotonic()
+        old = self._groups.get(key, {})
+        seen = {p["uid"]: old.get(p["uid"]) or _Seen() for p in pods}  # invariant 4: live pods only
         due = [p for p in pods if p.get("ip") and p.get("phase") == "Running" and not p.get("deleting")
-               and now - self._last.get(p["uid"], -1e9) >= self.min_interval]
+               and now - seen[p["uid"]].read_at >= self.min_interval]
         for p in due:
-            self._last[p["uid"]] = now
+            seen[p["uid"]].read_at = now
         urls = [health_url(ip=p["ip"], port=port, pod=p["name"], namespace=namespace) for p in due]
         try:
             results = list(self._pool.map(read_one, urls))
@@ -59,11 +71,16 @@ class HealthReader:
             results = [None] * len(urls)
         for p, v in zip(due, results):
             if v is not None:
-                self.values[p["uid"]] = v
-        live = {p["uid"] for p in pods}
-        return {uid: v for uid, v in self.values.items() if uid in live}
+                seen[p["uid"]].value = v
+        if seen:
+            self._groups[key] = seen
+        else:
+            self._groups.pop(key, None)
+        return {uid: s.value for uid, s in seen.items() if s.value is not None}
 
-    def forget(self, uids: set[str]) -> None:
-        for uid in uids:
-            self.values.pop(uid, None)
-            self._last.pop(uid, None)
+    def forget(self, key: Hashable) -> None:
+        self._groups.pop(key, None)
+
+    def __len__(self) -> int:
+        """Pods cached, over every DwdpGroup."""
+        return sum(len(g) for g in self._groups.values())

@@ -6,42 +6,62 @@ Invariants:
      events costs one or two reconciles, not 32.
   2. Every pass starts from a fresh GET of the DwdpGroup and the kopf index of its pods; nothing
      else is remembered between passes except the health cache and apply's create memory (both
-     only save API calls, neither changes a decision after ``REMEMBER_S``).
-  3. A failed pass is logged and retried after ``retry_seconds``; it never kills the operator.
+     bounded, both only save API calls, neither changes a decision after ``REMEMBER_S``).
+  3. Event-driven: a pass runs on a DwdpGroup or pod event, and otherwise only when the plan asks
+     (``Plan.requeue_after``: a backoff or drain ending), when a running pod's health is due, or
+     on the safety resync, ``resync_seconds`` jittered by ±``RESYNC_JITTER`` so N objects never
+     wake together. Idle cost is then independent of the number of DwdpGroups, up to that resync.
+  4. A failed pass never kills the operator: it is retried after ``retry_seconds``, doubling up to
+     ``RETRY_CAP_S``. Its log line is one line (``refusals.describe``); a child the API server
+     refuses is not a failure but a fact shown on the object: ``status.refusals`` and the
+     ChildrenAccepted condition, one Warning Event and one log line per distinct cause (not per retry).
+  5. Every background task is held in ``_tasks`` until done, and every timer in its key's state;
+     ``close()`` cancels them all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine
 
 from . import labels as L
 from . import metrics
-from .apply import Applier
+from .apply import ApiError, Applier
 from .desired import desired_state
 from .health import HealthReader
+from .refusals import describe
+from .state import EventReason, EventType
+from .status import with_refusals
 
 log = logging.getLogger("dwdp_operator.reconcile")
 Key = tuple[str, str]  # (namespace, name)
+RESYNC_JITTER = 0.2
+RETRY_CAP_S = 15.0
 
 
 @dataclass
 class Settings:
-    resync_seconds: float = 5.0
+    resync_seconds: float = 300.0
     drain_seconds: float = 5.0
     health_interval: float = 10.0
     retry_seconds: float = 2.0
+    literal_namespaces: bool = False  # every --namespace is an exact name: no namespace discovery
 
 
 @dataclass
 class _KeyState:
     running: bool = False
     dirty: bool = False
-    retry: asyncio.Handle | None = None
+    timer: asyncio.TimerHandle | None = None
+    failures: int = 0             # failed passes in a row (retry backoff)
+    refused: int = 0              # passes in a row with a refused child (retry backoff)
+    last_error: str = ""
+    cr_meta: dict | None = None   # name/namespace/uid of the last DwdpGroup read (for Events)
 
 
 @dataclass
@@ -50,77 +70,142 @@ class Reconciler:
     applier: Applier | None = None
     health: HealthReader | None = None
     pods_of: Callable[[Key], list[dict] | None] = lambda key: None
-    keys: set[Key] = field(default_factory=set)
     _state: dict[Key, _KeyState] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+    rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
         self.applier = self.applier or Applier()
         self.health = self.health or HealthReader(min_interval=self.settings.health_interval)
 
+    @property
+    def keys(self) -> set[Key]:
+        return set(self._state)
+
+    def spawn(self, key: Key) -> None:
+        """Request a pass without waiting for it (held task, invariant 5)."""
+        self._hold(self.request(key))
+
+    def _hold(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def request(self, key: Key) -> None:
-        self.keys.add(key)
         st = self._state.setdefault(key, _KeyState())
         st.dirty = True
         if st.running:
             return
         st.running = True
         try:
-            while st.dirty:
+            while st.dirty and self._state.get(key) is st:
                 st.dirty = False
                 try:
-                    await self._once(key)
-                except Exception as e:  # noqa: BLE001 — invariant 3
-                    metrics.RECONCILES.labels("error").inc()
-                    log.warning("reconcile %s/%s failed (%s: %s); retrying in %.0fs", *key,
-                                type(e).__name__, e, self.settings.retry_seconds)
-                    if st.retry is None or st.retry.cancelled():
-                        st.retry = asyncio.get_running_loop().call_later(
-                            self.settings.retry_seconds, self._retry, key)
+                    wake = await self._once(key)
+                except Exception as e:  # noqa: BLE001 — invariant 4
+                    wake = self._failed(key, st, e)
+                else:
+                    if st.last_error:
+                        log.info("reconcile %s/%s recovered", *key)
+                    st.failures, st.last_error = 0, ""
+                if self._state.get(key) is st:
+                    self._wake_in(key, st, wake)
         finally:
             st.running = False
 
-    def _retry(self, key: Key) -> None:
-        st = self._state.get(key)
-        if st is not None:
-            st.retry = None
-            asyncio.ensure_future(self.request(key))
+    def _failed(self, key: Key, st: _KeyState, e: Exception) -> float:
+        metrics.RECONCILES.labels("error").inc()
+        delay = min(self.settings.retry_seconds * 2 ** st.failures, RETRY_CAP_S)
+        st.failures += 1
+        line = str(e) if isinstance(e, ApiError) else describe(e)
+        if line != st.last_error:  # one line and one Event per distinct error, not per retry
+            log.warning("reconcile %s/%s failed: %s; retrying (every <= %.0fs until it succeeds)", *key, line,
+                        RETRY_CAP_S)
+            st.last_error = line
+            if st.cr_meta:
+                self._hold(asyncio.to_thread(self.applier.event, {"metadata": st.cr_meta}, EventType.WARNING,
+                                             EventReason.RECONCILE_ERROR, f"{line}; retrying"))
+        else:
+            log.debug("reconcile %s/%s failed again: %s", *key, line)
+        return delay
+
+    def _wake_in(self, key: Key, st: _KeyState, seconds: float | None) -> None:
+        resync = self.settings.resync_seconds * (1 + self.rng.uniform(-RESYNC_JITTER, RESYNC_JITTER))
+        delay = resync if seconds is None else min(seconds, resync)
+        if st.timer is not None:
+            st.timer.cancel()
+        st.timer = asyncio.get_running_loop().call_later(max(delay, 0.05), self.spawn, key)
 
     def forget(self, key: Key) -> None:
-        self.keys.discard(key)
-        self._state.pop(key, None)
+        st = self._state.pop(key, None)
+        if st is not None and st.timer is not None:
+            st.timer.cancel()
+        self.health.forget(key)
 
-    async def _once(self, key: Key) -> None:
+    def close(self) -> None:
+        for st in self._state.values():
+            if st.timer is not None:
+                st.timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _once(self, key: Key) -> float | None:
+        """One pass; returns seconds until the next pass it needs (None: only events or the resync)."""
         ns, name = key
         t0 = time.perf_counter()
         if self.pods_of(key) is None:
-            return  # the pod index is not ready yet; its first event triggers us again
+            return None  # the pod index is not ready yet; its first event triggers us again
         cr = await asyncio.to_thread(self.applier.get_group, ns, name)
         if cr is None:
             self.forget(key)
-            return
+            return None
+        st = self._state.get(key)
+        if st is not None:
+            meta = cr.get("metadata") or {}
+            st.cr_meta = {"name": name, "namespace": ns, "uid": meta.get("uid", "")}
         if (cr.get("metadata") or {}).get("deletionTimestamp"):
-            return  # garbage collection removes the children (owner references)
+            return None  # garbage collection removes the children (owner references)
         pods = self.pods_of(key) or []
         port = int(((cr.get("spec") or {}).get("httpPort")) or 8000)
-        health = await asyncio.to_thread(self.health.read_all, pods, port=port, namespace=ns)
+        health = await asyncio.to_thread(self.health.read_all, key, pods, port=port, namespace=ns)
         plan = desired_state(cr, pods, now=time.time(), token=secrets.token_urlsafe(32), health=health,
                              drain_seconds=self.settings.drain_seconds)
-        counts = await asyncio.to_thread(self.applier.apply, cr, plan)
+        result = await asyncio.to_thread(self.applier.apply, cr, plan)
+        if plan.valid:
+            await self._record_refusals(cr, plan.status, result.refusals)
         for action in ("created", "deleted", "patched"):
-            if counts[action]:
-                metrics.CHILDREN.labels(action).inc(counts[action])
-        for _, reason, _ in plan.events:
-            metrics.EVENTS.labels(reason).inc()
+            if result.counts[action]:
+                metrics.CHILDREN.labels(action).inc(result.counts[action])
+        for event in plan.events:
+            metrics.EVENTS.labels(event.reason).inc()
         metrics.RECONCILES.labels("ok").inc()
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - t0)
-        if any(counts.values()):
-            log.info("reconciled %s/%s: %s", ns, name, counts)
+        if any(result.counts.values()):
+            log.info("reconciled %s/%s: %s", ns, name, result.counts)
+        wake = plan.requeue_after
+        if st is not None:
+            st.refused = st.refused + 1 if result.refusals else 0
+            if result.refusals:  # retried until a person fixed it: backoff up to RETRY_CAP_S
+                wake = min(self.settings.retry_seconds * 2 ** (st.refused - 1), RETRY_CAP_S)
+        if any(p.get("phase") == "Running" and p.get("ip") for p in pods):
+            wake = self.settings.health_interval if wake is None else min(wake, self.settings.health_interval)
+        return wake
 
-    async def resync_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.resync_seconds)
-            for key in list(self.keys):
-                asyncio.ensure_future(self.request(key))
+    async def _record_refusals(self, cr: dict, status: dict, refusals: list) -> None:
+        """Invariant 4: status.refusals + ChildrenAccepted; an Event and a log line per new cause."""
+        meta = cr["metadata"]
+        new = [r.model_dump() for r in refusals]
+        updated = with_refusals(status, new, now=time.time())
+        if updated is None:
+            return
+        await asyncio.to_thread(self.applier.write_status, meta["namespace"], meta["name"], updated)
+        before = {r.get("reason") for r in status.get("refusals") or []}
+        for r in refusals:
+            if r.reason not in before:
+                log.warning("%s/%s: %s refused: %s", meta["namespace"], meta["name"], r.kind, r.message)
+                await asyncio.to_thread(self.applier.event, cr, EventType.WARNING, r.reason, r.message)
+        if not refusals:
+            log.info("%s/%s: every child accepted now", meta["namespace"], meta["name"])
 
 
 def owner_key(namespace: str | None, labels: dict[str, Any] | None) -> Key | None:

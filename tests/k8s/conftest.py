@@ -62,7 +62,7 @@ class Operator:
         self.env, self.log_dir, self.proc, self.n = env, log_dir, None, 0
         exe = Path(sys.executable).parent / "dwdp-operator"
         self.cmd = [str(exe) if exe.exists() else "dwdp-operator", "--namespace", f"{NS_PREFIX}*",
-                    "--resync-seconds", "1", "--drain-seconds", "1", "--health-interval", "0.3"]
+                    "--resync-seconds", "30", "--drain-seconds", "1", "--health-interval", "0.3"]
 
     def start(self) -> None:
         self.n += 1

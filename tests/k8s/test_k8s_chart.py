@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -29,12 +30,22 @@ def test_helm_lint_and_template(cluster):
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=a" in args and "--namespace=b-*" in args
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    def rendered(watch):
+        return [d for d in yaml.safe_load_all(c.helm("template", "rel", CHART, "--set", f"watchNamespaces={{{watch}}}").stdout) if d]
+
     def role_resources(watch):
-        out = c.helm("template", "rel", CHART, "--set", f"watchNamespaces={{{watch}}}").stdout
-        role = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "ClusterRole")
+        role = next(d for d in rendered(watch) if d["kind"] == "ClusterRole")
         return {r for rule in role["rules"] for r in rule["resources"]}
     # namespaces are read only when kopf must follow a glob
-    assert "namespaces" in role_resources("a,b-*") and "namespaces" not in role_resources("a,b")
+    assert "namespaces" in role_resources("a,b-*") and "customresourcedefinitions" in role_resources("a,b-*")
+    # every entry literal: nothing cluster-wide, a Role + RoleBinding in each watched namespace
+    literal = rendered("a,b")
+    assert not [d for d in literal if d["kind"].startswith("Cluster")]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in literal if d["kind"] in ("Role", "RoleBinding")) == \
+        [("Role", "a"), ("Role", "b"), ("RoleBinding", "a"), ("RoleBinding", "b")]
+    role = next(d for d in literal if d["kind"] == "Role")
+    assert {r for rule in role["rules"] for r in rule["resources"]} == role_resources("x-*") - {
+        "namespaces", "customresourcedefinitions"}
     bad = c.helm("template", "rel", CHART, "--set", "operator.resyncSeconds=0", check=False)
     assert bad.returncode != 0 and "resyncSeconds" in bad.stderr  # values.schema.json refuses it
 
@@ -120,7 +131,7 @@ def test_chart_rbac_is_exactly_the_operator_api_calls(cluster, tmp_path):
             c.patch_spec(ns, "rb", {"gpusPerPod": 3})  # Invalid: status + Warning event
             wait_for(lambda: (x := c.condition(ns, "rb", "Invalid")) and x["status"] == "True", what="Invalid")
             log = op.log()
-            assert "Forbidden" not in log and "failed (" not in log, log[-3000:]
+            assert "Forbidden" not in log and " failed: " not in log, log[-3000:]
             assert c.events(ns, "GroupRestart"), "Events posted with the chart's RBAC"
         finally:
             op.stop()
@@ -132,3 +143,47 @@ def test_chart_rbac_is_exactly_the_operator_api_calls(cluster, tmp_path):
         print(f"RBAC audit: {n} requests, {len(used)} (group, resource, verb) pairs == ClusterRole")
     finally:
         c.helm("uninstall", rel, "-n", ns, check=False)
+
+
+def test_literal_namespace_reconciles_at_once_with_namespaced_roles_and_no_403(cluster, tmp_path):
+    """Issue 19: with ``watchNamespaces={demo}`` the operator listed namespaces, logged 403s and started
+    reconciling only after ~54 s. Now: the chart grants a Role in that namespace only, the operator
+    turns kopf's namespace/CRD discovery off, and a DwdpGroup reconciles within 5 s of the start."""
+    c = cluster
+    rel, ns = "lit", "dwdp-demo"  # outside the session operator's dwdp-t-* namespaces
+    c.core.create_namespace({"metadata": {"name": ns}})
+    out = c.helm("install", rel, CHART, "-n", ns, "--wait", "--timeout", "90s",
+                 "--set", f"watchNamespaces={{{ns}}}", "--set", "metrics.enabled=false", check=False)
+    assert out.returncode == 0, out.stderr
+    try:
+        sa = "lit-dwdp-operator"
+        who = f"system:serviceaccount:{ns}:{sa}"
+        assert c.kubectl("auth", "can-i", "list", "namespaces", "--as", who, check=False).stdout.strip() == "no"
+        assert c.kubectl("auth", "can-i", "create", "pods", "--as", who, "-n", "default", check=False).stdout.strip() == "no"
+        c.create_group(ns, group_body("demo", numGroups=1))
+        kc = _sa_kubeconfig(c, ns, sa, tmp_path / "sa.kubeconfig")
+        env = dict(os.environ, KUBECONFIG=str(kc), DWDP_OPERATOR_HEALTH_URL=c.health.url_template)
+        op = Operator(env, tmp_path)
+        op.cmd = [a if a != "dwdp-t-*" else ns for a in op.cmd]
+        t0 = time.time()
+        op.start()
+        try:
+            wait_for(lambda: (c.get_group(ns, "demo").get("status") or {}).get("observedGeneration"), timeout=5,
+                     interval=0.05, what="the first reconcile within 5 s of the operator's start")
+            started = time.time() - t0
+            wait_for(lambda: (c.get_group(ns, "demo").get("status") or {}).get("readyGroups") == 1, timeout=60,
+                     what="group ready under namespaced Roles")
+            log = op.log()
+        finally:
+            op.stop()
+        assert "403" not in log and "Forbidden" not in log and "Not enough permissions" not in log, log[-3000:]
+        used, n = _used(c.audit_log, who)
+        docs = yaml.safe_load_all(c.helm("template", rel, CHART, "-n", ns, "--set", f"watchNamespaces={{{ns}}}").stdout)
+        role = next(d for d in docs if d and d["kind"] == "Role")
+        granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+                   for v in rule["verbs"]}
+        assert n > 10 and not used - granted, f"used but not granted: {sorted(used - granted)}"
+        print(f"literal namespace: first reconcile {started:.1f}s after start, {n} audited requests, no 403")
+    finally:
+        c.helm("uninstall", rel, "-n", ns, check=False)
+        c.core.delete_namespace(ns)

@@ -67,9 +67,14 @@ def test_create_schedules_each_group_in_one_clique(cluster, ns):
     assert c.custom.get_namespaced_custom_object("resource.nvidia.com", "v1beta1", ns, "computedomains", "r1-imex")
     assert st["selector"] == "dwdp.io/name=r1" and st["replicas"] == 3
     conds = {x["type"]: x["status"] for x in st["conditions"]}
-    assert conds == {"Ready": "True", "Progressing": "False", "Degraded": "False", "Invalid": "False"}
+    assert conds == {"Ready": "True", "Progressing": "False", "Degraded": "False", "Invalid": "False",
+                     "ChildrenAccepted": "True"}
+    assert (st["state"], st["reason"]) == ("Ready", "AllGroupsReady")
     out = c.kubectl("get", "dwdp", "r1", "-n", ns).stdout.split()
-    assert out[:4] == ["NAME", "GROUPS", "READY", "RESTARTS"] and out[5:9] == ["r1", "3", "3", "0"]
+    assert out[:7] == ["NAME", "GROUPS", "READY", "RESTARTS", "STATUS", "REASON", "AGE"]
+    assert out[7:13] == ["r1", "3", "3", "0", "Ready", "AllGroupsReady"]
+    wide = c.kubectl("get", "dwdp", "r1", "-n", ns, "-o", "wide").stdout.split()
+    assert wide[7:11] == ["DWDPSIZE", "EXPERTS/WORKER", "TRANSFER", "IMAGE"] and wide[-4:] == ["4", "4", "copy_engine", "dwdp:test"]
 
 
 def test_killed_pod_recreates_whole_group_with_next_attempt(cluster, ns):

@@ -44,3 +44,17 @@ def test_other_errors_exit_1(monkeypatch, capsys, err):
     calls = _fake_run(monkeypatch, [err])
     assert cli.main([]) == 1 and len(calls) == 1
     assert "dwdp-operator:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,literal", [(["-n", "demo"], True), (["-n", "a", "-n", "b"], True),
+                                          (["-n", "team-*"], False), (["-n", "a", "-n", "b-*"], False), ([], False)])
+def test_literal_namespaces_turn_discovery_off(monkeypatch, argv, literal):
+    calls = _fake_run(monkeypatch, [])
+    assert cli.main(argv) == 0
+    assert calls[0]["memo"].settings.literal_namespaces is literal
+
+
+def test_each_kopf_restart_gets_a_fresh_memo(monkeypatch):
+    calls = _fake_run(monkeypatch, [_Err(404)])
+    assert cli.main(["--resync-seconds", "60"]) == 0
+    assert calls[0]["memo"] is not calls[1]["memo"] and calls[1]["memo"].settings.resync_seconds == 60

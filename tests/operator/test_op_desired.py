@@ -47,7 +47,9 @@ def test_idempotent_when_all_ready():
     assert pod_creates(again) == [] and again.deletes == [] and again.patches == []
     assert again.status["readyGroups"] == 2
     assert {c["type"]: c["status"] for c in again.status["conditions"]} == {
-        "Ready": "True", "Progressing": "False", "Degraded": "False", "Invalid": "False"}
+        "Ready": "True", "Progressing": "False", "Degraded": "False", "Invalid": "False", "ChildrenAccepted": "True"}
+    assert (again.status["state"], again.status["reason"]) == ("Ready", "AllGroupsReady")
+    assert again.requeue_after is None  # nothing time-based pending: only events wake the reconciler
     assert again.status == desired_state(obj, pods, now=T0 + 2).status
 
 
@@ -254,3 +256,51 @@ def test_unplaceable_group_with_no_pod_bound_is_not_a_dead_end():
     pods = [{**p, "node": "", "unschedulable_since": iso(T0)} for p in pods_from(first, phase="Pending", ready=False)]
     plan = desired_state(obj, pods, now=T0 + 3600)
     assert not _failure_events(plan) and all(g["phase"] == "Pending" for g in plan.status["groups"])
+
+
+def test_requeue_after_is_the_next_time_based_transition():
+    obj, pods, _ = settle(cr())
+    plan = desired_state(obj, with_(pods, "r1-g1-p0", phase="Failed"), now=T0)
+    assert plan.requeue_after == 10  # backoff 10 s: wake then, not every resync
+    obj = {**obj, "status": plan.status}
+    later = desired_state(obj, [p for p in pods if p["group"] == 0], now=T0 + 4)
+    assert later.requeue_after == 6
+    shrink = desired_state({**obj, "status": settle(cr())[0]["status"], "spec": spec(numGroups=1)}, pods,
+                           now=T0, drain_seconds=5)
+    assert shrink.requeue_after == 5  # the drain ends
+
+
+def test_placement_wait_wakes_when_the_dead_end_matures():
+    obj = cr(spec(restartPolicy={"unschedulableSeconds": 30}))
+    first = desired_state(obj, [], now=T0)
+    plan = desired_state({**obj, "status": first.status}, _stuck_group_pods(first, since=T0), now=T0 + 12)
+    assert plan.requeue_after == 18
+
+
+def test_created_and_scale_up_events():
+    first = desired_state(cr(), [], now=T0)
+    assert [e.reason for e in first.events] == ["Created"]
+    obj, pods, _ = settle(cr())
+    up = desired_state({**obj, "spec": spec(numGroups=3)}, pods, now=T0)
+    assert [(e.type, e.reason) for e in up.events] == [("Normal", "ScaleUp")] and "group 2" in up.events[0].message
+
+
+def test_refusals_are_carried_and_summarized():
+    from dwdp_operator.status import with_refusals
+
+    obj, pods, plan = settle(cr())
+    refused = [{"kind": "ComputeDomain", "reason": "ComputeDomainNotServed", "message": "install the driver"}]
+    blocked = with_refusals(plan.status, refused, now=T0)
+    assert (blocked["state"], blocked["reason"]) == ("Blocked", "ComputeDomainNotServed")
+    cond = next(c for c in blocked["conditions"] if c["type"] == "ChildrenAccepted")
+    assert cond["status"] == "False" and cond["message"] == "install the driver"
+    assert with_refusals(blocked, refused, now=T0 + 1) is None  # same cause: no new write
+    again = desired_state({**obj, "status": blocked}, pods, now=T0 + 2)
+    assert again.status["refusals"] == refused and again.status["state"] == "Blocked"  # carried over
+    cleared = with_refusals(again.status, [], now=T0 + 3)
+    assert cleared["state"] == "Ready" and cleared["refusals"] == []
+
+
+def test_invalid_state_and_reason():
+    plan = desired_state(cr(spec(gpusPerPod=3)), [], now=T0)
+    assert (plan.status["state"], plan.status["reason"]) == ("Invalid", "InvalidSpec")

@@ -1,15 +1,18 @@
-"""Thin kopf handlers: every trigger becomes ``Reconciler.request(key)``; no decisions here.
+"""Thin kopf handlers: every trigger becomes a reconcile request for one DwdpGroup; no decisions here.
 
   * index ``dwdp_pods``: (namespace, DwdpGroup name) -> slim pods carrying our labels;
   * any DwdpGroup event, any event of a pod we manage  -> reconcile that DwdpGroup;
-  * startup: build the reconciler and the resync loop (level-triggered safety net: backoff
-    expiry, drains, health reads, anything a missed event would leave behind).
-No finalizers and no kopf progress annotations: deletion is plain garbage collection.
+  * startup: the reconciler lives in kopf's ``memo`` (``cli.py`` passes a ``kopf.Memo`` holding the
+    ``Settings``; a restarted kopf gets a fresh memo, so nothing of a stopped kopf is reused).
+    There is no resync loop here: the reconciler schedules its own wake-ups (event-driven, with a
+    long jittered safety resync per object).
+kopf's own state: the finalizer name, progress and diff-base annotations get the ``dwdp.io``
+prefix. No handler kopf tracks to completion is registered (``on.event`` and ``index`` only), so
+kopf adds no finalizer to a DwdpGroup and deletion is plain garbage collection of owned children.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import kopf
@@ -19,36 +22,39 @@ from ..observed import slim_pod
 from ..reconciler import Reconciler, Settings, owner_key
 from ..spec import GROUP, PLURAL, VERSION
 
-SETTINGS = Settings()          # cli.py fills it from the command line before kopf starts
-STATE: dict[str, object] = {}  # "reconciler", "index"
 POD_FILTER = {L.MANAGED_BY: L.MANAGER, L.COMPONENT: "worker"}
-
-
-def _reconciler() -> Reconciler:
-    return STATE["reconciler"]  # type: ignore[return-value]
+WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; kopf re-lists and re-watches
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_):
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
+    cfg: Settings = memo.get("settings") or Settings()
     settings.posting.level = logging.WARNING
-    settings.watching.server_timeout = 300
+    settings.watching.server_timeout = WATCH_TIMEOUT_S
     settings.persistence.finalizer = "dwdp.io/kopf-finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="dwdp.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="dwdp.io")
+    # exact namespace names: watch just those; no namespace or CRD discovery (RBAC: namespaced Roles)
+    settings.scanning.disabled = cfg.literal_namespaces
 
     _load_kube_config()
+    memo.pods = PodIndexRef()
+    memo.reconciler = Reconciler(settings=cfg, pods_of=memo.pods.pods_of)
 
-    def pods_of(key):
-        index = STATE.get("index")
-        if index is None:
+
+class PodIndexRef:
+    """The kopf pod index, as handed to each handler call. kopf gives every object a shallow copy
+    of the memo, so the index is kept in this shared holder, never assigned on a memo itself."""
+
+    def __init__(self) -> None:
+        self.index = None
+
+    def pods_of(self, key):
+        if self.index is None:
             return None  # kopf has not handed us the index yet: reconcile nothing blind
-        if key not in index:
+        if key not in self.index:
             return []
-        return [dict(p) for p in index[key]]
-
-    r = Reconciler(settings=SETTINGS, pods_of=pods_of)
-    STATE["reconciler"] = r
-    STATE["resync"] = asyncio.ensure_future(r.resync_forever())
+        return [dict(p) for p in self.index[key]]
 
 
 def _load_kube_config() -> None:
@@ -61,10 +67,10 @@ def _load_kube_config() -> None:
 
 
 @kopf.on.cleanup()
-async def cleanup(**_):
-    task = STATE.pop("resync", None)
-    if task is not None:
-        task.cancel()
+async def cleanup(memo: kopf.Memo, **_):
+    reconciler = memo.get("reconciler")
+    if reconciler is not None:
+        reconciler.close()
 
 
 @kopf.index("pods", labels=POD_FILTER)
@@ -74,17 +80,17 @@ def dwdp_pods(namespace, labels, body, **_):
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def on_group(type, name, namespace, dwdp_pods, **_):
-    STATE["index"] = dwdp_pods
+async def on_group(type, name, namespace, dwdp_pods, memo: kopf.Memo, **_):
+    memo.pods.index = dwdp_pods
     if type == "DELETED":
-        _reconciler().forget((namespace, name))
+        memo.reconciler.forget((namespace, name))
         return
-    await _reconciler().request((namespace, name))
+    memo.reconciler.spawn((namespace, name))
 
 
 @kopf.on.event("pods", labels=POD_FILTER)
-async def on_pod(namespace, labels, dwdp_pods, **_):
-    STATE["index"] = dwdp_pods
+async def on_pod(namespace, labels, dwdp_pods, memo: kopf.Memo, **_):
+    memo.pods.index = dwdp_pods
     key = owner_key(namespace, labels)
     if key:
-        asyncio.ensure_future(_reconciler().request(key))
+        memo.reconciler.spawn(key)

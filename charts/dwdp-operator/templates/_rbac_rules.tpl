@@ -1,0 +1,35 @@
+{{- /* The operator's rules inside one namespace: a Role per watched namespace, or part of the ClusterRole (rbac.yaml). */ -}}
+{{- define "dwdp-operator.namespacedRules" }}
+  # the custom resource: watched, read fresh each reconcile; only its status is written
+  - apiGroups: [dwdp.io]
+    resources: [dwdpgroups]
+    verbs: [get, list, watch]
+  - apiGroups: [dwdp.io]
+    resources: [dwdpgroups/status]
+    verbs: [patch]
+  # worker pods: indexed (list/watch), created, deleted as whole groups, patched (gang gate, serving label)
+  - apiGroups: [""]
+    resources: [pods]
+    verbs: [list, watch, create, delete, patch]
+  # per-group headless Services and the client Service
+  - apiGroups: [""]
+    resources: [services]
+    verbs: [create, delete]
+  # per-group NetworkPolicy: the store port only from the group's own pods
+  - apiGroups: [networking.k8s.io]
+    resources: [networkpolicies]
+    verbs: [create, delete]
+  # the group token Secret: created once, never read back by the operator
+  - apiGroups: [""]
+    resources: [secrets]
+    verbs: [create]
+  # Events for every restart, scale step, invalid spec and refused child
+  # (core v1 only: neither the operator nor kopf posts through events.k8s.io)
+  - apiGroups: [""]
+    resources: [events]
+    verbs: [create]
+  # one IMEX ComputeDomain per DwdpGroup
+  - apiGroups: [resource.nvidia.com]
+    resources: [computedomains]
+    verbs: [create]
+{{- end }}

@@ -1,0 +1,148 @@
+"""Typed DwdpGroup state: the phase of a group, the summary state of the object, why a group failed,
+and the models ``status.groups[]`` and ``status.refusals[]`` are read into and written from.
+
+Invariants:
+  1. Every phase, state, condition type and reason the operator writes is a member here (a
+     ``StrEnum``, so it is also the exact string in the API object); nothing compares free text.
+  2. ``GroupStatus`` is frozen: ``desired_state`` derives a new one per pass (``model_copy``) from
+     the one read out of the object's status, never edits what it read.
+  3. Reading is lenient (unknown fields are ignored, missing ones take defaults: a status written
+     by an older operator still parses); writing is ``to_status()``, the CRD's status schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GroupPhase(StrEnum):
+    PENDING = "Pending"        # creating, or not every pod ready
+    READY = "Ready"            # every pod Running and Ready
+    RESTARTING = "Restarting"  # failed; waiting for the backoff (restartAt), old pods being deleted
+    UPDATING = "Updating"      # rolled to a new template; old pods being deleted
+    DRAINING = "Draining"      # scaled away: out of the client Service until drainUntil, then deleted
+    FAILED = "Failed"          # restart budget spent; stays down until the template changes
+
+
+BUSY_PHASES = (GroupPhase.PENDING, GroupPhase.RESTARTING, GroupPhase.UPDATING, GroupPhase.DRAINING)
+
+
+class DwdpState(StrEnum):
+    """``status.state``: one word for ``kubectl get`` (the STATUS column), most severe first."""
+
+    INVALID = "Invalid"          # the spec breaks a rule (condition Invalid)
+    BLOCKED = "Blocked"          # the API server refuses a child (condition ChildrenAccepted=False)
+    DEGRADED = "Degraded"        # a group is restarting or Failed
+    PROGRESSING = "Progressing"  # groups being created, rolled, drained
+    READY = "Ready"              # every desired group Ready
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    INVALID = "Invalid"
+    CHILDREN_ACCEPTED = "ChildrenAccepted"
+
+
+class Reason(StrEnum):
+    """Condition reasons other than the per-child ``<Kind><Cause>`` of ``refusals.Refusal``."""
+
+    ALL_GROUPS_READY = "AllGroupsReady"
+    GROUPS_NOT_READY = "GroupsNotReady"
+    RECONCILING = "Reconciling"
+    COMPLETE = "Complete"
+    GROUP_FAILURES = "GroupFailures"
+    HEALTHY = "Healthy"
+    VALID = "Valid"
+    INVALID_SPEC = "InvalidSpec"
+    ALL_ACCEPTED = "AllAccepted"
+
+
+class EventReason(StrEnum):
+    CREATED = "Created"                # first pass of a new DwdpGroup
+    GROUP_CREATED = "GroupCreated"     # a group's new attempt is being created
+    GROUP_RESTART = "GroupRestart"
+    GROUP_FAILED = "GroupFailed"
+    ROLLING_UPDATE = "RollingUpdate"
+    SCALE_UP = "ScaleUp"
+    SCALE_DOWN = "ScaleDown"
+    INVALID_SPEC = "InvalidSpec"
+    RECONCILE_ERROR = "ReconcileError"  # a pass failed on a transient API error (one per distinct error)
+
+
+class EventType(StrEnum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+class PlannedEvent(NamedTuple):
+    type: EventType
+    reason: str
+    message: str
+
+
+class FailureKind(StrEnum):
+    POD_DELETED = "PodDeleted"
+    POD_ENDED = "PodEnded"                 # phase Failed or Succeeded (restartPolicy Never)
+    CONTAINER_RESTARTED = "ContainerRestarted"
+    POD_DISAPPEARED = "PodDisappeared"     # missing after the gang was complete
+    PLACEMENT_DEAD_END = "PlacementDeadEnd"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a group restarts: ``kind`` drives behaviour, ``text`` is for people."""
+
+    kind: FailureKind
+    text: str
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+
+class RestartRecord(_Model):
+    attempt: int
+    time: str
+    reason: str
+
+
+class GroupStatus(_Model):
+    """One entry of ``status.groups``."""
+
+    index: int
+    attempt: int = 0
+    phase: GroupPhase = GroupPhase.PENDING
+    templateHash: str = ""
+    gangComplete: bool = False
+    pods: int = 0
+    readyPods: int = 0
+    podRestarts: int = 0
+    groupRestarts: int = 0
+    prefetchRestarts: int = 0
+    restartAt: str | None = None
+    drainUntil: str | None = None
+    lastRestartTime: str | None = None
+    lastRestartReason: str | None = None
+    avoidNodes: list[str] | None = None  # nodes the next attempt must avoid (placement dead end)
+    history: list[RestartRecord] = Field(default_factory=list)
+
+    def to_status(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def read_groups(status: dict[str, Any]) -> dict[int, GroupStatus]:
+    """``status.groups`` as models by index; entries that do not parse are dropped (rebuilt)."""
+    out: dict[int, GroupStatus] = {}
+    for raw in status.get("groups") or []:
+        try:
+            g = GroupStatus.model_validate(raw)
+        except ValueError:
+            continue
+        out[g.index] = g
+    return out
