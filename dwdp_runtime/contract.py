@@ -21,9 +21,9 @@ Invariants:
     same reason the operator writes ``str(PodEnvVar.X)`` into a pod's env.
 
 Adding a name: add a member to the right enum, with a comment giving its reason. For a new
-pod-contract variable, also add it to ``PodEnvVar``, render it in ``manifests.worker_env``, parse it in
-``envcontract.PodEnv`` and add a row to docs/ENV_CONTRACT.md; the contract tests fail until all
-four agree.
+pod-contract variable every pod gets, add it to ``PodEnvVar``, render it in ``manifests.worker_env``,
+parse it in ``envcontract.PodEnv`` and add a row to docs/ENV_CONTRACT.md; the contract tests fail
+until all four agree. A variable only some specs set goes in ``POD_ENV_OPTIONAL`` (see there).
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ class PodEnvVar(StrEnum):
 POD_ENV: tuple[PodEnvVar, ...] = tuple(PodEnvVar)
 # exactly one of the two is non-empty; every other contract variable must be present
 POD_ENV_ONE_OF: tuple[PodEnvVar, ...] = (PodEnvVar.MODEL, PodEnvVar.MODEL_SYNTHETIC)
+# Pod env the operator sets only when a spec feature asks for it (e.g. spec.kvTransfer): define the
+# feature's names as a StrEnum in this module and add its members here. They are reserved like
+# POD_ENV (refused in spec.template.env); the worker reads them only when present, with the
+# feature's own parser (parse_env requires exactly POD_ENV).
+POD_ENV_OPTIONAL: tuple[str, ...] = ()
+RESERVED_POD_ENV: frozenset[str] = frozenset(v.value for v in POD_ENV) | frozenset(POD_ENV_OPTIONAL)
 
 
 class TuningEnv(StrEnum):

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dwdp_runtime.config import sharding_errors
 from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, LABEL_PREFIX, POD_ENV,
-                                   ModelDtype, ModelDtypeName, TransferMode)
+                                   RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode)
 
 GROUP = LABEL_PREFIX
 # docs/ENV_CONTRACT.md: the variables the operator sets on every worker pod (manifests.worker_env)
@@ -187,7 +187,7 @@ def check_template_env(spec: DwdpGroupSpec) -> list[str]:
         name = var.get("name")
         if not isinstance(name, str) or not name:
             out.append(f"spec.template.env[{i}]: every env entry needs a name")
-        elif name in CONTRACT_ENV:
+        elif name in RESERVED_POD_ENV:
             out.append(f"spec.template.env[{i}]: {name} is set by the operator (docs/ENV_CONTRACT.md); remove it")
     return out
 

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import time
 
+from dwdp_runtime.contract import POD_ENV
 from kubernetes.client.rest import ApiException
 
 from .conftest import group_body, wait_for
 
-CONTRACT_ENV = ["DWDP_JOB", "DWDP_NAMESPACE", "DWDP_GROUP", "DWDP_POD_INDEX", "DWDP_RANK_BASE",
-                "DWDP_GPUS_PER_POD", "DWDP_SIZE", "DWDP_STORE_ADDR", "DWDP_STORE_PORT", "DWDP_ATTEMPT",
-                "DWDP_TOKEN", "DWDP_NUM_EXPERTS", "DWDP_EXPERTS_PER_WORKER", "DWDP_PREFETCH_STRIDE",
-                "DWDP_PREFETCH_SLOTS", "DWDP_CONTENTION_OPT", "DWDP_TRANSFER", "DWDP_MODEL",
-                "DWDP_MODEL_SYNTHETIC", "DWDP_DTYPE", "DWDP_BACKEND", "DWDP_HTTP_PORT"]
+CONTRACT_ENV = [v.value for v in POD_ENV]  # dwdp_runtime.contract, pinned to docs/ENV_CONTRACT.md
 
 
 def ready_groups(c, ns, name, n):

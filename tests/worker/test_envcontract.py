@@ -162,17 +162,18 @@ def test_unknown_transfer_is_refused_on_both_sides():
 
 
 def test_tuning_variables_pass_through_template_env_but_contract_ones_are_refused():
-    from dwdp_runtime.contract import POD_ENV, TuningEnv
+    from dwdp_runtime.contract import POD_ENV, POD_ENV_OPTIONAL, RESERVED_POD_ENV, TuningEnv
 
     _, spec_mod = _operator()
-    assert not set(TuningEnv) & set(POD_ENV)
+    assert not set(TuningEnv) & RESERVED_POD_ENV
+    assert not {v.value for v in POD_ENV} & set(POD_ENV_OPTIONAL)  # a variable is required or optional
     base = {"dwdpSize": 4, "image": "x", "model": {"synthetic": "qwen3_moe"},
             "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4}}
     assert spec_mod.validate_spec({**base, "template": {"env": [{"name": str(TuningEnv.SM_GATHER_CTAS),
                                                                    "value": "0"}]}}) == []
-    for var in POD_ENV:
-        errors = spec_mod.validate_spec({**base, "template": {"env": [{"name": var.value, "value": "1"}]}})
-        assert errors and var.value in errors[0]
+    for var in sorted(RESERVED_POD_ENV):  # every pod's contract and the optional, per-feature names
+        errors = spec_mod.validate_spec({**base, "template": {"env": [{"name": var, "value": "1"}]}})
+        assert errors and var in errors[0]
 
 
 def test_the_crd_enums_are_the_contract_values():
