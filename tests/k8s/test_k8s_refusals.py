@@ -11,7 +11,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from conftest import ROOT, group_body, wait_for
+from .conftest import ROOT, group_body, wait_for
 
 CD_CRD = "computedomains.resource.nvidia.com"
 FIX = "install the NVIDIA DRA driver for GPUs (ComputeDomain CRD) or set imex.mode: None"
