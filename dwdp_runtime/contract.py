@@ -125,7 +125,7 @@ class PortName:
     STORE = "store"  # rank 0's TCPStore (spec.storePort), reachable only from the group's pods
 
 
-DEFAULT_HTTP_PORT = 8000    # spec.httpPort default, the local launcher's --port default
+DEFAULT_HTTP_PORT = 8000    # spec.httpPort default
 DEFAULT_STORE_PORT = 29500  # spec.storePort default (torch.distributed's customary store port)
 
 TOKEN_SECRET_KEY = "token"  # key of the group token in Secret <name>-token (DWDP_TOKEN's secretKeyRef)
