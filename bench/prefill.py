@@ -7,7 +7,21 @@
   4. rank 0 alternates sharded / unsharded forwards of one ``--isl``-token sequence (warm-up first), the other
      ranks stay idle holding their handles (peers of one GPU would otherwise compete for its SMs);
   5. prints a table: tokens/s of each, the ratio sharded ÷ unsharded, exposed prefetch wait, restarts, and the
-     max |Δlogits| between the two (a correctness sanity check, bf16).
+     max |Δlogits| between the two (a correctness sanity check, bf16), and the MFU of each.
+
+``--experts-impl`` picks the experts forward of BOTH models (``auto``: DWDP's Triton kernels on CUDA,
+``grouped_mm``: plain `transformers`); ``--num-heads`` sets the attention heads (default hidden/128).
+
+MFU = model FLOPs of one forward ÷ time ÷ ``--peak-tflops`` (790: the dense bf16 matrix rate measured on
+this H200, docs/KERNELS.md). Model FLOPs (``prefill_flops``; multiply-add = 2 FLOPs; sequences of length L
+packed into T = Σ L tokens):
+  * attention projections  2·T·H·(n_q·d + 2·n_kv·d) + 2·T·(n_q·d)·H per layer (DeepSeek-V3: its MLA
+    low-rank q/kv down- and up-projections and o_proj);
+  * causal attention        2·n_q·(d_qk + d_v)·L(L+1)/2 per sequence per layer (QKᵀ and PV, lower triangle);
+  * routed experts          6·T·k·H·I per MoE layer (gate_up 4·T·k·H·I, down 2·T·k·H·I);
+  * router                  2·T·H·E per MoE layer;
+  * dense MLPs              6·T·H·I_dense per dense layer; DeepSeek-V3 shared experts 6·T·H·I·n_shared;
+  * lm_head apart: only the last position of each sequence is projected (``logits_to_keep``), not counted.
 
 Run on a GPU:   python bench/prefill.py --isl 8192 --dwdp-size 4
 CPU smoke test: python bench/prefill.py --device cpu --isl 256 --hidden-size 64 --num-experts 8 --num-layers 2 \
@@ -52,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--slots", type=int, default=2, help="num_prefetch_slots")
+    p.add_argument("--num-heads", type=int, default=None, help="attention heads (default hidden/128, at least 2)")
+    p.add_argument("--experts-impl", default="auto", choices=("auto", "dwdp", "grouped_mm", "eager"),
+                   help="experts forward of both models (auto: DWDP's Triton kernels on CUDA)")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for MFU (measured H200)")
     p.add_argument("--timeout", type=float, default=1800.0, help="rendezvous timeout (s)")
     return p.parse_args(argv)
 
@@ -67,8 +85,9 @@ def ensure_model(args) -> pathlib.Path:
         return pathlib.Path(args.model)
     from dwdp_worker.synth import write_synthetic
 
+    heads = args.num_heads or max(2, args.hidden_size // 128)
     name = (f"{args.arch}-L{args.num_layers}-H{args.hidden_size}-E{args.num_experts}-I{args.moe_intermediate_size}"
-            f"-k{args.top_k}-V{args.vocab_size}-{args.dtype}-P{args.isl}")
+            f"-k{args.top_k}-V{args.vocab_size}-{args.dtype}-P{args.isl}-h{heads}")
     out = pathlib.Path(args.work_dir) / name
     if not (out / "config.json").is_file():
         print(f"writing synthetic checkpoint {out} ...", flush=True)
@@ -76,7 +95,7 @@ def ensure_model(args) -> pathlib.Path:
                         hidden_size=args.hidden_size, vocab_size=args.vocab_size, dtype=args.dtype,
                         moe_intermediate_size=args.moe_intermediate_size, intermediate_size=4 * args.hidden_size,
                         max_positions=max(args.isl, 4096), top_k=args.top_k,
-                        num_heads=max(2, args.hidden_size // 128))
+                        num_heads=heads)
     return out
 
 
@@ -114,13 +133,13 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
                          token="bench", timeout_s=args.timeout) as rdzv:
         engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
                               device=device if args.device == "cuda" else None, token="bench",
-                              progress=(rank == 0))
+                              progress=(rank == 0), experts=args.experts_impl)
         out: dict = {"local": engine.manager.local_range}
         try:
             if rank == 0:
                 from dwdp_worker.oracle import Reference
 
-                ref = Reference(model_dir, device=device)
+                ref = Reference(model_dir, device=device, experts=args.experts_impl)
                 seqs = [torch.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()
                         for _ in range(args.batch)]
                 tokens = args.isl * args.batch
@@ -139,7 +158,7 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
                     want = ref.logits(seqs)
                     unsharded.append(time.perf_counter() - t0)
                     diff = max(diff, (r.logits - want).abs().max().item())
-                out.update(tokens=tokens, sharded_s=statistics.median(sharded),
+                out.update(tokens=tokens, experts_impl=engine.model.config._experts_implementation, sharded_s=statistics.median(sharded),
                            unsharded_s=statistics.median(unsharded), wait_s=statistics.median(waits),
                            restarts=engine.manager.num_restarts, max_abs_diff=diff, stats=engine.stats(),
                            local_expert_bytes=engine.load_report.local_expert_bytes,
@@ -148,6 +167,53 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
             rdzv.barrier("bench/done")  # peers keep their handles mapped until rank 0 is done
         finally:
             engine.close()
+    return out
+
+
+def prefill_flops(config, seq_lens) -> dict:
+    """Model FLOPs of one packed prefill forward, by part (see the module docstring for each formula).
+
+    ``config``: the `transformers` config; which layers are MoE and how many experts they route over come
+    from the model's discovered experts layout (``models.model_layout`` of the meta model), not a table."""
+    import copy
+
+    import torch
+
+    from dwdp_worker.loader import build_meta_model
+    from dwdp_worker.models import model_layout
+
+    layout = model_layout(build_meta_model(copy.deepcopy(config), torch.float32))
+
+    def get(name, default=None):
+        v = getattr(config, name, None)
+        return default if v is None else v
+
+    h, layers = config.hidden_size, config.num_hidden_layers
+    t = sum(seq_lens)
+    nq = config.num_attention_heads
+    nkv = get("num_key_value_heads", nq)
+    d = get("head_dim", h // nq)
+    if config.model_type == "deepseek_v3":
+        qk, dv, rope, lora = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim, \
+            config.qk_rope_head_dim, config.kv_lora_rank
+        q_lora = get("q_lora_rank")
+        q = (2 * t * h * q_lora + 2 * t * q_lora * nq * qk) if q_lora else 2 * t * h * nq * qk
+        kv = 2 * t * h * (lora + rope) + 2 * t * lora * nq * (config.qk_nope_head_dim + dv)
+        proj = q + kv + 2 * t * nq * dv * h
+    else:
+        qk = dv = d
+        proj = 2 * t * h * (nq * d + 2 * nkv * d) + 2 * t * nq * d * h
+    attn = sum(2 * nq * (qk + dv) * n * (n + 1) // 2 for n in seq_lens)
+    top_k = config.num_experts_per_tok
+    inter = get("moe_intermediate_size") or config.intermediate_size
+    moe_layers = len(layout.experts)
+    dense_layers = layers - moe_layers
+    shared = 6 * t * h * inter * get("n_shared_experts", 0)
+    out = {"attention_projections": layers * proj, "attention": layers * attn,
+           "routed_experts": moe_layers * 6 * t * top_k * h * inter,
+           "router": moe_layers * 2 * t * h * (layout.num_experts if moe_layers else 0),
+           "dense_mlp": dense_layers * 6 * t * h * get("intermediate_size", 0) + moe_layers * shared}
+    out["total"] = sum(out.values())
     return out
 
 
@@ -198,11 +264,19 @@ def main(argv=None) -> int:
           f"remote bytes/forward {r0['stats']['remote_bytes_per_forward'] / 2**30:.2f} GiB")
     hdr = f"{'ISL':>6} {'tokens':>7} {'unsharded tok/s':>16} {'sharded tok/s':>14} {'ratio':>6} " \
           f"{'unsharded ms':>12} {'sharded ms':>10} {'wait ms':>8} {'restarts':>8} {'max|dlogit|':>11}"
+    from dwdp_worker.loader import load_config
+
+    flops = prefill_flops(load_config(model_dir), [args.isl] * args.batch)
+    peak = args.peak_tflops * 1e12
+    mfu_u, mfu_s = flops["total"] / r0["unsharded_s"] / peak, flops["total"] / r0["sharded_s"] / peak
+    print(f"experts impl {r0['experts_impl']}; model FLOPs/forward {flops['total'] / 1e12:.2f} T ("
+          + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in flops.items() if k != "total") + ")")
+    hdr += f" {'MFU unsh':>8} {'MFU sh':>6}"
     print(hdr)
     print("-" * len(hdr))
     print(f"{args.isl:>6} {r0['tokens']:>7} {tps_unsharded:>16.0f} {tps_sharded:>14.0f} "
           f"{tps_sharded / tps_unsharded:>6.3f} {r0['unsharded_s'] * 1e3:>12.2f} {r0['sharded_s'] * 1e3:>10.2f} "
-          f"{r0['wait_s'] * 1e3:>8.2f} {r0['restarts']:>8} {r0['max_abs_diff']:>11.3g}")
+          f"{r0['wait_s'] * 1e3:>8.2f} {r0['restarts']:>8} {r0['max_abs_diff']:>11.3g} {mfu_u:>8.1%} {mfu_s:>6.1%}")
     return 0
 
 

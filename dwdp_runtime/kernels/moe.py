@@ -122,11 +122,19 @@ def fused_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weig
     return reduce_topk(y, topk_ids, weights.gate_up.shape[0], out_dtype=x.dtype)
 
 
+@dataclass(frozen=True)
+class TuneResult:
+    gate_up: tuning.GemmConfig
+    down: tuning.GemmConfig
+    gate_up_ms: dict      # {GemmConfig: median ms} of every candidate timed (empty when already cached)
+    down_ms: dict
+
+
 def tune_experts(weights: ExpertWeights, layout: ExpertsLayout, *, top_k: int, token_counts: Sequence[int],
-                 seed: int = 0, rep_ms: int = 20) -> dict[int, tuple[tuning.GemmConfig, tuning.GemmConfig]]:
+                 seed: int = 0, rep_ms: int = 20, wide: bool = False) -> dict[int, TuneResult]:
     """Warm-up tuning (GPU): for each T in ``token_counts``, time the candidates on uniformly routed random
     tokens and cache the choice for T's load bucket. GEMM 1 picks BLOCK_M; GEMM 2 tunes its N-tiling
-    under that BLOCK_M (they share one routing plan). Returns {T: (gate_up config, down config)}."""
+    under that BLOCK_M (they share one routing plan). Returns {T: TuneResult}."""
     num_experts = weights.gate_up.shape[0]
     dev, dtype = weights.gate_up.device, weights.gate_up.dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -137,12 +145,13 @@ def tune_experts(weights: ExpertWeights, layout: ExpertsLayout, *, top_k: int, t
         scores = torch.rand(t, num_experts, device=dev, generator=gen)
         w, ids = torch.topk(scores, top_k, dim=-1)
         if tuning.is_tuned(p.key1) and tuning.is_tuned(p.key2):
-            out[t] = (tuning.config_for(p.key1), tuning.config_for(p.key2))
+            out[t] = TuneResult(tuning.config_for(p.key1), tuning.config_for(p.key2), {}, {})
             continue
-        cfg1, _ = tuning.tune(p.key1, lambda c: _stage1(x, ids, weights, layout, p, c), rep_ms=rep_ms)
+        cfg1, ms1 = tuning.tune(p.key1, lambda c: _stage1(x, ids, weights, layout, p, c), rep_ms=rep_ms,
+                              wide=wide)
         plan, act = _stage1(x, ids, weights, layout, p, cfg1)
-        cfg2, _ = tuning.tune(p.key2, lambda c: _stage2(act, w, weights, layout, p, plan, c),
-                              block_m=cfg1.block_m, rep_ms=rep_ms)
-        out[t] = (cfg1, cfg2)
+        cfg2, ms2 = tuning.tune(p.key2, lambda c: _stage2(act, w, weights, layout, p, plan, c),
+                              block_m=cfg1.block_m, rep_ms=rep_ms, wide=wide)
+        out[t] = TuneResult(cfg1, cfg2, ms1, ms2)
     return out
 

@@ -58,31 +58,55 @@ def load_bucket(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def default_config(key: ShapeKey) -> GemmConfig:
-    """The config a forward uses when ``tune`` has not run for ``key``.
+    """The config a forward uses when ``tune`` has not run for ``key`` — the tuner's winners on an H200
+    (docs/KERNELS.md, 2026-12-01). Loads above 256 rows per expert (4K–32K tokens, Qwen3-MoE and the
+    DeepSeek-V3 expert shape): the same winner everywhere; stages 3 vs 4 and swizzle 8 vs 16 were within
+    2 % (noise), other tilings 5–25 % slower. At 1K tokens (64–128 rows per expert) GEMM 1 preferred
+    64 columns (3–9 % faster than 128).
 
-    Row block: as full as the average expert allows (16 rows for decode-size loads, 64 up to 256 rows per
-    expert, 128 beyond: a 128-row wgmma tile keeps the tensor cores fed while padding waste stays under a
-    block per expert). Column block 128 with 8 warps for large loads (two 64-row warpgroups), 64 with 4
-    warps for small ones. Four pipeline stages cover HBM latency at 64-wide K steps (4 × (128+128) × 64 ×
-    2 B = 128 KiB of shared memory, inside Hopper's 227 KiB)."""
+    Row block as full as the average expert allows: 16/32 rows for decode-size loads, 64 up to 256 rows per
+    expert, 128 beyond (a 128-row tile = two 64-row wgmma warpgroups, padding waste under one block per
+    expert). Large loads: GEMM 1 takes 128 columns of gate *and* of up (two 128×128 fp32 accumulators, as
+    much as 8 warps hold without spilling); GEMM 2's single accumulator affords 256 columns. Four pipeline
+    stages of 64-wide K steps: (128 + 256) × 64 × 2 B = 48 KiB a stage, 192 KiB of Hopper's 227 KiB."""
     if key.load <= 32:
         return GemmConfig(block_m=16 if key.load <= 16 else 32, block_n=64, num_warps=4, num_stages=4)
     if key.load <= 256:
-        return GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
-    return GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
+        return GemmConfig(block_m=64, block_n=64 if key.gemm == "gate_up" else 128, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128 if key.gemm == "gate_up" else 256, num_warps=8, num_stages=4)
 
 
-def candidates(key: ShapeKey, block_m: int | None = None) -> list[GemmConfig]:
-    """Configs the tuner tries for ``key`` (BLOCK_K fixed; BLOCK_M fixed when given)."""
-    ms = [block_m] if block_m else [m for m in (16, 32, 64, 128) if m <= max(16, 2 * key.load)]
+def _row_blocks(load: int) -> tuple[int, ...]:
+    """BLOCK_M choices for a load bucket: blocks no emptier than half on average."""
+    if load <= 16:
+        return (16,)
+    if load <= 32:
+        return (16, 32)
+    if load <= 64:
+        return (32, 64)
+    if load <= 128:
+        return (64,)
+    return (64, 128)
+
+
+def candidates(key: ShapeKey, block_m: int | None = None, wide: bool = False) -> list[GemmConfig]:
+    """Configs the tuner tries for ``key`` (BLOCK_K fixed; BLOCK_M fixed when given). About 8 per GEMM
+    (each is a compile at warm-up): column blocks 64/128 (and 256 for ``down``, whose single accumulator
+    leaves room), 4 or 8 warps, 4 stages where a stage fits 48 KiB, else 3. ``wide`` also tries 3 stages
+    and swizzle groups of 16 row blocks (the bench's sweep)."""
     out = []
-    for m in ms:
-        for n in (64, 128, 256):
+    for m in ((block_m,) if block_m else _row_blocks(key.load)):
+        for n in ((64, 128) if key.gemm == "gate_up" else (64, 128, 256)):
+            b_tiles = 2 if key.gemm == "gate_up" else 1
+            stage_bytes = (m + b_tiles * n) * BLOCK_K * 2
             for warps in (4, 8):
-                if m * n >= 128 * 256 and warps == 4:
-                    continue  # a 128×256 fp32 accumulator (two for gate_up) spills at 4 warps
-                for stages in (3, 4):
-                    out.append(GemmConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages))
+                if m * n * b_tiles >= 128 * 256 and warps == 4:
+                    continue  # 128×256 fp32 accumulators spill at 4 warps
+                deepest = 4 if stage_bytes <= 48 * 1024 else 3
+                for stages in ((3, deepest) if wide and deepest > 3 else (deepest,)):
+                    for group in ((GROUP_M, 2 * GROUP_M) if wide else (GROUP_M,)):
+                        out.append(GemmConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages,
+                                              group_m=group))
     return out
 
 
@@ -105,7 +129,7 @@ def forget_all() -> None:
     _TUNED.clear()
 
 
-def tune(key: ShapeKey, run: Callable[[GemmConfig], None], *, block_m: int | None = None,
+def tune(key: ShapeKey, run: Callable[[GemmConfig], None], *, block_m: int | None = None, wide: bool = False,
          warmup_ms: int = 5, rep_ms: int = 20) -> tuple[GemmConfig, dict[GemmConfig, float]]:
     """Time ``run(cfg)`` for every candidate (median ms, CUDA events) and cache the fastest for ``key``.
 
@@ -113,7 +137,7 @@ def tune(key: ShapeKey, run: Callable[[GemmConfig], None], *, block_m: int | Non
     import triton.testing
 
     times: dict[GemmConfig, float] = {}
-    for cfg in candidates(key, block_m):
+    for cfg in candidates(key, block_m, wide):
         try:
             times[cfg] = float(triton.testing.do_bench(lambda: run(cfg), warmup=warmup_ms, rep=rep_ms,
                                                        return_mode="median"))

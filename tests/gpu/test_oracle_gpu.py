@@ -1,5 +1,9 @@
 """GPU oracle: DWDP-sharded logits vs unsharded `transformers` on CUDA (bf16), every architecture, d = 2, 3, 4.
 
+Both sides run the same experts forward: the engine's ``auto`` choice (DWDP's Triton kernels on CUDA),
+so the unsharded reference is ``Reference(..., experts="auto")`` — DWDP must not change the math, and
+the comparison isolates sharding from the choice of kernels (which tests/gpu/test_kernels_gpu.py checks).
+
 Ranks are real processes using the CUDA backend (``backend="auto"``); with fewer GPUs than ranks several
 ranks share a GPU (rank r on ``cuda:(r % num_gpus)``). Tolerance is bf16's (the kernels are the same, so
 the run is usually bitwise; the test reports which). Run: ``pytest -m gpu tests/gpu/test_oracle_gpu.py -s``.
@@ -50,7 +54,7 @@ def test_gpu_sharded_logits_match_unsharded(d, gpu_checkpoints):
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     for a in ARCHS:
-        ref = Reference(gpu_checkpoints[a], device="cuda:0")
+        ref = Reference(gpu_checkpoints[a], device="cuda:0", experts="auto")
         want = [ref.logits(b) for b in BATCHES]
         del ref
         for rank, (_, value) in sorted(res.items()):

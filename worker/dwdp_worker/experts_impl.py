@@ -15,9 +15,13 @@ What the forward runs (``dwdp_experts_forward``):
   * otherwise `transformers`' own ``grouped_mm`` experts forward, unchanged (so a CPU run stays bitwise
     with plain `transformers`).
 
-The weight layout comes from the flags ``@use_experts_implementation`` sets on each module (``has_gate``,
-``is_transposed``, ``is_concatenated``, ``has_bias``): the same description the model registry discovers,
-so a new architecture with a layout the kernels cover needs no code here.
+The weight layout is the model registry's *discovered experts layout* (``experts_layout.ExpertsLayout``:
+``has_gate``, ``is_transposed``, ``is_concatenated``, ``has_bias``, the sharded params and their roles):
+``select`` turns each module's entry into the kernels' ``ExpertsLayout`` once and keeps it on the module
+(``_dwdp_kernels``); a module reached without ``select`` reads the same flags from the interface's
+attributes. A new architecture whose layout the kernels cover needs no code here. Quantized experts
+(FP8 composites) never reach the bf16 kernels: their own forward (``quant_loading``) runs, and any weight
+dtype other than 16-bit (fp32 too, under the CPU interpreter) falls back to grouped_mm.
 
 ``select(model, device, requested)`` is the engine's choice: ``"auto"`` → ``"dwdp"`` on CUDA when the
 kernels are available and the architecture is supported, else the model's default (``grouped_mm``).
@@ -34,21 +38,33 @@ log = logging.getLogger(__name__)
 IMPL_NAME = "dwdp"
 #: the choices ``select`` accepts
 CHOICES: tuple[str, ...] = ("auto", IMPL_NAME, "grouped_mm", "eager")
-#: weight dtypes the Triton GEMMs run (bf16/fp16 tensor-core MMA with fp32 accumulation)
+#: weight dtypes the Triton GEMMs run on CUDA (bf16/fp16 tensor-core MMA with fp32 accumulation);
+#: the CPU interpreter also runs float32 (tests)
 _KERNEL_DTYPES = ("torch.bfloat16", "torch.float16")
 
 _registered = False
 
 
-def layout_of(module: Any):
-    """The ``ExpertsLayout`` of a `transformers` experts module (from its interface flags)."""
+def kernel_layout(discovered: Any, activation: str):
+    """The kernels' ``ExpertsLayout`` of one discovered ``experts_layout.ExpertsLayout`` (or any object with
+    the interface's flags: ``has_gate``, ``is_transposed``, ``is_concatenated``, ``has_bias``)."""
     from dwdp_runtime.kernels.moe import ExpertsLayout
 
-    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
-    return ExpertsLayout(has_gate=bool(getattr(module, "has_gate", True)),
-                         is_transposed=bool(getattr(module, "is_transposed", False)),
-                         is_concatenated=bool(getattr(module, "is_concatenated", True)),
-                         has_bias=bool(getattr(module, "has_bias", False)), activation=str(act))
+    return ExpertsLayout(has_gate=bool(getattr(discovered, "has_gate", True)),
+                         is_transposed=bool(getattr(discovered, "is_transposed", False)),
+                         is_concatenated=bool(getattr(discovered, "is_concatenated", True)),
+                         has_bias=bool(getattr(discovered, "has_bias", False)), activation=str(activation))
+
+
+def _activation(module: Any) -> str:
+    return str(getattr(getattr(module, "config", None), "hidden_act", "silu"))
+
+
+def layout_of(module: Any):
+    """The kernels' ``ExpertsLayout`` of an experts module: the one ``select`` attached from the discovered
+    layout, else the module's own interface flags."""
+    attached = getattr(module, "_dwdp_kernels", None)
+    return attached if attached is not None else kernel_layout(module, _activation(module))
 
 
 def weights_of(module: Any, layout):
@@ -77,7 +93,8 @@ def unsupported_reason(module: Any, hidden_states: Any) -> str | None:
     if layout.activation not in kernels.ACTIVATIONS:
         return f"activation {layout.activation!r}"
     w = module.gate_up_proj if layout.has_gate else module.up_proj
-    if hidden_states.device.type == "cuda" and str(w.dtype) not in _KERNEL_DTYPES:
+    allowed = _KERNEL_DTYPES if hidden_states.device.type == "cuda" else (*_KERNEL_DTYPES, "torch.float32")
+    if str(w.dtype) not in allowed:
         return f"weights in {w.dtype}"
     return None
 
@@ -106,6 +123,17 @@ def register() -> None:
     _registered = True
 
 
+def attach_layouts(model: Any) -> None:
+    """Give every experts module its kernels' layout from the model's discovered layout (the loader's
+    ``model.dwdp_layout``, else ``models.model_layout``)."""
+    from . import models
+
+    layout = getattr(model, "dwdp_layout", None) or models.model_layout(model)
+    for e in layout.experts:
+        module = model.get_submodule(e.path)
+        module._dwdp_kernels = kernel_layout(e, _activation(module))
+
+
 def _device_type(device: Any) -> str:
     import torch
 
@@ -132,6 +160,7 @@ def select(model: Any, device: Any, requested: str = "auto") -> str:
             return str(model.config._experts_implementation)
     if name == IMPL_NAME:
         register()
+        attach_layouts(model)
     model.set_experts_implementation(name)
     log.info("experts implementation: %s", name)
     return name
