@@ -36,7 +36,7 @@ def _quantize_one(w, block):
     n, k = w.shape[-2:]
     lead = w.shape[:-2]
     pn, pk = ceil_div(n, bn) * bn, ceil_div(k, bk) * bk
-    wf = torch.zeros(*lead, pn, pk, dtype=torch.float32)
+    wf = torch.zeros(*lead, pn, pk, dtype=torch.float32, device=w.device)
     wf[..., :n, :k] = w.to(torch.float32)
     tiles = wf.reshape(*lead, pn // bn, bn, pk // bk, bk)
     amax = tiles.abs().amax(dim=(-3, -1))

@@ -146,7 +146,7 @@ def uninstall_fp8_forward(module) -> None:
 def fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     from . import fp8_experts_gpu
 
-    if fp8_experts_gpu.available(hidden_states):
+    if fp8_experts_gpu.unsupported_reason(self, hidden_states) is None:
         return fp8_experts_gpu.forward(self, hidden_states, top_k_index, top_k_weights)
     return dequantized_forward(self, hidden_states, top_k_index, top_k_weights)
 

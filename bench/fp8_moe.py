@@ -1,0 +1,171 @@
+"""FP8 block-scaled experts on one GPU: grouped GEMM TFLOP/s vs bf16, the MoE block, accuracy — side by side.
+
+For each shape (DeepSeek-V3 experts: H 7168, I 2048, top-8, 64 of its 256 experts so bf16 fits next to fp8;
+Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8) and token count T, with uniformly random routing:
+
+  * ``bf16 grouped_mm``  — the floor the fused-kernel issue uses: ``torch._grouped_mm`` on expert-sorted rows,
+                           gate_up then down (no activation, no gather/scatter);
+  * ``fp8 GEMMs``        — our two block-scaled Triton GEMMs alone (``fp8_gate_up`` incl. its act·mul and e4m3
+                           epilogue, ``fp8_down`` incl. the routing weight), routing plan and input quantization
+                           outside the timing;
+  * ``bf16 block`` / ``fp8 block`` — whole routed-experts forwards: ``kernels.fused_experts`` on the
+                           dequantized bf16 weights vs ``fp8_moe_forward`` (quantize + align + 2 GEMMs + reduce);
+  * accuracy of the fp8 block against the bf16 block on the dequantized weights (max |Δ| / max |ref|, and the
+    fraction of tokens whose arg-max hidden unit agrees — a cheap proxy; the model-level top-1 agreement is
+    measured by ``bench/prefill.py --quant fp8``).
+
+FLOPs of both GEMMs: ``6·T·k·H·I``. Times: CUDA events, median of ``do_bench``. Tiles of the fp8 GEMMs are
+tuned once per shape at warm-up (``fp8_moe.tune_fp8``), outside the timed calls.
+
+    python bench/fp8_moe.py --tokens 4096 16384 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+SHAPES = {  # name: (hidden, moe_intermediate, experts, top_k)
+    "deepseek_v3": (7168, 2048, 64, 8),
+    "qwen3_30b": (2048, 768, 128, 8),
+    "tiny": (256, 128, 8, 2),  # --smoke: the script's own test on CPU under TRITON_INTERPRET=1
+}
+
+
+def _experts(h, i, e, dev, seed):
+    """Seeded random experts, quantized on ``dev`` (fp8 + scales) and their dequantized bf16 twins."""
+    import torch
+
+    from dwdp_runtime.quant import fp8_block
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    w1, s1 = fp8_block.quantize(torch.randn(e, 2 * i, h, generator=gen, device=dev) * h ** -0.5, row_segments=(i, i))
+    w2, s2 = fp8_block.quantize(torch.randn(e, h, i, generator=gen, device=dev) * i ** -0.5)
+    d1 = fp8_block.dequantize(w1, s1, torch.bfloat16, row_segments=(i, i))
+    d2 = fp8_block.dequantize(w2, s2, torch.bfloat16)
+    return w1, s1, w2, s2, d1, d2
+
+
+def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False):
+    import torch
+    import triton.testing
+
+    from dwdp_runtime.kernels import fp8_moe
+    from dwdp_runtime.kernels.fp8_grouped_gemm import fp8_down, fp8_gate_up
+    from dwdp_runtime.kernels.fp8_quant import quantize_groups
+    from dwdp_runtime.kernels.moe import ExpertWeights, fused_experts
+    from dwdp_runtime.kernels.routing import align_routing
+
+    h, i, e, k = SHAPES[name]
+    dev = torch.device("cpu" if smoke else "cuda")
+    w1, s1, w2, s2, d1, d2 = _experts(h, i, e, dev, 0)
+    if smoke:
+        bench = lambda fn: (fn(), 1.0)[1]  # noqa: E731 - runs every path once, times nothing
+    else:
+        bench = lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))  # noqa: E731
+    if tune:
+        t0 = time.perf_counter()
+        fp8_moe.tune_fp8(w1, s1, w2, s2, top_k=k, token_counts=tokens, rep_ms=10)
+        print(f"[{name}] tuned fp8 tiles for T={tokens} in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for t in tokens:
+        g = torch.Generator(device=dev).manual_seed(t)
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=g)
+        w, ids = torch.topk(torch.rand(t, e, device=dev, generator=g), k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(torch.float32)
+        flops = 6 * t * k * h * i
+        # bf16 floor: torch._grouped_mm over expert-sorted rows
+        order = torch.sort(ids.flatten(), stable=True)
+        xs = x[order.indices // k]
+        offs = torch.cumsum(torch.bincount(order.values, minlength=e), 0).to(torch.int32)
+        act = torch.randn(t * k, i, device=dev, dtype=torch.bfloat16, generator=g)
+        t_bf16 = bench(lambda: (torch._grouped_mm(xs, d1.transpose(-2, -1), offs=offs),
+                                torch._grouped_mm(act, d2.transpose(-2, -1), offs=offs)))
+        # fp8 GEMMs alone
+        c1, c2 = fp8_moe.configs_for(t, k, w1, w2)
+        plan = align_routing(ids, e, c1.block_m)
+        xq, xsc = quantize_groups(x)
+        aq, a_s = fp8_gate_up(xq, xsc, w1, s1, plan, c1, inter=i, up_srow=-(-i // 128))
+        t_g1 = bench(lambda: fp8_gate_up(xq, xsc, w1, s1, plan, c1, inter=i, up_srow=-(-i // 128)))
+        t_g2 = bench(lambda: fp8_down(aq, a_s, w2, s2, w, plan, c2, hidden=h))
+        # whole blocks
+        bw = ExpertWeights(gate_up=d1, down=d2)
+        ref = fused_experts(x, ids, w, bw)
+        got = fp8_moe.fp8_moe_forward(x, ids, w, w1, s1, w2, s2)
+        t_bblock = bench(lambda: fused_experts(x, ids, w, bw))
+        t_fblock = bench(lambda: fp8_moe.fp8_moe_forward(x, ids, w, w1, s1, w2, s2))
+        err = (got.float() - ref.float()).abs()
+        agree = float((got.float().argmax(-1) == ref.float().argmax(-1)).float().mean())
+        r = dict(shape=name, tokens=t, hidden=h, inter=i, experts=e, top_k=k,
+                 bf16_grouped_mm_ms=t_bf16, fp8_gemms_ms=t_g1 + t_g2, fp8_gate_up_ms=t_g1, fp8_down_ms=t_g2,
+                 bf16_tflops=flops / t_bf16 / 1e9, fp8_tflops=flops / (t_g1 + t_g2) / 1e9,
+                 fp8_over_bf16_tflops=t_bf16 / (t_g1 + t_g2),
+                 bf16_block_ms=t_bblock, fp8_block_ms=t_fblock, fp8_block_over_bf16_block=t_fblock / t_bblock,
+                 max_abs_err=float(err.max()), rel_max_err=float(err.max() / ref.float().abs().max()),
+                 mean_abs_err=float(err.mean()), argmax_agreement=agree,
+                 cfg_gate_up=str(c1), cfg_down=str(c2))
+        rows.append(r)
+        print(f"[{name}] T={t}: bf16 grouped_mm {t_bf16:.3f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | fp8 GEMMs "
+              f"{t_g1 + t_g2:.3f} ms ({r['fp8_tflops']:.0f} TFLOP/s) = {r['fp8_over_bf16_tflops']:.2f}x | block bf16 "
+              f"{t_bblock:.3f} fp8 {t_fblock:.3f} ms = {r['fp8_block_over_bf16_block']:.3f} | rel err "
+              f"{r['rel_max_err']:.4f} argmax agree {agree:.4f}", flush=True)
+    return rows
+
+
+def gpu_check(dev="cuda"):
+    """The GPU's own fp8 conversion and MMA against the torch block math (small shape)."""
+    import torch
+
+    sys.path.insert(0, ".")
+    from tests.kernels.fp8_reference import fp8_moe_reference
+
+    from dwdp_runtime.kernels import fp8_moe
+    from dwdp_runtime.kernels.fp8_quant import quantize_groups, quantize_groups_reference
+
+    gen = torch.Generator().manual_seed(1)
+    w1, s1, w2, s2, _, _ = _experts(512, 384, 6, "cpu", 1)
+    x = torch.randn(37, 512, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 6, (37, 2), generator=gen)
+    w = torch.rand(37, 2, generator=gen)
+    q, s = quantize_groups(x.to(dev))
+    qr, sr = quantize_groups_reference(x)
+    quant_equal = bool(torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s.cpu(), sr))
+    got = fp8_moe.fp8_moe_forward(*(t.to(dev) for t in (x, ids, w, w1, s1, w2, s2))).cpu()
+    want = fp8_moe_reference(x, ids, w, w1, s1, w2, s2)
+    rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    print(f"gpu check: activation quantization bitwise = {quant_equal}; fp8 block vs torch block math: rel max "
+          f"err {rel:.2e}", flush=True)
+    return dict(quant_bitwise=quant_equal, block_rel_err=rel)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
+    p.add_argument("--no-tune", action="store_true", help="use the default fp8 tiles")
+    p.add_argument("--rep-ms", type=int, default=50)
+    p.add_argument("--json", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU self-test of this script (TRITON_INTERPRET=1, tiny shape)")
+    a = p.parse_args(argv)
+    import torch
+
+    if a.smoke:
+        out = {"check": gpu_check("cpu"), "rows": run_shape("tiny", [64], tune=False, rep_ms=1, smoke=True)}
+        print(json.dumps(out)[:300])
+        return 0
+    if not torch.cuda.is_available():
+        print("bench/fp8_moe.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": gpu_check(), "rows": []}
+    for name in a.shapes:
+        out["rows"] += run_shape(name, a.tokens, tune=not a.no_tune, rep_ms=a.rep_ms)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""One routed-experts forward with FP8 block-scaled experts: quantize → align → GEMM 1 → GEMM 2 → reduce.
+
+``fp8_moe_forward(hidden [T, H], topk_ids, topk_weights, w1, s1, w2, s2)`` returns ``[T, H]`` in
+``hidden``'s dtype = ``Σ_j w[t, j] · down_e(act(gate_e(x_t)) · up_e(x_t))`` where every GEMM is the exact
+block-scaled product of e4m3 operands: weights ``w1 [E, 2I, H]`` / ``w2 [E, H, I]`` with fp32 scales per
+128×128 block (``s1 [E, 2⌈I/128⌉, ⌈H/128⌉]``, ``s2 [E, ⌈H/128⌉, ⌈I/128⌉]`` — the composites DWDP binds, as
+they are) and activations quantized per token and 128-column group on the fly (``fp8_quant`` for the input,
+GEMM 1's epilogue for the intermediate). Routing plan and top-k reduction are the bf16 path's
+(``routing.align_routing``, ``reduce.reduce_topk``): no host synchronisation, batch invariant.
+
+HBM traffic versus the bf16 block: weights and the ``[rows, I]`` intermediate are 1 byte per element instead of
+2; the input is read once in bf16 and once in e4m3 (``[T, H]``, small next to the weights at prefill sizes).
+
+Tiles: ``default_configs`` (below) or ``tune_fp8`` at warm-up (cached per shape key; never inside a forward).
+BLOCK_K = 128 always (the scale block); GEMM 1 has BLOCK_N = 128 (one activation group per output tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import tuning
+from .fp8_grouped_gemm import SCALE_BLOCK, fp8_down, fp8_gate_up
+from .fp8_quant import quantize_groups
+from .reduce import reduce_topk
+from .routing import align_routing
+
+
+@dataclass(frozen=True)
+class Fp8Key:
+    gemm: str
+    n: int
+    k: int
+    num_experts: int
+    top_k: int
+    load: int
+
+
+def default_configs(load: int) -> tuple[tuning.GemmConfig, tuning.GemmConfig]:
+    """(gate_up, down) tiles. Row block as full as the average expert allows (as the bf16 table); 128×128 e4m3
+    tiles, K step 128: A + two B tiles = 48 KiB per stage for GEMM 1, 3 stages; GEMM 2 32 KiB, 4 stages."""
+    bm = 16 if load <= 16 else 32 if load <= 32 else 64 if load <= 256 else 128
+    warps = 8 if bm >= 128 else 4
+    g1 = tuning.GemmConfig(block_m=bm, block_n=SCALE_BLOCK, block_k=SCALE_BLOCK, num_warps=warps, num_stages=3)
+    g2 = tuning.GemmConfig(block_m=bm, block_n=128, block_k=SCALE_BLOCK, num_warps=warps, num_stages=4)
+    return g1, g2
+
+
+def candidates(gemm: str, block_m: int | None, load: int) -> list[tuning.GemmConfig]:
+    ms = [block_m] if block_m else [m for m in (16, 32, 64, 128) if m <= max(16, 2 * load)]
+    ns = (SCALE_BLOCK,) if gemm == "gate_up" else (64, 128, 256)
+    out = []
+    for m in ms:
+        for n in ns:
+            for warps in (4, 8):
+                for stages in (3, 4, 5):
+                    if gemm == "gate_up" and stages > 4:
+                        continue
+                    out.append(tuning.GemmConfig(block_m=m, block_n=n, block_k=SCALE_BLOCK, num_warps=warps,
+                                                 num_stages=stages))
+    return out
+
+
+_TUNED: dict[Fp8Key, tuning.GemmConfig] = {}
+
+
+def _keys(t: int, top_k: int, w1, w2) -> tuple[Fp8Key, Fp8Key]:
+    e = w1.shape[0]
+    load = tuning.load_bucket(t, top_k, e)
+    return (Fp8Key("gate_up", w1.shape[1], w1.shape[2], e, top_k, load),
+            Fp8Key("down", w2.shape[1], w2.shape[2], e, top_k, load))
+
+
+def configs_for(t: int, top_k: int, w1, w2) -> tuple[tuning.GemmConfig, tuning.GemmConfig]:
+    k1, k2 = _keys(t, top_k, w1, w2)
+    d1, d2 = default_configs(k1.load)
+    c1 = _TUNED.get(k1, d1)
+    c2 = _TUNED.get(k2) or tuning.with_block_m(d2, c1.block_m)
+    return c1, c2
+
+
+def _check(w1, s1, w2, s2, has_gate: bool) -> tuple[int, int, int]:
+    e, n1, hidden = w1.shape
+    e2, h2, inter = w2.shape
+    if w1.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 experts need float8_e4m3fn weights, got {w1.dtype}/{w2.dtype}")
+    if e2 != e or h2 != hidden or n1 != (2 * inter if has_gate else inter):
+        raise ValueError(f"expert weights disagree: gate_up {tuple(w1.shape)}, down {tuple(w2.shape)}")
+    up_srow = -(-inter // SCALE_BLOCK)
+    want1 = (e, (2 if has_gate else 1) * up_srow, -(-hidden // SCALE_BLOCK))
+    want2 = (e, -(-hidden // SCALE_BLOCK), up_srow)
+    if tuple(s1.shape) != want1 or tuple(s2.shape) != want2:
+        raise ValueError(f"scale grids {tuple(s1.shape)}/{tuple(s2.shape)} are not the 128×128 grids "
+                         f"{want1}/{want2} of the weights (gate and up quantized separately)")
+    return inter, hidden, up_srow
+
+
+def _run(xq, xs, ids, topk_weights, w1, s1, w2, s2, cfg1, cfg2, *, has_gate, activation, out_dtype):
+    inter, hidden, up_srow = _check(w1, s1, w2, s2, has_gate)
+    plan = align_routing(ids, w1.shape[0], cfg1.block_m)
+    aq, a_s = fp8_gate_up(xq, xs, w1, s1, plan, cfg1, inter=inter, up_srow=up_srow, has_gate=has_gate,
+                          activation=activation)
+    y = fp8_down(aq, a_s, w2, s2, topk_weights, plan, cfg2, hidden=hidden, out_dtype=out_dtype)
+    return reduce_topk(y, ids, w1.shape[0], out_dtype=out_dtype)
+
+
+def fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
+                    has_gate: bool = True, activation: str = "silu") -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` (see module docstring)."""
+    out_dtype = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    xq, xs = quantize_groups(hidden_states)
+    cfg1, cfg2 = configs_for(hidden_states.shape[0], topk_ids.shape[1], w1, w2)
+    out = _run(xq, xs, topk_ids, topk_weights, w1, s1, w2, s2, cfg1, cfg2, has_gate=has_gate,
+               activation=activation, out_dtype=out_dtype)
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+def tune_fp8(w1, s1, w2, s2, *, top_k: int, token_counts, has_gate: bool = True, activation: str = "silu",
+             seed: int = 0, rep_ms: int = 20) -> dict[int, tuple[tuning.GemmConfig, tuning.GemmConfig]]:
+    """Warm-up tuning (GPU), as ``moe.tune_experts``: GEMM 1 picks BLOCK_M, GEMM 2 its tiling under it."""
+    import triton.testing
+
+    inter, hidden, up_srow = _check(w1, s1, w2, s2, has_gate)
+    e, dev = w1.shape[0], w1.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    out = {}
+    for t in token_counts:
+        k1, k2 = _keys(t, top_k, w1, w2)
+        x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+        w, ids = torch.topk(torch.rand(t, e, device=dev, generator=gen), top_k, dim=-1)
+        xq, xs = quantize_groups(x)
+
+        def bench(fn):
+            try:
+                return float(triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"))
+            except Exception:  # noqa: BLE001 - an infeasible config (out of resources) is not a choice
+                return float("inf")
+
+        def g1(c):
+            plan = align_routing(ids, e, c.block_m)
+            return lambda: fp8_gate_up(xq, xs, w1, s1, plan, c, inter=inter, up_srow=up_srow, has_gate=has_gate,
+                                       activation=activation)
+
+        times = {c: bench(g1(c)) for c in candidates("gate_up", None, k1.load)}
+        c1 = min(times, key=times.get)
+        _TUNED[k1] = c1
+        plan = align_routing(ids, e, c1.block_m)
+        aq, a_s = fp8_gate_up(xq, xs, w1, s1, plan, c1, inter=inter, up_srow=up_srow, has_gate=has_gate,
+                              activation=activation)
+        times2 = {c: bench(lambda c=c: fp8_down(aq, a_s, w2, s2, w, plan, c, hidden=hidden))
+                  for c in candidates("down", c1.block_m, k1.load)}
+        _TUNED[k2] = min(times2, key=times2.get)
+        out[t] = (c1, _TUNED[k2])
+    return out
