@@ -27,8 +27,9 @@ ENTRYPOINT ["dwdp-operator"]
 FROM ${TORCH_BASE} AS worker
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin dwdp
 COPY --from=build /wheels /tmp/wheels
-# torch comes from the base image (pip keeps it: it satisfies the requirement)
-RUN pip install --no-cache-dir "$(ls /tmp/wheels/*.whl)[worker]" && rm -rf /tmp/wheels
+# torch comes from the base image (pip keeps it: it satisfies the requirement). nixl (KV handoff,
+# docs/KV_TRANSFER.md): the meta package, which picks nixl-cu12/-cu13 by the CUDA it finds at import.
+RUN pip install --no-cache-dir "$(ls /tmp/wheels/*.whl)[worker]" "nixl>=1.5.1" && rm -rf /tmp/wheels
 USER 10001:10001
 WORKDIR /home/dwdp
 EXPOSE 8000 29500

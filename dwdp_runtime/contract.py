@@ -71,7 +71,24 @@ POD_ENV_ONE_OF: tuple[PodEnvVar, ...] = (PodEnvVar.MODEL, PodEnvVar.MODEL_SYNTHE
 # feature's names as a StrEnum in this module and add its members here. They are reserved like
 # POD_ENV (refused in spec.template.env); the worker reads them only when present, with the
 # feature's own parser (parse_env requires exactly POD_ENV).
-POD_ENV_OPTIONAL: tuple[str, ...] = ()
+class KvEnv(StrEnum):
+    """Pod env of the KV handoff (``spec.kvTransfer``; docs/KV_TRANSFER.md), set only when the spec has it."""
+
+    BUDGET_BYTES = "DWDP_KV_BUDGET_BYTES"   # KV region per rank in bytes (absent or 0: KV handoff off)
+    BLOCK_BYTES = "DWDP_KV_BLOCK_BYTES"     # allocation unit, a multiple of 64
+    TTL_S = "DWDP_KV_TTL_S"                 # seconds unclaimed KV is kept
+    LEASE_S = "DWDP_KV_LEASE_S"             # seconds a claimed pull may take
+    # UCX's own variable: its TCP transport listens in this range, which the group's NetworkPolicy
+    # opens (decode engines reach a rank's NIXL agent there; RDMA and NVLink paths bypass it)
+    UCX_TCP_PORT_RANGE = "UCX_TCP_PORT_RANGE"
+
+
+#: TCP ports a pod's NIXL/UCX agents may listen on, from ``spec.kvTransfer.tcpPortBase`` (each rank's
+#: UCX worker listens on one port per interface: 64 covers 8 ranks × several interfaces)
+KV_TCP_PORTS = 64
+
+
+POD_ENV_OPTIONAL: tuple[str, ...] = tuple(v.value for v in KvEnv)
 RESERVED_POD_ENV: frozenset[str] = frozenset(v.value for v in POD_ENV) | frozenset(POD_ENV_OPTIONAL)
 
 

@@ -30,7 +30,7 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import TOKEN_SECRET_KEY, Backend, PortName
+from dwdp_runtime.contract import KV_TCP_PORTS, TOKEN_SECRET_KEY, Backend, KvEnv, PortName
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
@@ -70,7 +70,9 @@ def claim_template_name(name: str) -> str:
 
 
 def template_hash(spec: DwdpGroupSpec) -> str:
-    shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing"})
+    # kvTransfer shapes the pod env, but an absent section must not change existing groups' hash
+    unset = {"kvTransfer"} if spec.kvTransfer is None else set()
+    shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing"} | unset)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -108,8 +110,11 @@ def group_service(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) 
 
 def network_policy(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) -> dict[str, Any]:
     """Ingress to group g's pods: the store port only from group g's own pods; HTTP from anywhere
-    (clients, the operator's /healthz reads, probes); every other port closed."""
+    (clients, the operator's /healthz reads, probes); with ``kvTransfer`` the UCX TCP port range from
+    anywhere (decode engines pull KV there); every other port closed."""
     group_sel = {L.NAME: name, L.GROUP: str(g)}
+    kv = [] if spec.kvTransfer is None else [{"ports": [{"protocol": "TCP", "port": spec.kvTransfer.tcpPortBase,
+                                                         "endPort": spec.kvTransfer.tcpPortBase + KV_TCP_PORTS - 1}]}]
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(network_policy_name(name, g), ns, name, uid, "group", {L.GROUP: str(g)}),
             "spec": {"podSelector": {"matchLabels": group_sel}, "policyTypes": ["Ingress"],
@@ -117,6 +122,7 @@ def network_policy(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec)
                          {"ports": [{"protocol": "TCP", "port": spec.storePort}],
                           "from": [{"podSelector": {"matchLabels": group_sel}}]},
                          {"ports": [{"protocol": "TCP", "port": spec.httpPort}]},
+                         *kv,
                      ]}}
 
 
@@ -150,6 +156,11 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
         (E.BACKEND, Backend.AUTO), (E.HTTP_PORT, spec.httpPort),
     ]
     env += [{"name": str(k), "value": str(v)} for k, v in rest]
+    if (kv := spec.kvTransfer) is not None:  # contract.POD_ENV_OPTIONAL: only when the spec asks for it
+        env += [{"name": str(k), "value": str(v)} for k, v in (
+            (KvEnv.BUDGET_BYTES, kv.budgetBytes), (KvEnv.BLOCK_BYTES, kv.blockBytes),
+            (KvEnv.TTL_S, kv.ttlSeconds), (KvEnv.LEASE_S, kv.leaseSeconds),
+            (KvEnv.UCX_TCP_PORT_RANGE, f"{kv.tcpPortBase}-{kv.tcpPortBase + KV_TCP_PORTS - 1}"))]
     return env
 
 

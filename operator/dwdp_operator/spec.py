@@ -26,7 +26,8 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dwdp_runtime.config import sharding_errors
-from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, LABEL_PREFIX, POD_ENV,
+from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
+                                   POD_ENV,
                                    RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode)
 
 GROUP = LABEL_PREFIX
@@ -82,6 +83,18 @@ class Rollout(_Model):
     maxUnavailableGroups: int = Field(default=1, ge=1)
 
 
+class KvTransfer(_Model):
+    """KV handoff to decode engines over NIXL (docs/KV_TRANSFER.md): each rank keeps requested KV in a
+    region of ``budgetBytes`` (GPU memory), freed when pulled or after ``ttlSeconds``."""
+
+    budgetBytes: int = Field(ge=0)
+    blockBytes: int = Field(default=1 << 20, ge=64, multiple_of=64)
+    ttlSeconds: float = Field(default=30.0, gt=0)
+    leaseSeconds: float = Field(default=30.0, gt=0)
+    # UCX's TCP listeners use [tcpPortBase, tcpPortBase + KV_TCP_PORTS) (the NetworkPolicy opens it)
+    tcpPortBase: int = Field(default=30000, ge=1024, le=65536 - KV_TCP_PORTS)
+
+
 class Template(_Model):
     env: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
@@ -104,6 +117,7 @@ class DwdpGroupSpec(_Model):
     rollout: Rollout = Field(default_factory=Rollout)
     template: Template = Field(default_factory=Template)
     sizing: Sizing | None = None
+    kvTransfer: KvTransfer | None = None
     httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
     storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535)
 

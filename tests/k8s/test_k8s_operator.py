@@ -305,3 +305,20 @@ def test_crd_defaults_applied_by_server(cluster, ns):
     assert spec["experts"]["numPrefetchSlots"] == 2 and spec["experts"]["transfer"] == "copy_engine"
     assert spec["imex"] == {"mode": "ComputeDomain"} and spec["rollout"] == {"maxUnavailableGroups": 1}
     assert spec["httpPort"] == 8000 and spec["storePort"] == 29500 and spec["model"]["dtype"] == "bfloat16"
+
+
+def test_kv_transfer_defaults_env_and_ucx_ports(cluster, ns):
+    """spec.kvTransfer: server-side defaults, the KV env (contract.KvEnv) on every pod, UCX ports opened."""
+    from dwdp_runtime.contract import KvEnv
+
+    c = cluster
+    c.create_group(ns, group_body("kv", numGroups=1, kvTransfer={"budgetBytes": 1 << 30}))
+    kv = c.get_group(ns, "kv")["spec"]["kvTransfer"]
+    assert kv == {"budgetBytes": 1 << 30, "blockBytes": 1 << 20, "ttlSeconds": 30, "leaseSeconds": 30,
+                  "tcpPortBase": 30000}
+    pods = wait_for(lambda: len(c.live_pods(ns)) == 4 and c.live_pods(ns), timeout=60, what="4 pods")
+    env = {e.name: e.value for e in pods[0].spec.containers[0].env}
+    assert [e.name for e in pods[0].spec.containers[0].env] == CONTRACT_ENV + [v.value for v in KvEnv]
+    assert env["DWDP_KV_BUDGET_BYTES"] == str(1 << 30) and env["UCX_TCP_PORT_RANGE"] == "30000-30063"
+    ports = [p.port for r in c.net.read_namespaced_network_policy("kv-g0", ns).spec.ingress for p in r.ports]
+    assert 30000 in ports

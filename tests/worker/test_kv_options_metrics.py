@@ -33,11 +33,38 @@ def test_flags_take_units_and_default_off():
 
 
 def test_env_names_the_bad_variable():
-    names = dict(budget="DWDP_KV_BUDGET_BYTES", block="DWDP_KV_BLOCK_BYTES", ttl="DWDP_KV_TTL_S")
-    assert settings_from_env({"DWDP_KV_BUDGET_BYTES": "1MiB"}, **names).budget_bytes == 1 << 20
-    assert not settings_from_env({}, **names).enabled
+    from dwdp_runtime.contract import KvEnv
+
+    s = settings_from_env({KvEnv.BUDGET_BYTES: "1048576", KvEnv.BLOCK_BYTES: "4096", KvEnv.TTL_S: "2.5",
+                           KvEnv.LEASE_S: "9", KvEnv.UCX_TCP_PORT_RANGE: "30000-30063"})
+    assert (s.budget_bytes, s.block_bytes, s.ttl_s, s.lease_s) == (1 << 20, 4096, 2.5, 9.0)
+    assert not settings_from_env({}).enabled
     with pytest.raises(ValueError, match="DWDP_KV_TTL_S='soon'"):
-        settings_from_env({"DWDP_KV_TTL_S": "soon"}, **names)
+        settings_from_env({KvEnv.TTL_S: "soon"})
+
+
+def test_operator_renders_kv_env_the_worker_parses_and_opens_the_ucx_ports():
+    from dwdp_operator import manifests as M
+    from dwdp_operator.spec import DwdpGroupSpec, validate_spec
+
+    from ..operator.dwdp_op_util import spec
+
+    def env(sp):
+        return {e["name"]: e.get("value") for e in M.worker_env(name="r", ns="n", g=0, i=0, attempt=0, spec=sp)}
+
+    plain = DwdpGroupSpec.model_validate(spec())
+    kv = DwdpGroupSpec.model_validate(spec(kvTransfer={"budgetBytes": 8 << 30, "ttlSeconds": 5}))
+    assert not {k for k in env(plain) if k.startswith("DWDP_KV") or k.startswith("UCX")}
+    s = settings_from_env(env(kv))
+    assert (s.budget_bytes, s.block_bytes, s.ttl_s, s.lease_s) == (8 << 30, 1 << 20, 5.0, 30.0)
+    assert env(kv)["UCX_TCP_PORT_RANGE"] == "30000-30063"
+    rules = M.network_policy(name="r", ns="n", uid="u", g=0, spec=kv)["spec"]["ingress"]
+    assert {"protocol": "TCP", "port": 30000, "endPort": 30063} in [p for r in rules for p in r["ports"]]
+    assert len(M.network_policy(name="r", ns="n", uid="u", g=0, spec=plain)["spec"]["ingress"]) == 2
+    # an absent section leaves existing groups' pods alone; setting it rolls them
+    assert M.template_hash(plain) == M.template_hash(DwdpGroupSpec.model_validate(spec()))
+    assert M.template_hash(plain) != M.template_hash(kv)
+    assert validate_spec(spec(kvTransfer={"budgetBytes": 1, "blockBytes": 100}))
 
 
 def test_metrics_and_budget_summary_are_what_the_ranks_reported():

@@ -54,8 +54,10 @@ def settings_from_args(args: argparse.Namespace) -> KvSettings:
                             lease_s=args.kv_lease_s))
 
 
-def settings_from_env(env: Mapping[str, str], *, budget: str, block: str, ttl: str) -> KvSettings:
-    """From the pod env; the variable names come from ``dwdp_runtime.contract`` (passed by the parser)."""
+def settings_from_env(env: Mapping[str, str]) -> KvSettings:
+    """From the pod env (``contract.KvEnv``; the operator sets them from ``spec.kvTransfer``); absent = defaults."""
+    from dwdp_runtime.contract import KvEnv
+
     def get(name, conv, default):
         raw = env.get(name, "")
         try:
@@ -63,8 +65,13 @@ def settings_from_env(env: Mapping[str, str], *, budget: str, block: str, ttl: s
         except ValueError as exc:
             raise ValueError(f"{name}={raw!r}: {exc}") from None
 
-    return check(KvSettings(budget_bytes=get(budget, parse_bytes, 0), block_bytes=get(block, parse_bytes,
-                            DEFAULT_BLOCK_BYTES), ttl_s=get(ttl, float, DEFAULT_TTL_S)))
+    try:
+        return check(KvSettings(budget_bytes=get(KvEnv.BUDGET_BYTES, parse_bytes, 0),
+                                block_bytes=get(KvEnv.BLOCK_BYTES, parse_bytes, DEFAULT_BLOCK_BYTES),
+                                ttl_s=get(KvEnv.TTL_S, float, DEFAULT_TTL_S),
+                                lease_s=get(KvEnv.LEASE_S, float, DEFAULT_LEASE_S)))
+    except ValueError as exc:
+        raise ValueError(f"KV handoff env ({', '.join(KvEnv)}): {exc}") from None
 
 
 def check(s: KvSettings) -> KvSettings:
