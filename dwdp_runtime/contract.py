@@ -162,6 +162,10 @@ class Label:
     SERVING = f"{LABEL_PREFIX}/serving"              # "true" = behind the client Service; "false" while draining
     MANAGED_BY = "app.kubernetes.io/managed-by"
     COMPONENT = "app.kubernetes.io/component"
+    LLMD_ROLE = "llm-d.ai/role"                      # llm-d's serving role; DWDP workers are "prefill"
+
+
+LLMD_ROLE_PREFILL = "prefill"  # every DWDP worker serves the context (prefill) phase
 
 
 GANG_GATE = f"{LABEL_PREFIX}/gang"  # scheduling gate name, lifted once the gang is complete

@@ -11,9 +11,10 @@ GANG = Label.GANG
 SERVING = Label.SERVING
 MANAGED_BY = Label.MANAGED_BY
 COMPONENT = Label.COMPONENT
+LLMD_ROLE = Label.LLMD_ROLE
 MANAGER = "dwdp-operator"
 __all__ = ["PREFIX", "NAME", "GROUP", "POD_INDEX", "ATTEMPT", "TEMPLATE_HASH", "GANG", "SERVING", "MANAGED_BY",
-           "MANAGER", "COMPONENT", "GANG_GATE", "selector"]
+           "MANAGER", "COMPONENT", "LLMD_ROLE", "GANG_GATE", "selector"]
 
 
 def selector(name: str) -> str:

@@ -30,13 +30,14 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import KV_TCP_PORTS, TOKEN_SECRET_KEY, Backend, KvEnv, PortName
+from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, PortName
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
 from .spec import GROUP, KIND, VERSION, DwdpGroupSpec
 
 CD_API_VERSION = "resource.nvidia.com/v1beta1"
+IP_API_VERSION = "inference.networking.k8s.io/v1"  # the Gateway API Inference Extension's InferencePool
 IMEX_CLAIM = "imex-channel"
 WORKER_UID = 10001  # the worker image's user (Dockerfile: useradd --uid 10001)
 WORKER_HOME = "/home/dwdp"
@@ -70,9 +71,11 @@ def claim_template_name(name: str) -> str:
 
 
 def template_hash(spec: DwdpGroupSpec) -> str:
-    # kvTransfer shapes the pod env, but an absent section must not change existing groups' hash
+    # kvTransfer shapes the pod env, but an absent section must not change existing groups' hash;
+    # inferencePool is not pod-shaping: adding or removing an InferencePool never restarts a group
     unset = {"kvTransfer"} if spec.kvTransfer is None else set()
-    shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing"} | unset)
+    shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing",
+                                                    "inferencePool"} | unset)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -135,6 +138,22 @@ def compute_domain(*, name: str, ns: str, uid: str) -> dict[str, Any]:
                      "channel": {"resourceClaimTemplate": {"name": claim_template_name(name)}}}}
 
 
+def inference_pool_selector(name: str) -> dict[str, str]:
+    """The pods an InferencePool routes to: this DwdpGroup's workers that are behind its Service
+    (draining pods leave it with ``dwdp.io/serving``), in llm-d's prefill role."""
+    return {L.NAME: name, L.SERVING: "true", L.LLMD_ROLE: LLMD_ROLE_PREFILL}
+
+
+def inference_pool(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict[str, Any]:
+    epp = spec.inferencePool.endpointPicker
+    return {"apiVersion": IP_API_VERSION, "kind": "InferencePool",
+            "metadata": _meta(name, ns, name, uid, "inference-pool"),
+            "spec": {"selector": {"matchLabels": inference_pool_selector(name)},
+                     "targetPorts": [{"number": spec.httpPort}],
+                     "endpointPickerRef": {"kind": "Service", "name": epp.name, "port": {"number": epp.port},
+                                           "failureMode": epp.failureMode}}}
+
+
 def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec) -> list[dict]:
     """The env of docs/ENV_CONTRACT.md, in the contract's order."""
     e, m = spec.experts, spec.model
@@ -183,7 +202,8 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
                thash: str, avoid_nodes: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     group_sel = {L.NAME: name, L.GROUP: str(g)}
     labels = {**group_sel, L.POD_INDEX: str(i), L.ATTEMPT: str(attempt), L.TEMPLATE_HASH: thash,
-              L.GANG: "pending", L.SERVING: "true", "app.kubernetes.io/name": "dwdp-worker"}
+              L.GANG: "pending", L.SERVING: "true", "app.kubernetes.io/name": "dwdp-worker",
+              L.LLMD_ROLE: LLMD_ROLE_PREFILL}
     container = {
         "name": "worker", "image": spec.image, "command": ["dwdp-worker", "pod"],
         "env": worker_env(name=name, ns=ns, g=g, i=i, attempt=attempt, spec=spec) + list(spec.template.env),

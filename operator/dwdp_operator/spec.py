@@ -95,6 +95,20 @@ class KvTransfer(_Model):
     tcpPortBase: int = Field(default=30000, ge=1024, le=65536 - KV_TCP_PORTS)
 
 
+class EndpointPicker(_Model):
+    """The Gateway API Inference Extension's endpoint picker (EPP) Service that routes to the pool."""
+
+    name: str = Field(min_length=1)
+    port: int = Field(default=9002, ge=1, le=65535)   # the EPP's gRPC ext-proc port (its default)
+    failureMode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+
+class InferencePool(_Model):
+    """Ask for an ``InferencePool`` (inference.networking.k8s.io/v1) over this DwdpGroup's serving pods."""
+
+    endpointPicker: EndpointPicker
+
+
 class Template(_Model):
     env: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
@@ -118,6 +132,7 @@ class DwdpGroupSpec(_Model):
     template: Template = Field(default_factory=Template)
     sizing: Sizing | None = None
     kvTransfer: KvTransfer | None = None
+    inferencePool: InferencePool | None = None
     httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
     storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535)
 
