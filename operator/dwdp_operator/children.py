@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from kubernetes import client
 
-from .manifests import CD_API_VERSION
+from .manifests import CD_API_VERSION, IP_API_VERSION
 
+NO_INFERENCE_POOL_CRD_FIX = ("install the Gateway API Inference Extension CRDs (InferencePool "
+                             "inference.networking.k8s.io/v1) or remove spec.inferencePool")
 NO_DRA_DRIVER_FIX = "install the NVIDIA DRA driver for GPUs (ComputeDomain CRD) or set imex.mode: None"
 
 
@@ -72,5 +74,6 @@ KINDS: dict[str, ChildKind] = {k.kind: k for k in (
     ChildKind("Service", "v1", "services"),
     ChildKind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies"),
     ChildKind("ComputeDomain", CD_API_VERSION, "computedomains", NO_DRA_DRIVER_FIX),
+    ChildKind("InferencePool", IP_API_VERSION, "inferencepools", NO_INFERENCE_POOL_CRD_FIX),
     ChildKind("Pod", "v1", "pods"),
 )}

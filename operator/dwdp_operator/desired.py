@@ -91,6 +91,10 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
                      M.client_service(name=name, ns=ns, uid=uid, spec=spec)]
     if spec.imex.mode == "ComputeDomain":
         plan.creates.append(M.compute_domain(name=name, ns=ns, uid=uid))
+    if spec.inferencePool is not None:
+        plan.creates.append(M.inference_pool(name=name, ns=ns, uid=uid, spec=spec))
+    elif old.get("inferencePool"):
+        plan.deletes.append(("InferencePool", old["inferencePool"]))  # asked for before, not any more
 
     by_group: dict[int, list[dict]] = {}
     for p in pods:
@@ -130,6 +134,10 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
         "groups": [st.to_status() for st in groups], "refusals": list(old.get("refusals") or []),
         "conditions": conditions, **summarize(conditions),
     }
+    if spec.inferencePool is not None:
+        plan.status["inferencePool"] = name  # what to delete once the spec stops asking for it
+    elif old.get("inferencePool"):
+        plan.status["inferencePool"] = None  # a merge patch: null removes the key
     sized = sizing_status(spec)
     if sized is not None:
         plan.status["sizing"] = sized
@@ -241,6 +249,7 @@ def _live_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> Gr
         st = st.model_copy(update={"gangComplete": True})  # from now on a missing pod is a failure
         plan.patches += [(p["name"], M.lift_gate_patch()) for p in cur if p["labels"].get(L.GANG) != "complete"]
     plan.patches += [(p["name"], M.serving_patch(True)) for p in cur if p["labels"].get(L.SERVING) != "true"]
+    plan.patches += [(p["name"], M.role_patch()) for p in cur if L.LLMD_ROLE not in p["labels"]]
     st = _ready_or_pending(ctx, _observe(ctx, st, cur))
     if st.phase == GroupPhase.READY:
         st = st.model_copy(update={"avoidNodes": None})  # placed: the next restart may use any node again

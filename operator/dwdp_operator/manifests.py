@@ -254,5 +254,10 @@ def lift_gate_patch() -> dict[str, Any]:
     return {"metadata": {"labels": {L.GANG: "complete"}}, "spec": {"schedulingGates": None}}
 
 
+def role_patch() -> dict[str, Any]:
+    """llm-d's role label on a worker pod an older operator created without it."""
+    return {"metadata": {"labels": {L.LLMD_ROLE: LLMD_ROLE_PREFILL}}}
+
+
 def serving_patch(serving: bool) -> dict[str, Any]:
     return {"metadata": {"labels": {L.SERVING: "true" if serving else "false"}}}

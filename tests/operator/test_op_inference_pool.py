@@ -60,3 +60,32 @@ def test_crd_schema_has_the_same_pool_field():
     epp = pool["properties"]["endpointPicker"]
     assert epp["required"] == ["name"] and epp["properties"]["port"]["default"] == 9002
     assert epp["properties"]["failureMode"]["enum"] == ["FailOpen", "FailClose"]
+
+
+def test_desired_state_creates_the_pool_when_asked_and_deletes_it_once_when_not():
+    from dwdp_operator.desired import desired_state
+
+    from .dwdp_op_util import cr
+
+    plan = desired_state(cr(spec(inferencePool=POOL)), [], now=0.0, token="t")
+    pools = [m for m in plan.creates if m["kind"] == "InferencePool"]
+    assert len(pools) == 1 and plan.status["inferencePool"] == "r1"
+    plain = desired_state(cr(spec()), [], now=0.0, token="t")
+    assert not [m for m in plain.creates if m["kind"] == "InferencePool"] and "inferencePool" not in plain.status
+    assert not [d for d in plain.deletes if d[0] == "InferencePool"]
+    dropped = desired_state(cr(spec(), status=plan.status), [], now=0.0, token="t")
+    assert ("InferencePool", "r1") in dropped.deletes and dropped.status["inferencePool"] is None
+
+
+def test_a_pod_without_the_role_label_gets_it_patched():
+    from dwdp_operator.desired import desired_state
+
+    from .dwdp_op_util import cr, pods_from
+
+    first = desired_state(cr(spec()), [], now=0.0, token="t")
+    pods = pods_from(first)
+    assert all(p["labels"]["llm-d.ai/role"] == "prefill" for p in pods)
+    del pods[0]["labels"]["llm-d.ai/role"]  # created by an operator before the label existed
+    plan = desired_state(cr(spec(), status=first.status), pods, now=1.0, token="t")
+    assert (pods[0]["name"], M.role_patch()) in plan.patches
+    assert not [n for n, p in plan.patches if p == M.role_patch() and n != pods[0]["name"]]

@@ -32,4 +32,10 @@
   - apiGroups: [resource.nvidia.com]
     resources: [computedomains]
     verbs: [create]
+  {{- if .Values.gatewayInferenceExtension.enabled }}
+  # an InferencePool per DwdpGroup that sets spec.inferencePool (deleted when it is removed)
+  - apiGroups: [inference.networking.k8s.io]
+    resources: [inferencepools]
+    verbs: [create, delete]
+  {{- end }}
 {{- end }}
