@@ -48,3 +48,19 @@ def test_inference_pool_follows_the_spec_and_selects_the_serving_pods(cluster, n
     wait_for(lambda: _pool(c, ns, "ip") is None or None, timeout=30, what="InferencePool deleted")
     wait_for(lambda: "inferencePool" not in c.get_group(ns, "ip")["status"], timeout=30, what="status cleared")
     assert [g["attempt"] for g in c.get_group(ns, "ip")["status"]["groups"]] == [0]
+
+
+def test_chart_grants_inference_pools_only_when_asked(cluster):
+    import yaml
+
+    chart = str(ROOT / "charts/dwdp-operator")
+
+    def rules(*args):
+        docs = yaml.safe_load_all(cluster.helm("template", "rel", chart, *args).stdout)
+        role = next(d for d in docs if d and d["kind"] == "ClusterRole")
+        return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+                for v in rule["verbs"]}
+
+    pool_rules = {("inference.networking.k8s.io", "inferencepools", v) for v in ("create", "delete")}
+    assert not rules() & pool_rules
+    assert rules("--set", "gatewayInferenceExtension.enabled=true") >= pool_rules
