@@ -140,7 +140,7 @@ def bench_one(shape: BlockShape, tokens: int, args, device) -> dict:
         layout = experts_impl.layout_of(mod)
         res = moe.tune_experts(experts_impl.weights_of(mod, layout), layout, top_k=shape.top_k,
                                token_counts=[tokens], rep_ms=25, wide=args.wide)[tokens]
-        sweep = {g: sorted(([c.block_m, c.block_n, c.num_warps, c.num_stages, c.group_m, round(ms, 4)] for c, ms in times.items()),
+        sweep = {g: sorted(([c.block_m, c.block_n, c.num_warps, c.num_stages, c.group_m, int(c.tma), round(ms, 4)] for c, ms in times.items()),
                            key=lambda r: r[-1])
                  for g, times in (("gate_up", res.gate_up_ms), ("down", res.down_ms))}
 

@@ -216,3 +216,28 @@ def test_model_batch_invariance(arch, bf16_models, cuda_device):
           f"first module whose rows differ: {where}")
     assert where is not None, "logits differ but no module output does"
     assert not where[0].endswith(".experts"), f"our experts kernels broke batch invariance: {where}"
+
+
+def test_tma_weight_tiles_equal_pointer_loads_on_gpu(cuda_device):
+    """Weight tiles through TMA descriptors give bitwise the pointer-load result (Qwen3 block, 4K tokens):
+    switching the load path between load buckets cannot break batch invariance."""
+    from bench.moe_kernels import SHAPES, experts_module, routed_inputs
+
+    from dwdp_runtime.kernels import fused_experts, moe, tuning
+    from dwdp_worker import experts_impl
+
+    shape = SHAPES["qwen3"]
+    mod = experts_module(shape, cuda_device)
+    x, ids, w = routed_inputs(shape, 4096, cuda_device)
+    layout = experts_impl.layout_of(mod)
+    weights = experts_impl.weights_of(mod, layout)
+    p = moe._plan(4096, shape.top_k, weights, layout, x.dtype)
+    results = {}
+    try:
+        for tma in (False, True):
+            tuning.remember(p.key1, tuning.GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4, tma=tma))
+            tuning.remember(p.key2, tuning.GemmConfig(block_m=128, block_n=256, num_warps=8, num_stages=4, tma=tma))
+            results[tma] = fused_experts(x, ids, w, weights, layout)
+    finally:
+        tuning.forget_all()
+    assert torch.equal(results[True], results[False])

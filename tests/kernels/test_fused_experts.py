@@ -116,3 +116,28 @@ def test_shape_disagreement_is_a_clear_error():
     x, ids, w, gu, dn, _, _ = _inputs(4, 64, 32, 4, 2, torch.float32, seed=1)
     with pytest.raises(ValueError, match="disagree"):
         fused_experts(x, ids, w, ExpertWeights(gu[:, :40], dn))
+
+
+@pytest.mark.parametrize("layout,hidden", [("concatenated", 64), ("no_gate", 64), ("transposed", 64),
+                                           ("concatenated", 72), ("interleaved", 64)])
+def test_tma_weight_tiles_equal_pointer_loads(layout, hidden):
+    """``GemmConfig(tma=True)`` (weight tiles through a TMA descriptor, zero-filled past the edges) computes
+    bitwise what pointer loads compute — ragged K and N included; views TMA cannot describe (interleaved
+    columns) quietly take the pointer path."""
+    from dwdp_runtime.kernels import ExpertsLayout, ExpertWeights, fused_experts, moe, tuning
+
+    opts = LAYOUTS[layout]
+    lay = ExpertsLayout(has_gate=opts.get("has_gate", True), is_transposed=opts.get("transposed", False),
+                        is_concatenated=opts.get("concatenated", True))
+    x, ids, w, gu, dn, _, _ = _inputs(21, hidden, 40, 5, 2, torch.bfloat16, seed=hidden,
+                                      has_gate=lay.has_gate, transposed=lay.is_transposed)
+    weights = ExpertWeights(gu, dn)
+    plain = fused_experts(x, ids, w, weights, lay)
+    p = moe._plan(x.shape[0], 2, weights, lay, x.dtype)
+    try:
+        for key in (p.key1, p.key2):
+            tuning.remember(key, tuning.GemmConfig(block_m=16, block_n=32, tma=True))
+        via_tma = fused_experts(x, ids, w, weights, lay)
+    finally:
+        tuning.forget_all()
+    assert torch.equal(via_tma, plain)
