@@ -32,8 +32,8 @@ import triton.language as tl
 
 from . import ACTIVATIONS, interpreting
 from ._cast import cast_out
-from .fp8_quant import group_scale, to_e4m3
-from .grouped_gemm import _act, _block_rows, _tile_ids
+from .fp8_quant import group_scale, scaled, to_e4m3
+from .grouped_gemm import _act, _block_rows, _grid, _tile_ids
 from .routing import RoutingPlan
 
 #: the scale block of the weights and the activation group: 128 (weight_block_size [128, 128])
@@ -96,7 +96,7 @@ def fp8_gate_up_kernel(
     act = tl.where(n_ok[None, :], act, 0.0)
     s = group_scale(tl.max(tl.abs(act), axis=1))
     r64 = rows.to(tl.int64)
-    tl.store(out_ptr + r64[:, None] * stride_om + offs_n[None, :], to_e4m3(act / s[:, None], UPCAST),
+    tl.store(out_ptr + r64[:, None] * stride_om + offs_n[None, :], to_e4m3(scaled(act, s[:, None]), UPCAST),
              mask=n_ok[None, :])
     tl.store(outs_ptr + r64 * stride_osm + pid_n, s)
 
@@ -142,10 +142,6 @@ def fp8_down_kernel(
 _UPCAST = interpreting()
 
 
-def _grid(plan: RoutingPlan, n: int, block_n: int) -> tuple[int]:
-    return (plan.max_blocks * triton.cdiv(n, block_n),)
-
-
 def fp8_gate_up(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, plan: RoutingPlan, cfg, *,
                 inter: int, up_srow: int, has_gate: bool = True, activation: str = "silu"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +155,7 @@ def fp8_gate_up(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     rows = plan.sorted_pairs.numel()
     out = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=xq.device)
     outs = torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=xq.device)
-    fp8_gate_up_kernel[_grid(plan, inter, cfg.block_n)](
+    fp8_gate_up_kernel[_grid(plan, inter, cfg)](
         xq, xs, w, ws, out, outs, plan.sorted_pairs, plan.block_expert, plan.num_padded,
         plan.num_pairs, plan.max_blocks, inter, hidden, plan.top_k, inter, up_srow,
         xq.stride(0), xs.stride(0), *w.stride(), *ws.stride(), out.stride(0), outs.stride(0),
@@ -175,7 +171,7 @@ def fp8_down(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, ws: torch.Ten
         raise ValueError(f"fp8 down needs BLOCK_K = {SCALE_BLOCK}")
     inter = aq.shape[1]
     y = torch.empty(plan.num_pairs, hidden, dtype=out_dtype, device=aq.device)
-    fp8_down_kernel[_grid(plan, hidden, cfg.block_n)](
+    fp8_down_kernel[_grid(plan, hidden, cfg)](
         aq, a_s, w, ws, weights.reshape(-1), y, plan.sorted_pairs, plan.block_expert, plan.num_padded,
         plan.num_pairs, plan.max_blocks, hidden, inter,
         aq.stride(0), a_s.stride(0), *w.stride(), *ws.stride(), y.stride(0),

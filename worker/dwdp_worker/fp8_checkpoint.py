@@ -129,3 +129,31 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32") -> pathlib.Path:
             out[key] = value.contiguous()
         save_file(out, str(dst / f.name), metadata={"format": "pt"})
     return dst
+
+
+def bind_fp8_experts(model, fp8_dir, device, compute_dtype) -> None:
+    """Give an unsharded model (e.g. ``oracle.Reference`` on the dequantized twin) the FP8 experts of ``fp8_dir``
+    as plain ``[E, ...]`` device tensors, computing through the same FP8 experts forward as the engine: the
+    unsharded baseline of ``bench/fp8_prefill.py`` (same kernels, no DWDP)."""
+    import torch
+
+    from . import quant_loading as quant
+    from .checkpoint_names import CheckpointMap, resolve_sources
+    from .loader import _expert_reader, load_config
+    from .models import model_layout
+    from .safetensors_index import SafetensorsIndex
+
+    class _NoBar:
+        def update(self, n: int) -> None:
+            pass
+
+    with SafetensorsIndex(fp8_dir) as ckpt:
+        layout = resolve_sources(model_layout(model), CheckpointMap.build(model, ckpt.entries), ckpt.shape)
+        layout, fp8 = quant.quantize_layout(layout, quant.quant_config_of(load_config(fp8_dir)), ckpt)
+        for experts in layout.experts:
+            module = model.get_submodule(experts.path)
+            for p in experts.params:
+                host = torch.empty((experts.num_experts, *p.expert_shape), dtype=p.dtype)
+                _expert_reader(ckpt, experts, p, _NoBar())(host, 0, experts.num_experts)
+                module._parameters[p.name] = torch.nn.Parameter(host.to(device), requires_grad=False)
+            quant.install_fp8_forward(module, fp8[experts.path], compute_dtype)

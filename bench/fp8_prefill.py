@@ -1,0 +1,217 @@
+"""An FP8 checkpoint served through DWDP: agreement with the dequantized bf16 model, and sharded ÷ unsharded prefill.
+
+  1. write (or reuse) a synthetic FP8 block-scaled checkpoint (``synth --quant fp8``, bf16 compute) and its
+     dequantized twin (``fp8_checkpoint.dequantize_checkpoint``, bf16);
+  2. start ``--dwdp-size`` ranks on ``--gpus`` GPUs, each builds a DWDP ``Engine`` on the FP8 checkpoint (on
+     CUDA the experts run the FP8 Triton GEMMs over the composites);
+  3. rank 0 also holds (a) the dequantized bf16 model with `transformers`' own experts (the reference) and
+     (b) the same bf16 model with the FP8 experts bound unsharded as plain tensors (``bind_fp8_experts``: the
+     same kernels, no DWDP);
+  4. agreement: ``--prompts`` random prompts of ``--prompt-len`` tokens, packed ``--pack`` per forward: top-1
+     agreement of the last-position logits, sharded FP8 vs the bf16 reference, and the max |Δ logprob|
+     (log-softmax over the vocabulary, all entries);
+  5. prefill: one ``--isl``-token sequence, sharded FP8 vs unsharded FP8, alternated after warm-up: tokens/s
+     and the ratio; unsharded bf16 reference time beside them.
+
+    python bench/fp8_prefill.py --isl 8192 --dwdp-size 4          (GPU)
+    python bench/fp8_prefill.py --device cpu --isl 64 --hidden-size 256 --moe-intermediate-size 128 \\
+        --num-experts 8 --num-layers 2 --vocab-size 512 --prompts 20 --iters 1        (CPU smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for _p in (ROOT / "worker", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from bench.prefill import _free_port, _sync  # noqa: E402 - after the path set-up
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
+    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8"))
+    p.add_argument("--isl", type=int, default=8192)
+    p.add_argument("--dwdp-size", type=int, default=4)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=2048)
+    p.add_argument("--num-experts", type=int, default=32)
+    p.add_argument("--moe-intermediate-size", type=int, default=768)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--prompts", type=int, default=1000)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--pack", type=int, default=100, help="prompts per packed forward")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def ensure_models(args) -> tuple[pathlib.Path, pathlib.Path]:
+    from dwdp_worker.fp8_checkpoint import dequantize_checkpoint
+    from dwdp_worker.synth import write_synthetic
+
+    name = (f"{args.arch}-L{args.num_layers}-H{args.hidden_size}-E{args.num_experts}-I{args.moe_intermediate_size}"
+            f"-k{args.top_k}-V{args.vocab_size}-P{args.isl}")
+    fp8 = pathlib.Path(args.work_dir) / f"{name}-fp8"
+    ref = pathlib.Path(args.work_dir) / f"{name}-dequantized"
+    if not (fp8 / "config.json").is_file():
+        t0 = time.perf_counter()
+        write_synthetic(args.arch, fp8, seed=0, num_experts=args.num_experts, num_layers=args.num_layers,
+                        hidden_size=args.hidden_size, vocab_size=args.vocab_size, dtype="bfloat16",
+                        moe_intermediate_size=args.moe_intermediate_size, intermediate_size=4 * args.hidden_size,
+                        max_positions=max(args.isl, 4096), top_k=args.top_k,
+                        num_heads=max(2, args.hidden_size // 128), quant="fp8")
+        print(f"wrote {fp8} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not (ref / "config.json").is_file():
+        dequantize_checkpoint(fp8, ref, dtype="bfloat16")
+    return fp8, ref
+
+
+def rank_main(rank, args, fp8, ref, port, q):
+    try:
+        q.put((rank, run_rank(rank, args, fp8, ref, port)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        q.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+
+
+def _agreement(engine, ref, args, vocab):
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+    agree, max_dlp = 0, 0.0
+    for i in range(0, len(prompts), args.pack):
+        batch = prompts[i:i + args.pack]
+        got = engine.forward(batch).logits
+        want = ref.logits(batch)
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        max_dlp = max(max_dlp, float((got.log_softmax(-1) - want.log_softmax(-1)).abs().max()))
+    return agree / len(prompts), max_dlp
+
+
+def run_rank(rank, args, fp8, ref_dir, port):
+    import torch
+
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_runtime.rendezvous import StoreRendezvous
+    from dwdp_worker.engine import Engine, num_experts_of
+
+    device = f"cuda:{rank % args.gpus}" if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    cfg = DwdpConfig.even(dwdp_size=args.dwdp_size, num_experts=num_experts_of(fp8))
+    with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=args.dwdp_size, job="fp8",
+                         token="fp8", timeout_s=1800) as rdzv:
+        engine = Engine.build(model_dir=fp8, config=cfg, rank=rank, rendezvous=rdzv,
+                              backend="auto" if args.device == "cuda" else "host",
+                              device=device if args.device == "cuda" else None, token="fp8", progress=False)
+        out = {"local": engine.manager.local_range, "report": {
+            "dense_bytes": engine.load_report.dense_bytes, "local_expert_bytes": engine.load_report.local_expert_bytes,
+            "local_scale_bytes": engine.load_report.local_scale_bytes, "mapped": str(engine.load_report.mapped)}}
+        try:
+            if rank == 0:
+                import torch as _t
+
+                from dwdp_worker.fp8_checkpoint import bind_fp8_experts
+                from dwdp_worker.oracle import Reference
+
+                ref = Reference(ref_dir, dtype="bfloat16", device=device)
+                t0 = time.perf_counter()
+                out["top1_agreement"], out["max_abs_dlogprob"] = _agreement(engine, ref, args, engine.vocab_size)
+                out["agreement_s"] = time.perf_counter() - t0
+                unsharded = Reference(ref_dir, dtype="bfloat16", device=device)
+                bind_fp8_experts(unsharded.model, fp8, device, _t.bfloat16)
+                gen = _t.Generator().manual_seed(1)
+                seq = [_t.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()]
+                for _ in range(2):
+                    engine.forward(seq)
+                    unsharded.logits(seq)
+                    ref.logits(seq)
+                times = {"sharded_fp8": [], "unsharded_fp8": [], "unsharded_bf16_ref": []}
+                diff = 0.0
+                for _ in range(args.iters):
+                    _sync(device)
+                    r = engine.forward(seq)
+                    times["sharded_fp8"].append(r.compute_s)
+                    for name, m in (("unsharded_fp8", unsharded), ("unsharded_bf16_ref", ref)):
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        lg = m.logits(seq)
+                        times[name].append(time.perf_counter() - t0)
+                        if name == "unsharded_fp8":
+                            diff = max(diff, float((r.logits - lg).abs().max()))
+                med = {k: statistics.median(v) for k, v in times.items()}
+                out.update(isl=args.isl, **{f"{k}_s": v for k, v in med.items()},
+                           sharded_over_unsharded=med["unsharded_fp8"] / med["sharded_fp8"],
+                           sharded_vs_unsharded_fp8_max_abs_dlogit=diff, stats=engine.stats())
+                del ref, unsharded
+            rdzv.barrier("fp8/done")
+        finally:
+            engine.close()
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: run on a GPU machine, or pass --device cpu", file=sys.stderr)
+            return 2
+        args.gpus = max(1, min(args.gpus, torch.cuda.device_count()))
+    fp8, ref = ensure_models(args)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, args, str(fp8), str(ref), port, q), daemon=True)
+             for r in range(args.dwdp_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    while len(results) < len(procs):
+        try:
+            rank, value = q.get(timeout=5)
+            results[rank] = value
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if any(not p.is_alive() and i not in results for i, p in enumerate(procs)):
+                break
+    for p in procs:
+        p.join(timeout=30)
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    if errors or 0 not in results:
+        for r, e in sorted(errors.items()):
+            print(f"rank {r} failed:\n{e}", file=sys.stderr)
+        return 1
+    r0 = results[0]
+    print(f"\n{fp8.name}: dwdp_size={args.dwdp_size}, rank 0 holds {r0['local']} — {r0['report']}")
+    print(f"agreement over {args.prompts} prompts x {args.prompt_len} tokens: top-1 {r0['top1_agreement']:.4f}, "
+          f"max |dlogprob| {r0['max_abs_dlogprob']:.4f} (sharded FP8 vs dequantized bf16 reference)")
+    print(f"prefill ISL {args.isl}: sharded fp8 {r0['sharded_fp8_s'] * 1e3:.2f} ms, unsharded fp8 "
+          f"{r0['unsharded_fp8_s'] * 1e3:.2f} ms, unsharded bf16 ref {r0['unsharded_bf16_ref_s'] * 1e3:.2f} ms; "
+          f"sharded/unsharded (tok/s) = {r0['sharded_over_unsharded']:.3f}; "
+          f"max |dlogit| sharded vs unsharded fp8 {r0['sharded_vs_unsharded_fp8_max_abs_dlogit']:.3g}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
