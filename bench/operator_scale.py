@@ -1,0 +1,227 @@
+"""Operator scale on the test API server (reports, never asserts): N DwdpGroups applied at once.
+
+For each N (default 50, 200, 500) on a fresh control plane (scripts/test-cluster, ports
+18443/14379/14380/22257/22259; no nodes, so pods stay Pending — the operator's own cost, not a kubelet's):
+  1. raw: the API server's own create rate for the same pods, measured first in the same run: the
+     operator's pod manifests for the N groups written to one file and created by ``kubectl create -f``
+     (one client, sequential, as a user would), and by 8 such kubectl processes at once (the
+     operator's own write parallelism), with the operator not running;
+  2. operator: N DwdpGroups created at once (8 client threads); seconds until every one of their
+     pods exists (a watch counts ADDED), pods/s, and the operator's CPU during it;
+  3. idle: the operator's CPU (% of one core) and RSS over ``--idle-seconds`` (60) once creation is
+     done and the operator has drained its event backlog (the first 5 s window under 5 % of a core). The operator runs with ``--resync-seconds 60``, so the window holds about one safety
+     resync of every object (the default, 300 s, resyncs 5x less often).
+    python bench/operator_scale.py [--sizes 50,200,500] [--idle-seconds 60]
+Run it alone (it takes the machine): e.g. ``flock /tmp/dwdp-k8s.lock python bench/operator_scale.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(os.environ.get("K8S_TEST_BIN") or Path.home() / ".cache/k8s-test/bin")
+PORTS = {"API_PORT": "18443", "ETCD_PORT": "14379", "ETCD_PEER": "14380", "KCM_PORT": "22257", "SCHED_PORT": "22259"}
+PODS_PER_GROUP = 4      # dwdpSize 4, one GPU per pod, one group per DwdpGroup (numGroups 1)
+RAW_PARALLEL = 8        # the operator's apply pool size (apply.Applier parallel)
+CREATE_THREADS = 8      # clients creating the DwdpGroups
+RESYNC_S = 60           # so the idle window holds about one safety resync per object
+SETTLE_S = 5            # after the last pod: idle starts at the first 5 s window under SETTLED_CPU
+SETTLED_CPU = 0.05      # fraction of a core
+SETTLE_MAX_S = 300
+
+
+def group_body(i: int) -> dict:
+    return {"apiVersion": "dwdp.io/v1alpha1", "kind": "DwdpGroup", "metadata": {"name": f"s{i}"},
+            "spec": {"numGroups": 1, "dwdpSize": PODS_PER_GROUP, "image": "dwdp:bench",
+                     "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4},
+                     "model": {"synthetic": "qwen3_moe"}}}
+
+
+def raw_pod_manifests(n: int, ns: str) -> list[dict]:
+    """The operator's own pod manifests for n groups, relabelled so the operator never indexes them."""
+    from dwdp_operator import manifests as M
+    from dwdp_operator.spec import DwdpGroupSpec
+
+    out = []
+    for i in range(n):
+        body = group_body(i)
+        spec = DwdpGroupSpec.model_validate(body["spec"])
+        for p in range(PODS_PER_GROUP):
+            m = M.worker_pod(name=f"s{i}", ns=ns, uid="raw", g=0, i=p, attempt=0, spec=spec, thash="raw")
+            m["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "bench-raw"
+            m["metadata"].pop("ownerReferences")
+            out.append(m)
+    return out
+
+
+def kubectl(kubeconfig: str, *args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(BIN / "kubectl"), "--kubeconfig", kubeconfig, *args], capture_output=True, text=True,
+                         timeout=1200)
+    if out.returncode:
+        raise RuntimeError(f"kubectl {' '.join(args[:2])} failed: {out.stderr.strip()[-1500:]}")
+    return out
+
+
+def raw_rates(kubeconfig: str, core, n: int, tmp: Path) -> tuple[float, float]:
+    """(pods/s, one kubectl), (pods/s, RAW_PARALLEL kubectls) for the same n groups' pods."""
+    rates = []
+    for tag, procs in (("seq", 1), ("par", RAW_PARALLEL)):
+        ns = f"raw-{tag}"
+        core.create_namespace({"metadata": {"name": ns}})
+        pods = raw_pod_manifests(n, ns)
+        files = []
+        for k in range(procs):
+            f = tmp / f"raw-{tag}-{k}.yaml"
+            f.write_text(yaml.safe_dump_all(pods[k::procs]))
+            files.append(f)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(procs) as pool:
+            list(pool.map(lambda f: kubectl(kubeconfig, "create", "--validate=false", "-f", str(f), "-o", "name"), files))
+        rates.append(len(pods) / (time.perf_counter() - t0))
+    return rates[0], rates[1]
+
+
+class PodCounter:
+    """Counts ADDED pods of the operator in ``ns`` through one watch (no polling load on the server)."""
+
+    def __init__(self, api, ns: str):
+        from kubernetes import client, watch
+        self.count, self.last = 0, 0.0
+        self._w = watch.Watch()
+        core = client.CoreV1Api(api)
+
+        def run():
+            for ev in self._w.stream(core.list_namespaced_pod, ns, label_selector="app.kubernetes.io/managed-by=dwdp-operator",
+                                     timeout_seconds=3600):
+                if ev["type"] == "ADDED":
+                    self.count += 1
+                    self.last = time.perf_counter()
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+
+    def stop(self) -> None:
+        self._w.stop()
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def one_size(n: int, idle_s: float, tmp: Path) -> dict:
+    env = dict(os.environ, BIN=str(BIN), STATE=str(tmp / f"state-{n}"), **PORTS,
+               PRE_APPLY=f"{ROOT / 'crds/dwdpgroup.yaml'} {ROOT / 'tests/k8s/crds/computedomain.yaml'}")
+    up = subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "up"], env=env, capture_output=True, text=True)
+    if up.returncode:
+        raise RuntimeError(f"test-cluster up failed: {up.stderr.strip()[-2000:]}")
+    kubeconfig = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    # no scheduler: with no node it would write an Unschedulable status (and retry) for every pod of both
+    # phases, a load that depends on what the other phase left behind; the operator's cost is the point here
+    sched = tmp / f"state-{n}" / "run" / "scheduler.pid"
+    if sched.exists():
+        subprocess.run(["kill", sched.read_text().strip()], capture_output=True)
+    from kubernetes import client, config
+    api = config.new_client_from_config(kubeconfig)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    op = None
+    try:
+        raw_seq, raw_par = raw_rates(kubeconfig, core, n, tmp)
+        ns = "scale"
+        core.create_namespace({"metadata": {"name": ns}})
+        exe = Path(sys.executable).parent / "dwdp-operator"
+        cmd = [str(exe) if exe.exists() else "dwdp-operator"]
+        if os.environ.get("DWDP_BENCH_PROFILE"):  # a cProfile of the operator, for finding its hot spots
+            cmd = [sys.executable, "-m", "cProfile", "-o", os.environ["DWDP_BENCH_PROFILE"], "-m", "dwdp_operator.cli"]
+        op = subprocess.Popen([*cmd, "--resync-seconds", str(RESYNC_S)],
+                              env=dict(os.environ, KUBECONFIG=kubeconfig), stdout=open(tmp / f"operator-{n}.log", "w"),
+                              stderr=subprocess.STDOUT)
+        proc = psutil.Process(op.pid)
+        time.sleep(4)  # kopf started and watching
+        counter = PodCounter(api, ns)
+        want = n * PODS_PER_GROUP
+        cpu0, t0 = cpu_s(proc), time.perf_counter()
+        with ThreadPoolExecutor(CREATE_THREADS) as pool:
+            list(pool.map(lambda i: custom.create_namespaced_custom_object("dwdp.io", "v1alpha1", ns, "dwdpgroups",
+                                                                           group_body(i)), range(n)))
+        applied = time.perf_counter() - t0
+        while counter.count < want and time.perf_counter() - t0 < 1800:
+            time.sleep(0.05)
+        all_pods = counter.last - t0
+        create_cpu = cpu_s(proc) - cpu0
+        counter.stop()
+        settle_t0 = time.perf_counter()
+        while time.perf_counter() - settle_t0 < SETTLE_MAX_S:  # the operator drains its event backlog first
+            c0 = cpu_s(proc)
+            time.sleep(SETTLE_S)
+            if (cpu_s(proc) - c0) / SETTLE_S < SETTLED_CPU:
+                break
+        settled = time.perf_counter() - settle_t0
+        cpu1, t1 = cpu_s(proc), time.perf_counter()
+        rss_peak = 0
+        while time.perf_counter() - t1 < idle_s:
+            rss_peak = max(rss_peak, proc.memory_info().rss)
+            time.sleep(1)
+        idle_pct = 100 * (cpu_s(proc) - cpu1) / (time.perf_counter() - t1)
+        return {"n": n, "pods": want, "pods_seen": counter.count, "apply_s": round(applied, 2),
+                "all_pods_s": round(all_pods, 2), "pods_per_s": round(want / all_pods, 1),
+                "raw_kubectl_pods_per_s": round(raw_seq, 1), f"raw_kubectl_x{RAW_PARALLEL}_pods_per_s": round(raw_par, 1),
+                "ratio_vs_kubectl": round(want / all_pods / raw_seq, 2),
+                f"ratio_vs_kubectl_x{RAW_PARALLEL}": round(want / all_pods / raw_par, 2),
+                "operator_cpu_s_during_create": round(create_cpu, 1), "settle_s": round(settled, 1),
+                "idle_cpu_pct_of_core": round(idle_pct, 2), "idle_rss_mib": round(rss_peak / 2**20, 1)}
+    finally:
+        if op is not None:
+            op.terminate()
+            try:
+                op.wait(15)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "down"], env=env, capture_output=True)
+        shutil.rmtree(tmp / f"state-{n}", ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="50,200,500", help="DwdpGroup counts, comma-separated (default 50,200,500)")
+    ap.add_argument("--idle-seconds", type=float, default=60.0, help="idle CPU/RSS window (default 60)")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the operator logs (the folder is printed)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="dwdp-scale-"))
+    if args.keep_logs:
+        print(f"operator logs in {tmp}", file=sys.stderr)
+    rows = []
+    try:
+        for n in [int(x) for x in args.sizes.split(",")]:
+            row = one_size(n, args.idle_seconds, tmp)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        if not args.keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\noperator scale on the test API server (kube-apiserver 1.20 + etcd, {psutil.cpu_count()} cores, "
+          f"{PODS_PER_GROUP} pods per DwdpGroup, --resync-seconds {RESYNC_S})")
+    print(f"{'N':>5} {'pods':>6} {'all pods s':>10} {'pods/s':>7} {'kubectl/s':>9} {'x8/s':>7} {'ratio':>6} "
+          f"{'ratio x8':>8} {'idle %core':>10} {'RSS MiB':>8}")
+    for r in rows:
+        print(f"{r['n']:>5} {r['pods']:>6} {r['all_pods_s']:>10} {r['pods_per_s']:>7} {r['raw_kubectl_pods_per_s']:>9} "
+              f"{r[f'raw_kubectl_x{RAW_PARALLEL}_pods_per_s']:>7} {r['ratio_vs_kubectl']:>6} "
+              f"{r[f'ratio_vs_kubectl_x{RAW_PARALLEL}']:>8} {r['idle_cpu_pct_of_core']:>10} {r['idle_rss_mib']:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
