@@ -88,7 +88,17 @@ class KvEnv(StrEnum):
 KV_TCP_PORTS = 64
 
 
-POD_ENV_OPTIONAL: tuple[str, ...] = tuple(v.value for v in KvEnv)
+class ServingEnv(StrEnum):
+    """Pod env of the HTTP front (``spec.serving``), set only when the spec has it; absent = the
+    worker's own defaults (``dwdp-worker pod`` flags). Present, they win over the flags."""
+
+    MAX_QUEUE = "DWDP_MAX_QUEUE"                  # waiting requests before 429 (--max-queue)
+    MAX_NUM_TOKENS = "DWDP_MAX_NUM_TOKENS"        # tokens packed into one forward (--max-num-tokens)
+    MAX_NUM_SEQS = "DWDP_MAX_NUM_SEQS"            # sequences packed into one forward (--max-num-seqs)
+    SERVED_MODEL_NAME = "DWDP_SERVED_MODEL_NAME"  # model id in the API (--served-model-name)
+
+
+POD_ENV_OPTIONAL: tuple[str, ...] = tuple(v.value for v in KvEnv) + tuple(v.value for v in ServingEnv)
 RESERVED_POD_ENV: frozenset[str] = frozenset(v.value for v in POD_ENV) | frozenset(POD_ENV_OPTIONAL)
 
 

@@ -30,7 +30,7 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, PortName
+from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, PortName, ServingEnv
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
@@ -71,9 +71,9 @@ def claim_template_name(name: str) -> str:
 
 
 def template_hash(spec: DwdpGroupSpec) -> str:
-    # kvTransfer shapes the pod env, but an absent section must not change existing groups' hash;
+    # kvTransfer and serving shape the pod env, but an absent section must not change existing groups' hash;
     # inferencePool is not pod-shaping: adding or removing an InferencePool never restarts a group
-    unset = {"kvTransfer"} if spec.kvTransfer is None else set()
+    unset = {k for k in ("kvTransfer", "serving") if getattr(spec, k) is None}
     shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing",
                                                     "inferencePool"} | unset)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
@@ -180,6 +180,10 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
             (KvEnv.BUDGET_BYTES, kv.budgetBytes), (KvEnv.BLOCK_BYTES, kv.blockBytes),
             (KvEnv.TTL_S, kv.ttlSeconds), (KvEnv.LEASE_S, kv.leaseSeconds),
             (KvEnv.UCX_TCP_PORT_RANGE, f"{kv.tcpPortBase}-{kv.tcpPortBase + KV_TCP_PORTS - 1}"))]
+    if (sv := spec.serving) is not None:  # the front's limits (contract.ServingEnv), only when the spec has them
+        env += [{"name": str(k), "value": str(v)} for k, v in (
+            (ServingEnv.MAX_QUEUE, sv.maxQueue), (ServingEnv.MAX_NUM_TOKENS, sv.maxNumTokens),
+            (ServingEnv.MAX_NUM_SEQS, sv.maxNumSeqs), (ServingEnv.SERVED_MODEL_NAME, sv.servedModelName or ""))]
     return env
 
 

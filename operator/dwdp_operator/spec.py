@@ -95,6 +95,15 @@ class KvTransfer(_Model):
     tcpPortBase: int = Field(default=30000, ge=1024, le=65536 - KV_TCP_PORTS)
 
 
+class Serving(_Model):
+    """The workers' HTTP front (``contract.ServingEnv``); absent = the worker's defaults."""
+
+    maxQueue: int = Field(default=256, ge=1, le=1_000_000)
+    maxNumTokens: int = Field(default=8192, ge=1, le=10_000_000)
+    maxNumSeqs: int = Field(default=256, ge=1, le=65536)
+    servedModelName: str | None = Field(default=None, min_length=1)
+
+
 class EndpointPicker(_Model):
     """The Gateway API Inference Extension's endpoint picker (EPP) Service that routes to the pool."""
 
@@ -132,6 +141,7 @@ class DwdpGroupSpec(_Model):
     template: Template = Field(default_factory=Template)
     sizing: Sizing | None = None
     kvTransfer: KvTransfer | None = None
+    serving: Serving | None = None
     inferencePool: InferencePool | None = None
     httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
     storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535)

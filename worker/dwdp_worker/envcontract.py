@@ -108,6 +108,35 @@ def parse_env(environ: Mapping[str, str]) -> PodEnv:
     return env
 
 
+# contract.ServingEnv -> the ``dwdp-worker pod`` flag (argparse dest) it overrides
+SERVING_FLAGS = {"DWDP_MAX_QUEUE": "max_queue", "DWDP_MAX_NUM_TOKENS": "max_num_tokens",
+                 "DWDP_MAX_NUM_SEQS": "max_num_seqs", "DWDP_SERVED_MODEL_NAME": "served_model_name"}
+
+
+def serving_overrides(environ: Mapping[str, str]) -> dict[str, int | str]:
+    """The front settings the operator set from ``spec.serving`` (``contract.ServingEnv``), by flag
+    dest; only the variables present. Raises ``EnvContractError`` naming a bad one."""
+    from dwdp_runtime.contract import ServingEnv
+
+    out: dict[str, int | str] = {}
+    for var in ServingEnv:
+        if var.value not in environ:
+            continue
+        raw = environ[var.value]
+        if var is ServingEnv.SERVED_MODEL_NAME:
+            if raw:
+                out[SERVING_FLAGS[var.value]] = raw
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise EnvContractError(f"{var.value}={raw!r}: must be an integer >= 1 (spec.serving)")
+        out[SERVING_FLAGS[var.value]] = value
+    return out
+
+
 def _describe(err: dict, data: Mapping[str, str]) -> str:
     loc = err.get("loc") or ()
     msg = str(err.get("msg", "invalid"))

@@ -19,7 +19,7 @@ import pathlib
 import sys
 import tempfile
 
-from .envcontract import EnvContractError, parse_env
+from .envcontract import EnvContractError, parse_env, serving_overrides
 from .gpu_map import rank_devices
 from .launcher import add_serving_arguments, cuda_count
 from .rank_process import RankSpec
@@ -52,6 +52,8 @@ def run_pod(args: argparse.Namespace, environ=None) -> int:
     tmp = None
     try:
         env = parse_env(environ)
+        for dest, value in serving_overrides(environ).items():  # spec.serving, when the operator set it
+            setattr(args, dest, value)
         if env.model_synthetic:
             from .synth import write_synthetic
 
