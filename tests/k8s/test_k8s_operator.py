@@ -281,8 +281,9 @@ def test_invalid_specs_refused_or_marked_invalid(cluster, ns):
         cond = wait_for(lambda: (x := c.condition(ns, f"bad-{case}", "Invalid")) and x["status"] == "True" and x,
                         timeout=30, what=f"{case} marked Invalid")
         assert cond["message"].startswith("spec"), (case, cond)
-    evs = {e.involved_object.name for e in c.events(ns, "InvalidSpec")}
-    assert {f"bad-{m}" for m in marked} <= evs
+    # the Event follows the status write of the same pass (status first): wait for it, do not race it
+    wait_for(lambda: {f"bad-{m}" for m in marked} <= {e.involved_object.name for e in c.events(ns, "InvalidSpec")},
+             timeout=15, what="an InvalidSpec Event per marked object")
     time.sleep(1.5)
     assert not c.pods(ns) and not [s for s in c.core.list_namespaced_service(ns).items]
     print(f"refused by the API server: {sorted(refused)}; marked Invalid by the operator: {sorted(marked)}")
