@@ -9,36 +9,15 @@ works on a machine without triton):
   * ``tuning``       — default tile table, warm-up tuner, per-shape cache (imports without triton);
   * ``moe``          — ``fused_experts`` composing them, ``ExpertsLayout`` / ``ExpertWeights``.
 
-``available(device)`` says whether the kernels can run for tensors on ``device``.
+``available(device)`` says whether the kernels can run for tensors on ``device`` (``support``: the
+triton-free facts the kernel modules share, so none of them imports this package back).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from typing import Any
-
-#: activations the GEMM 1 epilogue implements (transformers' ACT2FN names → the kernel's ACT code)
-ACTIVATIONS: dict[str, int] = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "relu": 2}
+from .support import ACTIVATIONS, available, interpreting
 
 __all__ = ["ACTIVATIONS", "available", "fused_experts", "tune_experts", "ExpertsLayout", "ExpertWeights", "interpreting"]
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def available(device: Any = "cuda") -> bool:
-    """Triton is importable and can run on ``device``: a CUDA device, or the CPU under the interpreter."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import torch
-
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.cuda.is_available()
-    return kind == "cpu" and interpreting()
 
 
 def __getattr__(name: str):

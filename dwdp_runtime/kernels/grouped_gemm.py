@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ACTIVATIONS, interpreting
+from .support import ACTIVATIONS, interpreting
 from ._cast import cast_out
 from .routing import RoutingPlan
 from .tuning import GemmConfig

@@ -23,7 +23,8 @@ from typing import Sequence
 
 import torch
 
-from . import ACTIVATIONS, tuning
+from . import tuning
+from .support import ACTIVATIONS
 from .grouped_gemm import down, gate_up
 from .reduce import reduce_topk
 from .routing import align_routing

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from .support import interpreting
 from ._cast import cast_out
 
 #: columns per program: 1024 bf16 = 2 KiB per row, k rows in flight per program
