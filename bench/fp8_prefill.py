@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import statistics
@@ -35,7 +34,7 @@ for _p in (ROOT / "worker", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bench.prefill import _free_port, _sync  # noqa: E402 - after the path set-up
+from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-up
 
 
 def parse_args(argv=None):
@@ -168,8 +167,19 @@ def run_rank(rank, args, fp8, ref_dir, port):
     return out
 
 
+#: options bench/prefill.py does not have, with their defaults here (``prefill.py --quant fp8`` calls ``run``)
+_OWN_DEFAULTS = {"prompts": 1000, "prompt_len": 32, "pack": 100, "json": None,
+                 "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8")}
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args) -> int:
+    for k, v in _OWN_DEFAULTS.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
     if args.device == "cuda":
         import torch
 
@@ -178,27 +188,8 @@ def main(argv=None) -> int:
             return 2
         args.gpus = max(1, min(args.gpus, torch.cuda.device_count()))
     fp8, ref = ensure_models(args)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, str(fp8), str(ref), port, q), daemon=True)
-             for r in range(args.dwdp_size)]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < len(procs):
-        try:
-            rank, value = q.get(timeout=5)
-            results[rank] = value
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if any(not p.is_alive() and i not in results for i, p in enumerate(procs)):
-                break
-    for p in procs:
-        p.join(timeout=30)
-    errors = {r: v["error"] for r, v in results.items() if "error" in v}
-    if errors or 0 not in results:
-        for r, e in sorted(errors.items()):
-            print(f"rank {r} failed:\n{e}", file=sys.stderr)
+    results = spawn_ranks(rank_main, args.dwdp_size, args, str(fp8), str(ref))
+    if results is None:
         return 1
     r0 = results[0]
     print(f"\n{fp8.name}: dwdp_size={args.dwdp_size}, rank 0 holds {r0['local']} — {r0['report']}")

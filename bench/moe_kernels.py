@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--no-tune", action="store_true", help="use the default config table, no warm-up tuning")
     p.add_argument("--wide", action="store_true", help="tune over the wider candidate set (stages, swizzle)")
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--quant", choices=("fp8",), default=None,
+                   help="fp8: the FP8 block-scaled kernels vs bf16 (bench/fp8_moe.py, same shapes and T)")
     return p.parse_args(argv)
 
 
@@ -167,8 +169,18 @@ def bench_one(shape: BlockShape, tokens: int, args, device) -> dict:
                 sweep=sweep)
 
 
+#: this bench's shape names -> bench/fp8_moe.py's
+_FP8_SHAPES = {"qwen3": "qwen3_30b", "dsv3": "deepseek_v3"}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.quant == "fp8":
+        from bench.fp8_moe import main as fp8_main
+
+        return fp8_main(["--shapes", *(_FP8_SHAPES[s] for s in args.shapes), "--tokens", *map(str, args.tokens),
+                         "--rep-ms", str(args.rep_ms), *(["--no-tune"] if args.no_tune else []),
+                         *(["--json", args.json] if args.json else [])])
     import torch
 
     if not torch.cuda.is_available():

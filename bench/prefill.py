@@ -71,6 +71,9 @@ def parse_args(argv=None):
                    help="experts forward of both models (auto: DWDP's Triton kernels on CUDA)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for MFU (measured H200)")
     p.add_argument("--timeout", type=float, default=1800.0, help="rendezvous timeout (s)")
+    p.add_argument("--quant", choices=("fp8",), default=None,
+                   help="fp8: an FP8 block-scaled checkpoint (bench/fp8_prefill.py: sharded vs unsharded FP8, "
+                        "agreement with the dequantized bf16 model)")
     return p.parse_args(argv)
 
 
@@ -217,25 +220,13 @@ def prefill_flops(config, seq_lens) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("no CUDA device: run on a GPU machine, or pass --device cpu for a smoke test", file=sys.stderr)
-            return 2
-        args.gpus = max(1, min(args.gpus, torch.cuda.device_count()))
-    try:
-        model_dir = ensure_model(args)
-    except (ValueError, OSError) as exc:
-        print(f"bench/prefill.py: error: {exc}", file=sys.stderr)
-        return 2
+def spawn_ranks(target, world: int, *target_args) -> dict | None:
+    """Run ``target(rank, *target_args, port, queue)`` in ``world`` spawned processes; ``{rank: result}``, or
+    None (errors printed) when a rank failed or died."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, str(model_dir), port, q), daemon=True)
-             for r in range(args.dwdp_size)]
+    procs = [ctx.Process(target=target, args=(r, *target_args, port, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -254,6 +245,30 @@ def main(argv=None) -> int:
     if errors or 0 not in results:
         for r, e in sorted(errors.items()):
             print(f"rank {r} failed:\n{e}", file=sys.stderr)
+        return None
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: run on a GPU machine, or pass --device cpu for a smoke test", file=sys.stderr)
+            return 2
+        args.gpus = max(1, min(args.gpus, torch.cuda.device_count()))
+    if args.quant == "fp8":
+        from bench.fp8_prefill import run as run_fp8
+
+        return run_fp8(args)
+    try:
+        model_dir = ensure_model(args)
+    except (ValueError, OSError) as exc:
+        print(f"bench/prefill.py: error: {exc}", file=sys.stderr)
+        return 2
+    results = spawn_ranks(rank_main, args.dwdp_size, args, str(model_dir))
+    if results is None:
         return 1
     r0 = results[0]
     tps_sharded, tps_unsharded = r0["tokens"] / r0["sharded_s"], r0["tokens"] / r0["unsharded_s"]
