@@ -123,3 +123,29 @@ def test_expert_memory_by_part_matches_layout():
     # scales: 64 × 7 KiB and 64 × 3.5 KiB, each rounded up to one 2 MiB granule
     assert mem.scales == 58 * 2 * (2 << 20)
     assert mem.pool > 0 and mem.pool % (16 << 20) == 0
+
+
+def test_planner_fp8_memory_is_the_declared_layout():
+    """``dwdp plan --dtype fp8`` (and the operator's memory check, which calls ``memory_fit``) count what a rank
+    of an FP8 checkpoint maps: e4m3 weights, fp32 scale handles, pool pages, dense dequantized to bf16."""
+    from dwdp_runtime.planner import memory
+    from dwdp_runtime.planner.model_shapes import load_model
+
+    shape = load_model("deepseek-v3")
+    ranges = layout.peer_ranges(dwdp_size=8, num_experts=256, num_experts_per_worker=32, num_prefetch_experts=32)
+    bd = memory.breakdown(model="deepseek-v3", dtype="fp8", hardware="h200-hgx", ranges=list(ranges),
+                          experts_per_worker=32, prefetch_slots=2)
+    i, h = shape.moe_inter, shape.hidden
+    tensors = layer_tensors(FP8_BLOCK_SCHEME, [("gate_up_proj", (2 * i, h), (i, i)), ("down_proj", (h, i), ())])
+    mem = expert_memory(tensors=tensors, num_moe_layers=shape.num_moe_layers, num_experts=256, ranges=ranges,
+                        rank=0, slots=1, granularity=2 << 20)
+    assert bd.local_experts == mem.weights == shape.num_moe_layers * 32 * 3 * i * h   # 1 byte per e4m3 weight
+    assert bd.local_expert_scales == mem.scales == shape.num_moe_layers * 2 * (2 << 20)
+    assert bd.pool_slots == 2 * max(expert_memory(tensors=tensors, num_moe_layers=1, num_experts=256, ranges=ranges,
+                                                  rank=r, slots=1, granularity=2 << 20).pool for r in range(8))
+    bf16_dense = memory.breakdown(model="deepseek-v3", dtype="bf16", hardware="h200-hgx", ranges=list(ranges),
+                                  experts_per_worker=32, prefetch_slots=2).dense_weights
+    assert bd.dense_weights == bf16_dense  # FP8 dense linears are dequantized to bf16 at load
+    fits, message, _ = memory.memory_fit(model="deepseek-v3", dtype="fp8", hardware="h200-hgx", dwdp_size=8,
+                                         experts_per_worker=32, prefetch_stride=32, prefetch_slots=2)
+    assert fits and "scales 0.23" in message
