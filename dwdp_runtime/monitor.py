@@ -1,4 +1,4 @@
-"""PeerMonitor: notice, within a bounded time, that a rank of the group died. Off the forward path.
+"""PeerMonitor: notice, within a bounded time, that a rank of the group (or its store) is gone. Off the forward path.
 
 Why: a rank reads its peers' expert memory directly. On a single node (memfd / POSIX fd) an
 imported allocation outlives its exporter, but across nodes (fabric/IMEX) a dead exporter's memory
@@ -6,11 +6,20 @@ can vanish under the reader, and in any case a group with a dead rank is being r
 operator. So each rank must stop serving promptly and say why, instead of computing on stale or
 unmapped weights or hanging.
 
-How: a daemon thread heart-beats ``alive/<rank>`` (a monotonically increasing counter) in the
-group's rendezvous store every ``interval_s`` and reads every peer's counter. A peer whose counter
-has not moved for ``dead_after_s`` is declared lost; losing the store itself (rank 0 hosts it) is a
-loss too. This is a few tiny store ops per second on a side thread — no collective, nothing on the
-forward path. ``check()`` raises ``PeerLost`` with the rank and the age of its last heartbeat.
+How — two daemon threads, so that no verdict ever waits on the network:
+  * the *beat* thread does the store I/O: every ``interval_s`` it writes ``alive/<rank>`` (an
+    increasing counter) in the group's rendezvous store, reads every peer's counter, and records
+    what it saw and when the round finished. A store call can block for as long as the TCPStore's
+    own timeout (minutes) when the store host is frozen (SIGSTOP, a hung node: the kernel still
+    accepts the connection, nobody answers) — only this thread waits then;
+  * the *watch* thread never touches the store: every ``interval_s`` it judges the records
+    (``verdict``, a pure function): a peer whose counter has not moved for ``dead_after_s``, or a
+    store that has not completed a round for ``dead_after_s``, is lost. ``on_lost(message)`` is
+    called once, from the watch thread (the rank reports it to its front at once, even mid-forward).
+
+Detection bound: a peer or store that stops answering at time t is declared lost by
+t + ``dead_after_s`` + 2 × ``interval_s`` (the round in flight, then one watch tick), whatever the
+store calls do. ``check()`` (the rank's serving loop) raises ``PeerLost`` with the same message.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 from .rendezvous import StoreRendezvous
 
@@ -28,19 +39,53 @@ class PeerLost(RuntimeError):
     """A rank of this DWDP group (or the group's store) stopped answering."""
 
 
+@dataclass
+class Observations:
+    """What the beat thread has seen (written by it, read by the watch thread; replaced, never mutated)."""
+
+    started: float                                                # monotonic time the monitor started
+    last_round: float                                             # when the last full store round finished
+    peers: dict[int, tuple[int, float]] = field(default_factory=dict)  # peer → (counter, when it last moved)
+    store_error: str | None = None                                # the store call raised (connection lost)
+
+
+def verdict(obs: Observations, now: float, *, dead_after_s: float, where: str) -> str | None:
+    """Why the group is broken (a message), or ``None``. Pure: the watch thread's whole judgement."""
+    if obs.store_error is not None:
+        return (f"lost the rendezvous store of {where} ({obs.store_error}); rank 0 hosts it and "
+                f"probably died; this group must be restarted")
+    silent = now - obs.last_round
+    if silent > dead_after_s:
+        return (f"the rendezvous store of {where} has not answered for {silent:.1f} s (its host, rank 0, is "
+                f"frozen or unreachable); this group must be restarted")
+    for peer, (_, since) in sorted(obs.peers.items()):
+        if now - since > dead_after_s:
+            return (f"rank {peer} of {where} stopped heart-beating {now - since:.1f} s ago "
+                    f"(dead or hung); this group must be restarted")
+    return None
+
+
 class PeerMonitor:
-    def __init__(self, rendezvous: StoreRendezvous, *, interval_s: float = 1.0, dead_after_s: float = 10.0):
+    def __init__(self, rendezvous: StoreRendezvous, *, interval_s: float = 1.0, dead_after_s: float = 10.0,
+                 on_lost: Callable[[str], None] | None = None):
         if dead_after_s <= 2 * interval_s:
             raise ValueError(f"dead_after_s={dead_after_s} must exceed two heartbeat intervals ({interval_s} s)")
         self._rdzv = rendezvous
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
+        self._on_lost = on_lost
         self._lost: str | None = None
+        self._lost_lock = threading.Lock()
         self._stop = threading.Event()
-        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (last counter, when it last changed)
-        self._thread = threading.Thread(target=self._run, name="dwdp-peer-monitor", daemon=True)
+        now = time.monotonic()
+        self._obs = Observations(started=now, last_round=now)
+        self._beat = threading.Thread(target=self._beat_loop, name="dwdp-peer-beat", daemon=True)
+        self._watch = threading.Thread(target=self._watch_loop, name="dwdp-peer-monitor", daemon=True)
 
     def start(self) -> "PeerMonitor":
-        self._thread.start()
+        now = time.monotonic()
+        self._obs = Observations(started=now, last_round=now)
+        self._beat.start()
+        self._watch.start()
         return self
 
     @property
@@ -48,41 +93,63 @@ class PeerMonitor:
         return self._lost
 
     def check(self) -> None:
+        """Raise ``PeerLost`` if the group is broken (judged now, without touching the store)."""
+        self._judge()
         if self._lost:
             raise PeerLost(self._lost)
 
-    def _run(self) -> None:
+    # -- beat thread: the only one that talks to the store ------------------------------------------------
+    def _beat_loop(self) -> None:
         r = self._rdzv
         beat = 0
+        peers = {p: (-1, time.monotonic()) for p in range(r.world_size) if p != r.rank}
         while not self._stop.is_set():
             beat += 1
-            now = time.monotonic()
             try:
                 r.store_set(f"alive/{r.rank}", str(beat).encode())
-                for peer in range(r.world_size):
-                    if peer == r.rank:
-                        continue
+                seen = {}
+                for peer in peers:
                     raw = r.store_get_nowait(f"alive/{peer}")
-                    count = int(raw) if raw else 0
-                    last, since = self._seen.get(peer, (-1, now))
-                    if count != last:
-                        self._seen[peer] = (count, now)
-                    elif now - since > self.dead_after_s:
-                        self._fail(f"rank {peer} of {r.where} stopped heart-beating {now - since:.1f} s ago "
-                                   f"(dead or hung); this group must be restarted")
-                        return
+                    seen[peer] = int(raw) if raw else 0
             except Exception as exc:  # noqa: BLE001 - the store (rank 0) is gone
                 if not self._stop.is_set():
-                    self._fail(f"lost the rendezvous store of {r.where} ({exc}); rank 0 hosts it and "
-                               f"probably died; this group must be restarted")
+                    self._obs = Observations(self._obs.started, self._obs.last_round, dict(peers), str(exc))
+                    self._judge()
                 return
+            now = time.monotonic()
+            peers = {p: ((c, now) if c != peers[p][0] else peers[p]) for p, c in seen.items()}
+            self._obs = Observations(self._obs.started, now, dict(peers))
             self._stop.wait(self.interval_s)
 
-    def _fail(self, message: str) -> None:
-        self._lost = message
-        log.error("%s", message)
+    # -- watch thread: judges, never blocks --------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self._judge():
+                return
+
+    def _judge(self) -> bool:
+        if self._lost is not None:
+            return True
+        why = verdict(self._obs, time.monotonic(), dead_after_s=self.dead_after_s, where=self._rdzv.where)
+        if why is None:
+            return False
+        with self._lost_lock:
+            if self._lost is not None:
+                return True
+            self._lost = why
+        log.error("%s", why)
+        if self._on_lost is not None and not self._stop.is_set():
+            try:
+                self._on_lost(why)
+            except Exception:  # noqa: BLE001 - reporting must not kill the watcher
+                log.exception("on_lost callback failed")
+        return True
 
     def stop(self) -> None:
+        """Stop both threads. Joins the watch thread (bounded); the beat thread may be stuck in a store call
+        on a frozen store host, so it is not waited for (a daemon: it dies with the process)."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2 * self.interval_s + 5)
+        if self._watch.is_alive():
+            self._watch.join(timeout=2 * self.interval_s + 1)
+        if self._beat.is_alive():
+            self._beat.join(timeout=min(self.interval_s, 1.0))

@@ -122,7 +122,6 @@ def engine_api_program(rank, world, port, *, model_dir):
         out.update(shape=tuple(r.logits.shape), dtype=str(r.logits.dtype), compute_s=r.compute_s,
                    wait_s=r.prefetch_wait_s, restarts=r.restarts, vocab=engine.vocab_size,
                    max_positions=engine.max_positions)
-        out["tokens"] = engine.tokenizer("hello world the model")["input_ids"] if engine.tokenizer else None
         out["stats"] = engine.stats()
         engine.close()
         engine.close()  # idempotent

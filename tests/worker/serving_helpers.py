@@ -122,3 +122,19 @@ def greedy_reference(model_dir, tokens: list[int], steps: int):
         tops.append(list(zip(i.tolist(), v.tolist())))
         seq.append(t)
     return ids, lps, tops
+
+
+def pod_env(*, job: str, pod_index: int, store_port: int, http_port: int, group: int = 0, gpus_per_pod: int = 1,
+            attempt: int = 0, token: str = "the-group-secret", backend: str = "host", extra: dict | None = None) -> dict:
+    """The operator's pod environment (docs/ENV_CONTRACT.md) for a synthetic qwen3_moe group of 2 ranks."""
+    env = {
+        "DWDP_JOB": job, "DWDP_NAMESPACE": "test", "DWDP_GROUP": str(group), "DWDP_POD_INDEX": str(pod_index),
+        "DWDP_RANK_BASE": str(pod_index * gpus_per_pod), "DWDP_GPUS_PER_POD": str(gpus_per_pod), "DWDP_SIZE": "2",
+        "DWDP_STORE_ADDR": "127.0.0.1", "DWDP_STORE_PORT": str(store_port), "DWDP_ATTEMPT": str(attempt),
+        "DWDP_TOKEN": token, "DWDP_NUM_EXPERTS": "8", "DWDP_EXPERTS_PER_WORKER": "4",
+        "DWDP_PREFETCH_STRIDE": "4", "DWDP_PREFETCH_SLOTS": "2", "DWDP_CONTENTION_OPT": "false",
+        "DWDP_TRANSFER": "copy_engine", "DWDP_MODEL": "", "DWDP_MODEL_SYNTHETIC": "qwen3_moe",
+        "DWDP_DTYPE": "float32", "DWDP_BACKEND": backend, "DWDP_HTTP_PORT": str(http_port),
+    }
+    env.update(extra or {})
+    return env

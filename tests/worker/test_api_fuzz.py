@@ -5,6 +5,8 @@ deep nesting, raw bytes and odd content types.
 
 Every case must be answered 2xx or 4xx (never 5xx, never a dropped connection); every 4xx carries an
 OpenAI-style error with a message; after the fuzz a known request returns the oracle's answer.
+Then schemathesis checks the server against its own OpenAPI document (every status, content type and
+header a route returns is documented; 405 with ``Allow``; no 5xx), ``CONTRACT_CASES`` per operation.
 Bounded: ``CASES`` generated cases plus a fixed list of nasty bodies, well under a minute.
 """
 
@@ -14,13 +16,15 @@ import json
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .serving_helpers import Server, greedy_reference
 
 CASES = 300
-tried = {"n": 0, "by_status": {}}
+CONTRACT_CASES = 40
+tried = {"n": 0, "by_status": {}, "contract": 0}
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +146,30 @@ def test_generated_bodies_from_the_openapi_schema(server, schema):
     run()
 
 
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+
+contract = schemathesis.pytest.from_fixture("api_schema")
+
+
+@contract.parametrize()
+@settings(max_examples=CONTRACT_CASES, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_the_server_keeps_its_openapi_contract(case):
+    # Schema-valid is not always servable: the model's limits (vocabulary, context length, text length) are
+    # not in the schema and are a documented 400, so "valid data is accepted" does not hold by design.
+    case.call_and_validate(timeout=30, excluded_checks=[schemathesis.checks.positive_data_acceptance])
+    tried["contract"] += 1
+
+
 def test_after_the_fuzz_a_known_request_gets_the_oracle_answer(server, model_dir):
     want, _, _ = greedy_reference(model_dir, [5, 17, 42, 99, 3], 3)
     r = server.post({"prompt": [5, 17, 42, 99, 3], "max_tokens": 3})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == want
     assert server.get("/healthz").status_code == 200 and server.proc.poll() is None
-    print(f"\nfuzz: {tried['n']} bad/odd inputs tried, by status {dict(sorted(tried['by_status'].items()))}")
+    print(f"\nfuzz: {tried['n']} bad/odd inputs tried, by status {dict(sorted(tried['by_status'].items()))}; "
+          f"OpenAPI contract: {tried['contract']} schemathesis cases")
     assert tried["n"] >= CASES  # the fuzz tests above ran in this module

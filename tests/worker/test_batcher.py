@@ -1,4 +1,4 @@
-"""Pure packing and admission rules (``dwdp_worker.batcher``), property-tested."""
+"""Pure packing and admission rules (``dwdp_worker.batcher``, ``dwdp_worker.admission``), property-tested."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from .serving_helpers import ROOT  # noqa: F401 - puts this checkout on sys.path
 
-from dwdp_worker.batcher import Limits, admit, pack, queued_tokens, requeue_front
+from dwdp_worker.admission import Limits, admit
+from dwdp_worker.batcher import pack, queued_tokens, requeue_front
 
 LIMITS = Limits(max_num_tokens=32, vocab_size=100, max_positions=24)
 

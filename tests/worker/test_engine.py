@@ -22,7 +22,6 @@ def test_engine_contract(checkpoints):
         assert out["shape"] == (2, 256) and out["dtype"] == "torch.float32"
         assert out["compute_s"] > 0 and out["wait_s"] >= 0 and out["restarts"] == 0
         assert out["vocab"] == 256 and out["max_positions"] == 4096
-        assert out["tokens"] and all(0 <= t < 256 for t in out["tokens"])
         st = out["stats"]
         assert {"forwards", "prefetch_restarts", "prefetch_bytes", "remote_bytes_per_forward", "last_forward_s",
                 "backend"} <= set(st)

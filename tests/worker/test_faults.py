@@ -28,7 +28,7 @@ from datetime import timedelta
 import httpx
 import pytest
 
-from .serving_helpers import Server, free_port, greedy_reference
+from .serving_helpers import Server, free_port, greedy_reference, pod_env
 
 COPY_DELAY_S = 0.05   # widens forwards for the kill tests
 SLOW_COPY_S = 0.2     # the slow-copy fault: larger than a tiny forward's compute, so it cannot hide
@@ -37,17 +37,7 @@ PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7, 7], [100, 3, 250, 9, 1, 2, 3, 4]]
 
 
 def _pod_env(*, pod_index: int, store_port: int, http_port: int, extra: dict | None = None) -> dict:
-    env = {
-        "DWDP_JOB": "faults", "DWDP_NAMESPACE": "test", "DWDP_GROUP": "0", "DWDP_POD_INDEX": str(pod_index),
-        "DWDP_RANK_BASE": str(pod_index), "DWDP_GPUS_PER_POD": "1", "DWDP_SIZE": "2",
-        "DWDP_STORE_ADDR": "127.0.0.1", "DWDP_STORE_PORT": str(store_port), "DWDP_ATTEMPT": "0",
-        "DWDP_TOKEN": "the-group-secret", "DWDP_NUM_EXPERTS": "8", "DWDP_EXPERTS_PER_WORKER": "4",
-        "DWDP_PREFETCH_STRIDE": "4", "DWDP_PREFETCH_SLOTS": "2", "DWDP_CONTENTION_OPT": "false",
-        "DWDP_TRANSFER": "copy_engine", "DWDP_MODEL": "", "DWDP_MODEL_SYNTHETIC": "qwen3_moe",
-        "DWDP_DTYPE": "float32", "DWDP_BACKEND": "host", "DWDP_HTTP_PORT": str(http_port),
-    }
-    env.update(extra or {})
-    return env
+    return pod_env(job="faults", pod_index=pod_index, store_port=store_port, http_port=http_port, extra=extra)
 
 
 def _start_pod(pod_index: int, store_port: int, *, extra_env: dict | None = None, args=()) -> Server:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 SUBCOMMANDS = ("pod", "synth", "demo")
@@ -23,6 +24,16 @@ def _setup_logging(level: str) -> None:
 
 def _usage() -> str:
     return __doc__.split("\n\n")[1]
+
+
+def _exit_now(code: int) -> int:
+    """End a front at once: its ranks are stopped and its sockets closed; the interpreter's teardown (seconds
+    of garbage collection over torch/transformers objects, measured 3 s on 2 cores) would only delay the exit
+    a pod restart waits for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         add_pod_arguments(p)
         args = p.parse_args(argv[1:])
         _setup_logging(args.log_level)
-        return run_pod(args)
+        return _exit_now(run_pod(args))
     if cmd == "demo":
         from .demo import add_demo_arguments, run_demo
 
@@ -58,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         add_local_arguments(p)
         args = p.parse_args(argv)
         _setup_logging(args.log_level)
-        return run_local(args)
+        return _exit_now(run_local(args))
     if argv and argv[0] in ("-h", "--help"):
         print("usage:\n" + _usage())
         return 0

@@ -70,7 +70,7 @@ def _say(msg: str) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     import httpx
 
-    from .launcher import free_port
+    from .launch import free_port
     from .synth import write_synthetic
     from .text import encode, load_tokenizer
 

@@ -17,9 +17,10 @@ cache → last-position logits of each sequence, float32 on CPU. Timings per for
                            wait shows up in ``compute_s`` instead);
   * ``restarts``         — the prefetch schedule's restart count so far.
 
-Invariants: ``close()`` is idempotent, removes the hooks, releases the manager and points expert
-parameters back to meta (a forward after close raises RuntimeError instead of reading unmapped memory).
-``forward`` is serialised by a lock (the model and the prefetch schedule are single-stream state).
+Invariants: an engine takes token ids only (no tokenizer: the front tokenizes). ``close()`` is idempotent,
+removes the hooks, releases the manager and points expert parameters back to meta (a forward after close
+raises RuntimeError instead of reading unmapped memory). ``forward`` is serialised by a lock (the model and
+the prefetch schedule are single-stream state).
 
 Cache path (``Engine.generate``, ``generation.py``): packed prefill with the model's KV cache, greedy decode
 for ``max_new_tokens > 1``, and — when built with a KV budget (``kv=KvSettings(...)``) — each requested
@@ -38,7 +39,7 @@ from . import experts_impl
 from . import models as arch
 from .generation import check_requests, generate_batch
 from .hooks import install_hooks
-from .loader import has_tokenizer, load_config, load_sharded, unbind_experts
+from .loader import load_config, load_sharded, unbind_experts
 from .packing import packed_logits, packed_scored_logits, validate
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,11 @@ def num_experts_of(model_dir) -> int:
 
 
 class Engine:
-    def __init__(self, *, model, manager, hooks, hf_config, model_dir, tokenizer=None, load_report=None, kv=None):
+    def __init__(self, *, model, manager, hooks, hf_config, model_dir, load_report=None, kv=None):
         self.model, self.manager, self._hooks = model, manager, hooks
         self.kv = kv  # kv.service.KvService, or None (no KV budget)
         self.hf_config = hf_config
         self.model_dir = model_dir
-        self.tokenizer = tokenizer
         self.load_report = load_report
         self.vocab_size: int = int(hf_config.vocab_size)
         self.max_positions: int = int(getattr(hf_config, "max_position_embeddings", 1 << 30))
@@ -106,13 +106,8 @@ class Engine:
         except BaseException:
             manager.release(barrier=False)
             raise
-        tokenizer = None
-        if has_tokenizer(model_dir):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls(model=model, manager=manager, hooks=hooks, hf_config=hf_config, model_dir=model_dir,
-                   tokenizer=tokenizer, load_report=report, kv=kv_service)
+                   load_report=report, kv=kv_service)
 
     # -- run ------------------------------------------------------------------------------------------------
     def _bind_wait_s(self) -> float:

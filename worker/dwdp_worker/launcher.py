@@ -16,49 +16,16 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import secrets
-import socket
-import tempfile
 
 from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
 
-from .rank_process import RankSpec
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def cuda_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = 8000) -> None:
-    """Front options shared by ``--local`` and ``pod``."""
-    g = p.add_argument_group("serving")
-    g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1; 0.0.0.0 in a pod)")
-    g.add_argument("--port", type=int, default=default_port, help=f"HTTP port (default {default_port})")
-    g.add_argument("--max-num-tokens", type=int, default=8192, help="tokens packed into one forward (default 8192)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences packed into one forward (default 256)")
-    g.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
-    g.add_argument("--batch-wait-ms", type=float, default=0.0,
-                   help="wait this long for more requests before a partly filled forward (default 0)")
-    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
-    g.add_argument("--heartbeat-timeout-s", type=float, default=30.0, help="liveness: max idle heartbeat age")
-    g.add_argument("--forward-timeout-s", type=float, default=300.0,
-                   help="a rank busy in one forward longer than this is killed (the front then exits 1)")
-    g.add_argument("--drain-timeout-s", type=float, default=60.0, help="SIGTERM: max wait for admitted requests")
-    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="log level of the front and its ranks (default warning)")
+from . import timeouts
+from .launch import FrontPlan, add_serving_arguments, cuda_count, free_port, run_front, synthetic_checkpoint
+from .protocol import RankSpec
 
 
 def add_local_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,15 +48,14 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: the checkpoint's dtype")
     p.add_argument("--threads-per-rank", type=int, default=None, help="torch CPU threads per rank")
-    p.add_argument("--rendezvous-timeout-s", type=float, default=120.0,
-                   help="max wait for every rank of a group to join (default 120)")
-    add_serving_arguments(p)
+    add_serving_arguments(p, default_rendezvous_s=timeouts.RENDEZVOUS_LOCAL_S)
 
 
 def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_per_worker: int | None,
                       prefetch_stride: int | None, prefetch_slots: int = 2, contention_opt: bool = False,
                       transfer: str = "copy_engine", backend: str = "auto", dtype: str | None = None,
-                      threads_per_rank: int | None = None, rendezvous_timeout_s: float = 120.0,
+                      threads_per_rank: int | None = None,
+                      rendezvous_timeout_s: float = timeouts.RENDEZVOUS_LOCAL_S,
                       num_experts: int | None = None) -> list[RankSpec]:
     """The G×D rank specs; raises ValueError with the fix on a bad shape."""
     if groups < 1:
@@ -119,43 +85,20 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     return specs
 
 
+def plan_local(args: argparse.Namespace, stack: contextlib.ExitStack) -> FrontPlan:
+    model_dir = synthetic_checkpoint(stack, args.synthetic) if args.synthetic else args.model
+    if not (pathlib.Path(model_dir) / "config.json").exists():
+        raise ValueError(f"--model {model_dir}: no config.json there (a Hugging Face checkpoint directory)")
+    specs = build_local_specs(model_dir=model_dir, groups=args.groups, dwdp_size=args.dwdp_size,
+                              experts_per_worker=args.experts_per_worker, prefetch_stride=args.prefetch_stride,
+                              prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
+                              transfer=args.transfer, backend=args.backend, dtype=args.dtype,
+                              threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s)
+    name = args.synthetic or pathlib.Path(model_dir).resolve().name
+    return FrontPlan(specs=specs, model_dir=model_dir, model_name=name, port=args.port,
+                     banner=f"serving {args.served_model_name or name} with {args.groups} group(s) × "
+                            f"{args.dwdp_size} ranks ({specs[0].backend} backend)")
+
+
 def run_local(args: argparse.Namespace) -> int:
-    import sys
-
-    from .serve import serve
-    from .supervisor import Supervisor
-
-    tmp = None
-    model_dir = args.model
-    try:
-        if args.synthetic:
-            from .synth import write_synthetic
-
-            tmp = tempfile.TemporaryDirectory(prefix="dwdp-synth-")
-            model_dir = str(write_synthetic(args.synthetic, pathlib.Path(tmp.name) / args.synthetic, seed=0,
-                                            tokenizer=True))
-        if not (pathlib.Path(model_dir) / "config.json").exists():
-            raise ValueError(f"--model {model_dir}: no config.json there (a Hugging Face checkpoint directory)")
-        specs = build_local_specs(model_dir=model_dir, groups=args.groups, dwdp_size=args.dwdp_size,
-                                  experts_per_worker=args.experts_per_worker, prefetch_stride=args.prefetch_stride,
-                                  prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
-                                  transfer=args.transfer, backend=args.backend, dtype=args.dtype,
-                                  threads_per_rank=args.threads_per_rank,
-                                  rendezvous_timeout_s=args.rendezvous_timeout_s)
-    except ValueError as exc:
-        print(f"dwdp-worker --local: error: {exc}", file=sys.stderr)
-        if tmp:
-            tmp.cleanup()
-        return 2
-    name = args.served_model_name or (args.synthetic or pathlib.Path(model_dir).resolve().name)
-    sup = Supervisor(specs, model_dir=model_dir, model_name=name, group_attempt=0,
-                     max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                     batch_wait_s=args.batch_wait_ms / 1000.0, heartbeat_timeout_s=args.heartbeat_timeout_s,
-                     forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s)
-    print(f"dwdp-worker: serving {name} with {args.groups} group(s) × {args.dwdp_size} ranks "
-          f"({specs[0].backend} backend) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    try:
-        return serve(sup, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        if tmp:
-            tmp.cleanup()
+    return run_front("dwdp-worker --local", args, lambda stack: plan_local(args, stack))

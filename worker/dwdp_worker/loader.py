@@ -298,10 +298,5 @@ def unbind_experts(model) -> None:
                                                             requires_grad=False)
 
 
-def has_tokenizer(model_dir) -> bool:
-    d = pathlib.Path(model_dir)
-    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-
-
 __all__ = ["CheckpointError", "LoadReport", "load_config", "load_sharded", "read_config_json",
-           "resolve_dtype", "unbind_experts", "has_tokenizer"]
+           "resolve_dtype", "unbind_experts"]

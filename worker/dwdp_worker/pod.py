@@ -14,22 +14,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
-import sys
-import tempfile
 
+from . import timeouts
 from .envcontract import EnvContractError, parse_env, serving_overrides
 from .gpu_map import rank_devices
-from .launcher import add_serving_arguments, cuda_count
-from .rank_process import RankSpec
+from .launch import FrontPlan, add_serving_arguments, cuda_count, run_front, synthetic_checkpoint
+from .protocol import RankSpec
 
 
 def add_pod_arguments(p: argparse.ArgumentParser) -> None:
-    add_serving_arguments(p, default_port=0)
+    add_serving_arguments(p, default_port=0, default_rendezvous_s=timeouts.RENDEZVOUS_POD_S)
     p.set_defaults(host="0.0.0.0")
-    p.add_argument("--rendezvous-timeout-s", type=float, default=600.0,
-                   help="wait this long for the other pods of the group (default 600)")
 
 
 def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float) -> list[RankSpec]:
@@ -44,49 +42,31 @@ def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float) -> list
             for i in range(env.gpus_per_pod)]
 
 
+def plan_pod(args: argparse.Namespace, environ, stack: contextlib.ExitStack) -> FrontPlan:
+    env = parse_env(environ)
+    for dest, value in serving_overrides(environ).items():  # spec.serving, when the operator set it
+        setattr(args, dest, value)
+    if env.model_synthetic:
+        model_dir = synthetic_checkpoint(stack, env.model_synthetic, num_experts=env.num_experts, dtype=env.dtype)
+    else:
+        model_dir = env.model
+        if not (pathlib.Path(model_dir) / "config.json").exists():
+            raise EnvContractError(f"DWDP_MODEL={model_dir!r}: no config.json there (mount the checkpoint)")
+    from .engine import num_experts_of
+
+    n = num_experts_of(model_dir)
+    if n != env.num_experts:
+        raise EnvContractError(f"DWDP_NUM_EXPERTS={env.num_experts} but the checkpoint {model_dir} has {n} "
+                               f"routed experts per layer: set experts.numExperts to {n} in the DwdpGroup")
+    specs = build_pod_specs(env, model_dir, rendezvous_timeout_s=args.rendezvous_timeout_s)
+    return FrontPlan(specs=specs, model_dir=model_dir,
+                     model_name=env.model_synthetic or pathlib.Path(model_dir).resolve().name,
+                     port=args.port or env.http_port, group_attempt=env.attempt,
+                     banner=(f"{env.job} group {env.group} attempt {env.attempt} pod {env.pod_index}: ranks "
+                             f"{env.ranks} of {env.dwdp_size} ({specs[0].backend} backend), store "
+                             f"{env.store_addr}:{env.store_port}"))
+
+
 def run_pod(args: argparse.Namespace, environ=None) -> int:
-    from .serve import serve
-    from .supervisor import Supervisor
-
     environ = os.environ if environ is None else environ
-    tmp = None
-    try:
-        env = parse_env(environ)
-        for dest, value in serving_overrides(environ).items():  # spec.serving, when the operator set it
-            setattr(args, dest, value)
-        if env.model_synthetic:
-            from .synth import write_synthetic
-
-            tmp = tempfile.TemporaryDirectory(prefix="dwdp-synth-")
-            model_dir = str(write_synthetic(env.model_synthetic, pathlib.Path(tmp.name) / env.model_synthetic,
-                                            seed=0, num_experts=env.num_experts, dtype=env.dtype, tokenizer=True))
-        else:
-            model_dir = env.model
-            if not (pathlib.Path(model_dir) / "config.json").exists():
-                raise EnvContractError(f"DWDP_MODEL={model_dir!r}: no config.json there (mount the checkpoint)")
-        from .engine import num_experts_of
-
-        n = num_experts_of(model_dir)
-        if n != env.num_experts:
-            raise EnvContractError(f"DWDP_NUM_EXPERTS={env.num_experts} but the checkpoint {model_dir} has {n} "
-                                   f"routed experts per layer: set experts.numExperts to {n} in the DwdpGroup")
-        specs = build_pod_specs(env, model_dir, rendezvous_timeout_s=args.rendezvous_timeout_s)
-    except (EnvContractError, ValueError) as exc:
-        print(f"dwdp-worker pod: error: {exc}", file=sys.stderr)
-        if tmp:
-            tmp.cleanup()
-        return 2
-    port = args.port or env.http_port
-    name = args.served_model_name or env.model_synthetic or pathlib.Path(model_dir).resolve().name
-    sup = Supervisor(specs, model_dir=model_dir, model_name=name, group_attempt=env.attempt,
-                     max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                     batch_wait_s=args.batch_wait_ms / 1000.0, heartbeat_timeout_s=args.heartbeat_timeout_s,
-                     forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s)
-    print(f"dwdp-worker pod: {env.job} group {env.group} attempt {env.attempt} pod {env.pod_index}: ranks "
-          f"{env.ranks} of {env.dwdp_size} ({specs[0].backend} backend), store {env.store_addr}:{env.store_port}, "
-          f"http {args.host}:{port}", file=sys.stderr, flush=True)
-    try:
-        return serve(sup, host=args.host, port=port, log_level=args.log_level)
-    finally:
-        if tmp:
-            tmp.cleanup()
+    return run_front("dwdp-worker pod", args, lambda stack: plan_pod(args, environ, stack))

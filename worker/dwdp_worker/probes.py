@@ -1,8 +1,9 @@
 """Liveness and readiness, computed purely from a snapshot of the front's view of its ranks.
 
 ``/healthz`` (liveness, also the startup probe): every rank process is alive, has built its engine
-and warmed up, and its heartbeat is fresh (``heartbeat_age_s < heartbeat_timeout_s``; a rank busy
-in a forward is exempt — the front's forward watchdog kills a rank stuck beyond its limit).
+and warmed up, and its heartbeat is fresh (``heartbeat_age_s < heartbeat_timeout_s``), busy or idle: a rank beats
+from a thread that runs through forwards, so only a frozen or dead rank goes stale (the front's
+watchdog then kills it; a forward stuck on the device is bounded by the forward watchdog).
 While weights load this is false: the operator's startup probe has a long failure threshold.
 
 ``/readyz`` (readiness): live, every rank ready (rendezvous done, weights bound, warm-up forward
@@ -29,7 +30,7 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
             reasons.append(f"{who} is not running")
         elif r["phase"] != "ready":
             reasons.append(f"{who} is {r['phase']}")
-        elif not r["busy"] and r["heartbeat_age_s"] is not None and r["heartbeat_age_s"] >= heartbeat_timeout_s:
+        elif r["heartbeat_age_s"] is not None and r["heartbeat_age_s"] >= heartbeat_timeout_s:
             reasons.append(f"{who} heartbeat is {r['heartbeat_age_s']:.1f} s old (limit {heartbeat_timeout_s:g} s)")
     live = not reasons and bool(ranks)
     not_ready = list(reasons)

@@ -1,26 +1,23 @@
-"""One DWDP rank as an OS process: rendezvous → Engine.build → warm-up → serve packed batches.
+"""One DWDP rank as an OS process: rendezvous → Engine.build → warm-up → serve packed steps.
 
-Started by the front (pod supervisor or local launcher) with ``multiprocessing`` ``spawn``;
-talks to it over one duplex ``Connection``. Messages (tuples, first item the kind)::
-
-    rank  → front: ("phase", name)                       starting|rendezvous|loading|warmup
-                   ("ready", info)                       vocab_size, max_positions, has_tokenizer, stats
-                   ("hb", stats)                         heartbeat, every HEARTBEAT_S while idle
-                   ("result", batch_id, payload)         per sequence: next id, its logprob, top-N
-                   ("error", batch_id, message)          the forward raised; the rank keeps serving
-                   ("fatal", message)                    start-up failed; the process exits 1
-    front → rank:  ("forward", batch_id, sequences, top_n)
-                   ("stop",)                             leave the group and exit 0
+Started by the front (``rank_handle``) with ``multiprocessing`` ``spawn``; talks to it over one duplex
+``Connection`` in the typed messages of ``protocol`` (the one definition both sides import).
 
 Invariants:
-  * The rank never dies on a bad batch: a forward exception is reported as ``error`` for that batch
+  * The rank never dies on a bad batch: a forward exception is reported as ``StepFailed`` for that batch
     only (the front validated the requests; this is the last line of defence).
-  * Heartbeats come from the serving loop itself, between forwards: a rank stuck inside a forward
-    stops beating, which is what liveness must see.
-  * A lost peer (``dwdp_runtime.monitor.PeerMonitor``: another rank of the group, maybe in another
-    pod, stopped heart-beating, or the store host died) ends the rank with exit 1 and the reason.
-  * The rank dies with its front: ``PR_SET_PDEATHSIG`` (Linux) kills it if the front dies, and a
-    closed pipe ends the loop.
+  * Heartbeats come from a thread every ``timeouts.RANK_HEARTBEAT_S``, also while a forward runs: only a
+    frozen or dead process stops beating (a forward stuck on the device is the front's forward
+    watchdog's job). A ``Heartbeat`` carries the stats of the last finished forward (never read while one
+    runs).
+  * A lost peer (``dwdp_runtime.monitor.PeerMonitor``: another rank of the group, maybe in another pod,
+    stopped heart-beating, or the store host froze or died) is reported at once (``PeerLost``, from the
+    monitor's thread, even mid-forward) and ends the rank with exit 1 at its next step.
+  * The rank dies with its front: ``PR_SET_PDEATHSIG`` (Linux) kills it if the front dies, and a closed
+    pipe ends the loop.
+  * No named semaphore is created (tqdm's default lock is a ``multiprocessing`` RLock, a /dev/shm/sem.mp-*
+    file that a SIGKILL leaves behind): the lock is a thread lock, set before anything makes a bar.
+  * The rank never tokenizes: sequences are token ids (the front owns the tokenizer).
   * Greedy selection and log-probabilities are computed here (float32, ``log_softmax`` of the
     last-position logits), so only a few numbers per sequence cross the pipe.
 """
@@ -32,42 +29,23 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any
 
-HEARTBEAT_S = 0.5
-# Test hook (never set in production): seconds of delay injected before every copy batch of this
-# rank's copy thread (host backend only: ``HostStreams(copy_delay_s=...)``), to prove a slow copy
-# thread gives correct answers and shows up as exposed prefetch wait in /metrics.
-TEST_COPY_DELAY_ENV = "DWDP_TEST_COPY_DELAY_S"
+from dwdp_runtime.contract import TuningEnv
+
+from . import protocol as p
+from . import timeouts
+from .load_progress import report_bars_to
+
 log = logging.getLogger("dwdp_worker.rank")
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankSpec:
-    """Everything a rank process needs (picklable; built by the launcher or the pod entrypoint)."""
+def _threads_only_tqdm_lock() -> None:
+    import tqdm
 
-    model_dir: str
-    config: dict                     # DwdpConfig.to_dict()
-    rank: int                        # DWDP rank inside the group
-    group: int
-    global_id: int                   # index of this rank in the front (stable, 0..n-1)
-    store_host: str
-    store_port: int
-    job: str = "dwdp"
-    attempt: int = 0
-    token: str = ""
-    backend: str = "auto"
-    device: str | None = None        # "cuda:i" or None (host)
-    dtype: str | None = None
-    threads: int = 1
-    rendezvous_timeout_s: float = 300.0
-    warmup_tokens: tuple[int, ...] = (0, 1, 2, 3)
-    peer_interval_s: float = 1.0     # PeerMonitor heartbeat period through the group store
-    peer_dead_after_s: float = 10.0  # a peer silent this long is lost: this rank exits 1
-    env: dict = field(default_factory=dict)
+    tqdm.tqdm.set_lock(threading.RLock())
 
 
 def _die_with_parent() -> None:
@@ -79,30 +57,62 @@ def _die_with_parent() -> None:
             pass
 
 
-def _top(logits, top_n: int) -> dict[str, Any]:
+class RankLink:
+    """The rank's end of the pipe: sends are serialised (the main loop, the heartbeat thread and the peer
+    monitor's thread all write), and the latest stats for the heartbeat."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._lock = threading.Lock()
+        self.stats = p.RankStats()
+        self.busy = False
+        self._stop = threading.Event()
+
+    def send(self, msg) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+    def beat_forever(self) -> None:
+        while not self._stop.wait(timeouts.RANK_HEARTBEAT_S):
+            try:
+                self.send(p.Heartbeat(self.stats, busy=self.busy))
+            except (OSError, ValueError):
+                return  # the front is gone; the main loop notices too
+
+    def start_heartbeat(self) -> None:
+        threading.Thread(target=self.beat_forever, name="dwdp-rank-heartbeat", daemon=True).start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+
+
+def _top(logits, top_n: int):
     import torch
 
     logp = torch.log_softmax(logits.float(), dim=-1)
     nxt = torch.argmax(logits, dim=-1)
     chosen = logp.gather(1, nxt[:, None])[:, 0]
-    out: dict[str, Any] = {"next": nxt.tolist(), "logprob": chosen.tolist(), "top": [[] for _ in range(len(nxt))]}
+    top: list[list[tuple[int, float]]] = [[] for _ in range(len(nxt))]
     if top_n > 0:
         k = min(top_n, logp.shape[-1])
         vals, ids = torch.topk(logp, k, dim=-1)
-        out["top"] = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
-    return out
+        top = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
+    return nxt.tolist(), chosen.tolist(), top
 
 
-def rank_main(spec: RankSpec, conn) -> None:
+def rank_main(spec: p.RankSpec, conn) -> None:
     """Process entry point (top level, importable by ``spawn``)."""
+    _threads_only_tqdm_lock()
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C goes to the front, which stops us in order
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # likewise: the front drains, then sends ("stop",)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # likewise: the front drains, then sends Stop()
     os.environ.update(spec.env)
-    logging.basicConfig(level=os.environ.get("DWDP_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=os.environ.get(TuningEnv.LOG_LEVEL) or spec.log_level.upper(),
                         format=f"%(asctime)s rank{spec.global_id} %(levelname)s %(name)s: %(message)s")
+    link = RankLink(conn)
+    link.start_heartbeat()
     try:
-        code = _serve(spec, conn)
+        code = _serve(spec, link)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         code = 0  # the front is gone; nothing to report to
     except BaseException as exc:  # noqa: BLE001 - reported to the front, then exit non-zero
@@ -110,18 +120,19 @@ def rank_main(spec: RankSpec, conn) -> None:
         log.error("%s", msg)
         log.debug("%s", traceback.format_exc())  # operators get the reason; developers can ask for more
         try:
-            conn.send(("fatal", msg))
+            link.send(p.Fatal(msg))
         except Exception:  # noqa: BLE001
             pass
         code = 1
+    link.stop_heartbeat()
     try:
         conn.close()
     finally:
         os._exit(code)  # skip interpreter teardown of mapped shared memory and stray threads
 
 
-def _serve(spec: RankSpec, conn) -> int:
-    conn.send(("phase", "starting"))
+def _serve(spec: p.RankSpec, link: RankLink) -> int:
+    link.send(p.PhaseChanged(p.RankPhase.STARTING))
     import torch
 
     from dwdp_runtime.config import DwdpConfig
@@ -133,25 +144,37 @@ def _serve(spec: RankSpec, conn) -> int:
     torch.set_num_threads(max(1, spec.threads))
     config = DwdpConfig(**spec.config)
     dtype = getattr(torch, spec.dtype) if spec.dtype else None
-    conn.send(("phase", "rendezvous"))
+    link.send(p.PhaseChanged(p.RankPhase.RENDEZVOUS))
+    t0 = time.monotonic()
     with StoreRendezvous(host=spec.store_host, port=spec.store_port, rank=spec.rank,
                          world_size=config.dwdp_size, job=spec.job, group=spec.group, attempt=spec.attempt,
                          token=spec.token, timeout_s=spec.rendezvous_timeout_s) as rdzv:
-        conn.send(("phase", "loading"))
-        engine = Engine.build(model_dir=spec.model_dir, config=config, rank=spec.rank, rendezvous=rdzv,
-                              backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
-                              progress=False, copy_delay_s=_test_copy_delay())
+        link.send(p.LoadProgress("rendezvous", f"group of {config.dwdp_size} ranks formed in "
+                                               f"{time.monotonic() - t0:.1f} s"))
+        link.send(p.PhaseChanged(p.RankPhase.LOADING))
+        t0 = time.monotonic()
+        with report_bars_to(lambda step, detail: link.send(p.LoadProgress(step, detail))):
+            engine = Engine.build(model_dir=spec.model_dir, config=config, rank=spec.rank, rendezvous=rdzv,
+                                  backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
+                                  progress=True, copy_delay_s=_test_copy_delay())
+        rep = engine.load_report
+        link.send(p.LoadProgress("weights", (
+            f"{len(rep.layers)} MoE layers, dense {rep.dense_bytes / 2**20:.1f} MiB, local experts "
+            f"{rep.local_expert_bytes / 2**20:.1f} MiB of {rep.total_expert_bytes / 2**20:.1f} MiB, "
+            f"handles exchanged and mapped, in {time.monotonic() - t0:.1f} s")))
         # Peers in other pods can die without this front noticing: the monitor heart-beats through
-        # the group's store (a side thread, off the forward path) and names a lost peer.
-        monitor = PeerMonitor(rdzv, interval_s=spec.peer_interval_s, dead_after_s=spec.peer_dead_after_s).start()
+        # the group's store (side threads, off the forward path) and names a lost peer at once.
+        monitor = PeerMonitor(rdzv, interval_s=spec.peer_interval_s, dead_after_s=spec.peer_dead_after_s,
+                              on_lost=lambda why: _report_lost(link, why)).start()
         try:
-            conn.send(("phase", "warmup"))
+            link.send(p.PhaseChanged(p.RankPhase.WARMUP))
             warm = [t % engine.vocab_size for t in spec.warmup_tokens][: max(1, engine.max_positions)]
             engine.forward([warm])
-            conn.send(("ready", {"vocab_size": int(engine.vocab_size), "max_positions": int(engine.max_positions),
-                                 "has_tokenizer": engine.tokenizer is not None, "pid": os.getpid(),
-                                 "stats": _stats(engine)}))
-            code = _loop(engine, conn, monitor)
+            link.stats = _stats(engine)
+            link.send(p.Ready(p.RankInfo(vocab_size=int(engine.vocab_size),
+                                         max_positions=int(engine.max_positions), pid=os.getpid(),
+                                         stats=link.stats)))
+            code = _loop(engine, link, monitor)
         except BaseException:
             # A broken group: no graceful release (its barrier would wait for the dead peer); the
             # process exit frees this rank's memory. The front hears the reason from rank_main.
@@ -163,46 +186,60 @@ def _serve(spec: RankSpec, conn) -> int:
         return code
 
 
+def _report_lost(link: RankLink, why: str) -> None:
+    try:
+        link.send(p.PeerLost(why))
+    except (OSError, ValueError):
+        pass
+
+
 def _test_copy_delay() -> float:
-    raw = os.environ.get(TEST_COPY_DELAY_ENV, "")
+    raw = os.environ.get(TuningEnv.TEST_COPY_DELAY_S, "")
     if not raw:
         return 0.0
     delay = float(raw)
     if not 0.0 <= delay <= 60.0:
-        raise ValueError(f"{TEST_COPY_DELAY_ENV}={raw!r}: a test hook, must be in [0, 60] seconds")
-    log.warning("test hook %s=%g: every copy batch of this rank is delayed", TEST_COPY_DELAY_ENV, delay)
+        raise ValueError(f"{TuningEnv.TEST_COPY_DELAY_S}={raw!r}: a test hook, must be in [0, 60] seconds")
+    log.warning("test hook %s=%g: every copy batch of this rank is delayed", TuningEnv.TEST_COPY_DELAY_S, delay)
     return delay
 
 
-def _stats(engine) -> dict:
+def _stats(engine) -> p.RankStats:
     try:
-        return {k: v for k, v in engine.stats().items() if isinstance(v, (int, float, str, bool)) or v is None}
+        s = engine.stats()
+        return p.RankStats(forwards=int(s.get("forwards", 0)), tokens=int(s.get("tokens", 0)),
+                           prefetch_restarts=int(s.get("prefetch_restarts", 0) or 0),
+                           prefetch_bytes=int(s.get("prefetch_bytes", 0) or 0),
+                           remote_bytes_per_forward=int(s.get("remote_bytes_per_forward", 0) or 0),
+                           last_forward_s=float(s.get("last_forward_s", 0.0) or 0.0), backend=s.get("backend"))
     except Exception as exc:  # noqa: BLE001 - stats must never take the rank down
-        return {"stats_error": str(exc)}
+        return p.RankStats(error=str(exc))
 
 
-def _loop(engine, conn, monitor) -> int:
+def _loop(engine, link: RankLink, monitor) -> int:
+    conn = link.conn
     while True:
         monitor.check()  # PeerLost: the group is broken; exit non-zero so the group restarts
-        if not conn.poll(HEARTBEAT_S):
-            conn.send(("hb", _stats(engine)))
+        if not conn.poll(timeouts.RANK_HEARTBEAT_S):
             continue
         msg = conn.recv()
-        kind = msg[0]
-        if kind == "stop":
+        if isinstance(msg, p.Stop):
             return 0
-        if kind != "forward":
-            log.error("unknown message %r from the front (ignored)", kind)
+        if not isinstance(msg, p.Forward):
+            log.error("unknown message %r from the front (ignored)", type(msg).__name__)
             continue
-        _, batch_id, sequences, top_n = msg
         t0 = time.perf_counter()
+        link.busy = True
         try:
-            res = engine.forward(sequences)
-            payload = _top(res.logits, top_n)
+            res = engine.forward(msg.sequences)
+            next_ids, logprobs, top = _top(res.logits, msg.top_n)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
-            log.exception("forward of batch %s failed", batch_id)
-            conn.send(("error", batch_id, f"{type(exc).__name__}: {exc}"))
+            log.exception("forward of batch %s failed", msg.batch_id)
+            link.send(p.StepFailed(msg.batch_id, f"{type(exc).__name__}: {exc}"))
             continue
-        payload.update(compute_s=float(res.compute_s), prefetch_wait_s=float(res.prefetch_wait_s),
-                       forward_s=time.perf_counter() - t0, stats=_stats(engine))
-        conn.send(("result", batch_id, payload))
+        finally:
+            link.busy = False
+        link.stats = _stats(engine)
+        link.send(p.StepResult(batch_id=msg.batch_id, next_ids=next_ids, logprobs=logprobs, top=top,
+                               compute_s=float(res.compute_s), prefetch_wait_s=float(res.prefetch_wait_s),
+                               forward_s=time.perf_counter() - t0, stats=link.stats))

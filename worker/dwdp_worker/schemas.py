@@ -8,8 +8,8 @@ Invariants:
   * Text fields are valid Unicode: a lone UTF-16 surrogate (legal in JSON, ``"\ud800"``) is a 422.
   * Only greedy decoding exists (``temperature`` 0, ``n`` 1): anything else is refused with the reason,
     not approximated.
-  * Range checks that need the model (vocab size, context length) live in ``admission.py``; this
-    module only checks what the request alone can tell.
+  * Range checks that need the model (vocab size, context length, text length) live in
+    ``admission.py``; this module only checks what the request alone can tell.
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer of the API (OpenAI style)."""
+
+    error: ErrorBody
 
 
 def error_json(message: str, *, type: str = "invalid_request_error", param: str | None = None,

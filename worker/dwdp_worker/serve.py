@@ -4,11 +4,13 @@ Order (each step bounded)::
 
     1. bind host:port          (a busy port fails here, before any rank starts: exit 2)
     2. Supervisor.start()      (spawn ranks; /healthz and /readyz answer 503 while they load)
-    3. uvicorn serves          (its own signal handling replaced by ours)
-    4. wait: SIGTERM/SIGINT → request_drain · a rank dies → _fail (exit code 1)
-    5. drain                   (admitted requests finish, ≤ drain_timeout_s; readiness false)
-    6. uvicorn stops           (listener closed first, then 0.5 s for accepted connections, then the rest)
-    7. ranks stop              (("stop",), join, kill after stop_timeout_s)
+    3. uvicorn serves          (its own signal handling replaced by ours; header/body bounds: http_limits)
+    4. wait: SIGTERM/SIGINT → request_drain · a rank dies or loses a peer → Supervisor.fail (exit code 1)
+    5. drain                   (admitted requests finish, ≤ drain_timeout_s, or ≤ timeouts.FAILED_DRAIN_S
+                                after a failure; then uploads still arriving get a JSON 503)
+    6. uvicorn stops           (listener closed first, then LISTEN_CLOSE_GRACE_S for accepted
+                                connections, then the rest; ≤ timeouts.SERVER_STOP_S)
+    7. ranks stop              (protocol.Stop, join, kill after stop_timeout_s; after a failure: killed)
 A second SIGTERM/SIGINT while draining skips the wait (admitted requests get 503, never dropped).
 """
 
@@ -23,13 +25,13 @@ import sys
 
 import uvicorn
 
-from .api import create_app
+from . import timeouts
+from .api import asgi_app
+from .http_limits import HttpBounds
 from .supervisor import Supervisor
 
 log = logging.getLogger("dwdp_worker.serve")
 
-
-LISTEN_CLOSE_GRACE_S = 0.5
 
 
 class _Server(uvicorn.Server):
@@ -48,7 +50,7 @@ class _Server(uvicorn.Server):
         # get an answer (503 + "Connection: close" while draining), then let uvicorn close the rest.
         for server in self.servers:
             server.close()
-        await asyncio.sleep(LISTEN_CLOSE_GRACE_S)
+        await asyncio.sleep(timeouts.LISTEN_CLOSE_GRACE_S)
         await super().shutdown(sockets)
 
 
@@ -70,7 +72,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _run(sup: Supervisor, sock: socket.socket, *, log_level: str) -> int:
+async def _run(sup: Supervisor, sock: socket.socket, *, log_level: str, bounds: HttpBounds) -> int:
     loop = asyncio.get_running_loop()
     signals = {"count": 0}
 
@@ -85,8 +87,11 @@ async def _run(sup: Supervisor, sock: socket.socket, *, log_level: str) -> int:
             loop.call_soon_threadsafe(sup.request_drain, name)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    server = _Server(uvicorn.Config(create_app(sup), log_level=log_level, access_log=False,
-                                    timeout_graceful_shutdown=10, lifespan="off"))
+    stopping = asyncio.Event()
+    server = _Server(uvicorn.Config(asgi_app(sup, bounds, stopping=stopping),
+                                    http=bounds.protocol(), log_level=log_level, access_log=False,
+                                    timeout_keep_alive=timeouts.HTTP_KEEP_ALIVE_S,
+                                    timeout_graceful_shutdown=timeouts.HTTP_GRACEFUL_SHUTDOWN_S, lifespan="off"))
     try:
         await sup.start()
         server_task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -96,9 +101,10 @@ async def _run(sup: Supervisor, sock: socket.socket, *, log_level: str) -> int:
             exc = server_task.exception()
             sup.fail(f"the HTTP server stopped unexpectedly: {exc!r}")
         await sup.drain()
+        stopping.set()  # uploads still arriving: a JSON 503 now, before uvicorn's shutdown
         server.should_exit = True
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(server_task, timeout=15)
+            await asyncio.wait_for(server_task, timeout=timeouts.SERVER_STOP_S)
         stop_task.cancel()
     finally:
         await sup.stop_ranks()
@@ -109,7 +115,8 @@ async def _run(sup: Supervisor, sock: socket.socket, *, log_level: str) -> int:
     return sup.exit_code
 
 
-def serve(sup: Supervisor, *, host: str, port: int, log_level: str = "warning") -> int:
+def serve(sup: Supervisor, *, host: str, port: int, log_level: str = "info",
+          bounds: HttpBounds = HttpBounds()) -> int:
     """Blocking: run the front until drained or failed; the process exit code."""
     try:
         sock = bind(host, port)
@@ -117,4 +124,4 @@ def serve(sup: Supervisor, *, host: str, port: int, log_level: str = "warning") 
         print(f"dwdp-worker: error: {exc}", file=sys.stderr)
         return 2
     with sock:
-        return asyncio.run(_run(sup, sock, log_level=log_level))
+        return asyncio.run(_run(sup, sock, log_level=log_level, bounds=bounds))

@@ -1,0 +1,64 @@
+"""Admission: may this request run on this model and front? Pure functions, no asyncio, no torch.
+
+Runs in the front before a request is queued (a bad request never reaches a rank), in two steps:
+  1. before tokenizing a text prompt, ``text_fits``: a text longer than the longest step the front can
+     run × the longest token of the vocabulary (in characters) cannot fit — refused without the cost of
+     tokenizing it (a 10 MB prompt is a 400 in microseconds, not seconds of tokenizer work);
+  2. on the token ids, ``admit``: non-empty, ids in the vocabulary, and the longest step (prompt +
+     ``max_tokens`` − 1: the last generated token is never fed back) within the model's context and
+     the front's ``max_num_tokens`` (so ``batcher.pack`` always fits the head of the queue alone).
+
+Why step 1 is a sound bound: every token of the vocabulary stands for at most ``max_token_chars``
+characters of input (byte-level BPE: a token is a string of byte symbols, one per input byte ≥ one
+character; SentencePiece: pieces are substrings). A normalizer that deletes characters could make a
+longer text fit; such a text is refused with the reason (the client can send token ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_num_tokens: int
+    vocab_size: int
+    max_positions: int
+    max_num_seqs: int = 256
+
+    @property
+    def longest_step(self) -> int:
+        """The most tokens one sequence may reach in a forward."""
+        return min(self.max_positions, self.max_num_tokens)
+
+
+def text_fits(text: str, max_tokens: int, limits: Limits, max_token_chars: int) -> str | None:
+    """Why a text prompt cannot fit before tokenizing it (a message for a 400), or ``None``."""
+    budget = limits.longest_step - max_tokens + 1
+    if budget < 1:
+        return (f"max_tokens={max_tokens} leaves no room for a prompt: this server runs steps of at most "
+                f"{limits.longest_step} tokens; lower max_tokens")
+    most = budget * max(1, max_token_chars)
+    if len(text) > most:
+        return (f"prompt text of {len(text)} characters cannot fit: with max_tokens={max_tokens} a prompt may have "
+                f"{budget} tokens, at most {max_token_chars} characters each ({most} characters); shorten the prompt")
+    return None
+
+
+def admit(tokens: list[int], max_tokens: int, limits: Limits) -> str | None:
+    """Why the request cannot be served (a message for a 400), or ``None`` when it can."""
+    if not tokens:
+        return "prompt is empty: send at least one token (or non-empty text)"
+    bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
+    if bad:
+        shown = ", ".join(str(t) for t in bad[:5]) + (", …" if len(bad) > 5 else "")
+        return (f"token ids out of range [0, {limits.vocab_size}) (the model's vocabulary): {shown}")
+    longest = len(tokens) + max_tokens - 1
+    if longest > limits.max_positions:
+        return (f"prompt of {len(tokens)} tokens + max_tokens={max_tokens} needs {longest} positions; "
+                f"the model supports {limits.max_positions}: shorten the prompt or lower max_tokens")
+    if longest > limits.max_num_tokens:
+        return (f"prompt of {len(tokens)} tokens + max_tokens={max_tokens} needs {longest} tokens in one "
+                f"forward; this server packs at most --max-num-tokens={limits.max_num_tokens}: shorten the "
+                f"prompt or lower max_tokens")
+    return None

@@ -1,0 +1,215 @@
+"""Dispatch: the FIFO of pending steps, packing them onto idle ranks, and folding results back into jobs.
+
+Runs on the event loop thread only (no locks). Pipeline of one request::
+
+    enqueue ─► queue (FIFO of Jobs, one pending step each)
+            ─► _dispatch: idle ready rank with the fewest busy ranks in its group, then the fewest
+               sequences served (ranks of different groups are independent replicas: least-loaded wins)
+               ─► batcher.pack (prefix of the queue, ≤ max_num_tokens) ─► Forward to the rank
+            ─► on_result: append the greedy token; max_tokens reached? finish : re-queue at the head
+
+Invariants:
+  * Every enqueued job is finished exactly once (``finish``): a result, an error, or cancelled.
+  * A cancelled job (its client went away) leaves the queue at once; a step of it already on a rank
+    finishes there, and the job is not re-queued: the rank stops working for it at its next step.
+  * A rank holds at most one step batch (``RankHandle.batch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from . import protocol as p
+from .batcher import pack, queued_tokens, requeue_front
+from .errors import ForwardFailed, ServeError, Unavailable
+from .metrics import Metrics
+from .rank_handle import InFlight, RankHandle
+
+log = logging.getLogger("dwdp_worker.dispatch")
+
+
+@dataclass(eq=False)
+class Job:
+    tokens: list[int]
+    max_tokens: int
+    top_n: int
+    future: asyncio.Future
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    prompt_len: int = 0
+    t_admit: float = field(default_factory=time.monotonic)
+    t_enqueued: float = 0.0
+    t_first: float | None = None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    compute_s: float = 0.0
+    prefetch_wait_s: float = 0.0
+    ranks: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.prompt_len = len(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Dispatcher:
+    def __init__(self, ranks: list[RankHandle], metrics: Metrics, *, max_num_tokens: int, max_num_seqs: int,
+                 batch_wait_s: float):
+        self.ranks, self.metrics = ranks, metrics
+        self.max_num_tokens, self.max_num_seqs, self.batch_wait_s = max_num_tokens, max_num_seqs, batch_wait_s
+        self.queue: deque[Job] = deque()
+        self.jobs: set[Job] = set()
+        self.cancelled = 0
+        self.failing: str | None = None  # once set, continuing jobs end with a 503 at their next step
+        self._batch_ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kick_handle = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    # -- jobs -------------------------------------------------------------------------------------------
+    def enqueue(self, tokens: list[int], *, max_tokens: int, top_n: int) -> Job:
+        job = Job(tokens=list(tokens), max_tokens=max_tokens, top_n=top_n, future=self._loop.create_future())
+        job.t_enqueued = time.monotonic()
+        self.jobs.add(job)
+        self.queue.append(job)
+        self.metrics.inflight.set(len(self.jobs))
+        self.kick()
+        return job
+
+    def finish(self, job: Job, error: ServeError | None = None) -> None:
+        self.jobs.discard(job)
+        self.metrics.inflight.set(len(self.jobs))
+        if job.future.done():
+            return
+        if error is None:
+            job.future.set_result(job)
+        else:
+            job.future.set_exception(error)
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job now; a step of it on a rank is its last."""
+        if job.future.done():
+            return
+        try:
+            self.queue.remove(job)
+        except ValueError:
+            pass  # on a rank right now: on_result will not re-queue it
+        self.cancelled += 1
+        self.jobs.discard(job)
+        self.metrics.inflight.set(len(self.jobs))
+        job.future.cancel()
+
+    def fail_queued(self, error: ServeError) -> None:
+        while self.queue:
+            self.finish(self.queue.popleft(), error)
+
+    def fail_all(self, error: ServeError) -> None:
+        """Answer every job, queued or on a rank, with ``error`` (the front is stopping)."""
+        self.fail_queued(error)
+        for job in list(self.jobs):
+            self.finish(job, error)
+
+    # -- rank events ------------------------------------------------------------------------------------
+    def on_result(self, h: RankHandle, msg: p.StepResult) -> None:
+        held = h.take_batch(msg.batch_id)
+        if held is None:
+            log.error("%s answered batch %s it does not hold (ignored)", h.describe(), msg.batch_id)
+            return
+        self.metrics.forward.observe(time.monotonic() - held.sent_at)
+        continuing = []
+        for i, job in enumerate(held.jobs):
+            if job.future.done():
+                continue  # cancelled: the client went away
+            tok = int(msg.next_ids[i])
+            job.generated.append(tok)
+            job.logprobs.append(float(msg.logprobs[i]))
+            job.tops.append(msg.top[i][: job.top_n])
+            job.compute_s += msg.compute_s
+            job.prefetch_wait_s += msg.prefetch_wait_s
+            job.ranks.append(h.gid)
+            job.batch_sizes.append(len(held.jobs))
+            if len(job.generated) >= job.max_tokens:
+                self.finish(job)
+            elif self.failing:
+                self.finish(job, Unavailable(f"the server is failing ({self.failing}); retry on another replica"))
+            else:
+                job.tokens.append(tok)
+                continuing.append(job)
+        requeue_front(self.queue, continuing)
+        self.kick()
+
+    def on_step_failed(self, h: RankHandle, msg: p.StepFailed) -> None:
+        held = h.take_batch(msg.batch_id)
+        if held is None:
+            return
+        for job in held.jobs:
+            self.finish(job, ForwardFailed(f"the forward failed on {h.describe()}: {msg.message}"))
+        self.kick()
+
+    def on_rank_gone(self, h: RankHandle, error: ServeError) -> None:
+        """The rank died or was killed: its step's jobs end with ``error``."""
+        held, h.batch = h.batch, None
+        if held is not None:
+            for job in held.jobs:
+                self.finish(job, error)
+
+    # -- dispatch ---------------------------------------------------------------------------------------
+    def kick(self) -> None:
+        if self._loop is not None and self._kick_handle is None:
+            self._kick_handle = self._loop.call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._kick_handle = None
+        while self.queue:
+            idle = [h for h in self.ranks if h.ready and h.batch is None]
+            if not idle:
+                return
+            head = self.queue[0]
+            if self.batch_wait_s > 0 and not head.generated:
+                waited = time.monotonic() - head.t_enqueued
+                if waited < self.batch_wait_s and queued_tokens(self.queue) < self.max_num_tokens:
+                    self._loop.call_later(self.batch_wait_s - waited, self.kick)
+                    return
+            busy: dict[int, int] = {}
+            for h in self.ranks:
+                busy[h.spec.group] = busy.get(h.spec.group, 0) + (h.batch is not None)
+            rank = min(idle, key=lambda h: (busy[h.spec.group], h.dispatched, h.gid))
+            jobs = [j for j in pack(self.queue, max_num_tokens=self.max_num_tokens, max_num_seqs=self.max_num_seqs)
+                    if not j.future.done()]
+            if not jobs:
+                continue
+            self._send(rank, jobs)
+
+    def _send(self, rank: RankHandle, jobs: list[Job]) -> None:
+        batch_id = next(self._batch_ids)
+        try:
+            rank.send(p.Forward(batch_id, [list(j.tokens) for j in jobs], max(j.top_n for j in jobs)))
+        except OSError as exc:
+            log.error("could not send a batch to %s: %s", rank.describe(), exc)
+            requeue_front(self.queue, jobs)
+            rank.phase = p.RankPhase.UNREACHABLE
+            return
+        now = time.monotonic()
+        rank.batch = InFlight(batch_id, jobs, now)
+        rank.dispatched += len(jobs)
+        for j in jobs:
+            if j.t_first is None:
+                j.t_first = now
+                self.metrics.queue_wait.observe(now - j.t_admit)
+        self.metrics.batch_sequences.observe(len(jobs))
+        self.metrics.batch_tokens.observe(sum(len(j) for j in jobs))
+
+    def publish_gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self.queue))
+        self.metrics.queue_tokens.set(queued_tokens(self.queue))
+        self.metrics.inflight.set(len(self.jobs))
