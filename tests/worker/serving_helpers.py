@@ -138,3 +138,15 @@ def pod_env(*, job: str, pod_index: int, store_port: int, http_port: int, group:
     }
     env.update(extra or {})
     return env
+
+
+def local_group(model_dir, *extra: str, ready_timeout_s: float = 120.0):
+    """A module fixture's body: one local group (1 × 2 ranks, host backend) serving ``model_dir`` as
+    "tiny", ready; always closed. Use as ``yield from local_group(model_dir, "--max-num-tokens", "48")``."""
+    srv = Server(["--local", "--model", str(model_dir), "--groups", "1", "--dwdp-size", "2", "--backend", "host",
+                  "--served-model-name", "tiny", *extra])
+    try:
+        srv.wait_for("/readyz", timeout_s=ready_timeout_s)
+        yield srv
+    finally:
+        srv.close()

@@ -59,9 +59,14 @@ def _check(server: Server, *, content: bytes, content_type: str | None) -> None:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["message"].strip(), r.text
         assert "Traceback" not in err["message"]
+    elif r.headers.get("content-type", "").startswith("text/event-stream"):  # stream: true
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text[-500:]
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events and all("error" not in e or e["error"]["type"] != "server_error" for e in events), r.text[-500:]
     else:
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"], r.text
+        choices = r.json()["choices"]
+        assert choices and all(isinstance(c["token_ids"], list) for c in choices), r.text
 
 
 JUNK = st.recursive(

@@ -32,12 +32,12 @@ def _plan(tok, **body):
 
 
 def test_prompt_forms_become_one_plan_per_prompt_in_order(tok):
-    assert [p.tokens for p in _plan(tok, prompt=[5, 6]).prompts] == [[5, 6]]
-    assert [p.tokens for p in _plan(tok, prompt=[[5], [6, 7]]).prompts] == [[5], [6, 7]]
+    assert [p.prompt for p in _plan(tok, prompt=[5, 6]).prompts] == [[5, 6]]
+    assert [p.prompt for p in _plan(tok, prompt=[[5], [6, 7]]).prompts] == [[5], [6, 7]]
     plans = _plan(tok, prompt=["hello world", "the model"]).prompts
     assert [p.index for p in plans] == [0, 1]
-    assert [tok.decode(p.tokens) for p in plans] == ["hello world", "the model"]
-    assert plans[0].prompt_text == "hello world" and plans[0].max_tokens == 1
+    assert [p.prompt for p in plans] == ["hello world", "the model"] and plans[0].max_tokens == 1
+    assert [p.prompt for p in _plan(tok, prompt=[]).prompts] == [[]]  # admission refuses it with the reason
 
 
 @pytest.mark.parametrize("field,value", [("temperature", 0.7), ("top_p", 0.9), ("n", 2), ("best_of", 3),
@@ -71,12 +71,12 @@ def test_scoring_needs_echo_and_strict_types_stay_422(tok):
             CompletionRequest(**bad)
 
 
-def test_stop_list_is_bounded_and_text_needs_a_tokenizer(tok):
+def test_stop_list_is_bounded_and_needs_a_tokenizer(tok):
     assert _plan(tok, prompt=[1], stop=["a", "b", "a"]).stop == ("a", "b")
     with pytest.raises(OpenAIRequestError, match="at most 4"):
         _plan(tok, prompt=[1], stop=list("abcde"))
-    with pytest.raises(OpenAIRequestError, match="no tokenizer"):
-        plan_completion(CompletionRequest(prompt="hello"), None)
+    with pytest.raises(OpenAIRequestError, match="need a tokenizer"):
+        plan_completion(CompletionRequest(prompt=[1], stop="x"), None)
 
 
 def test_text_stream_never_leaks_a_stop_string_split_over_tokens(tok):
@@ -93,7 +93,7 @@ def test_echo_logprobs_lay_out_prompt_then_generation(tok):
     plan = _plan(tok, prompt="hello world", echo=True, logprobs=1, max_tokens=1)
     pp = plan.prompts[0]
     t = Timings(queue_s=0, compute_s=0, prefetch_wait_s=0, total_s=0, forwards=1, ranks=[0], batch_sequences=[1])
-    o = PromptOutcome(plan=pp, generated=[99], logprobs=[-0.5], tops=[[(99, -0.5), (7, -1.0)]], timings=t,
+    o = PromptOutcome(plan=pp, prompt_tokens=tok.encode("hello world", add_special_tokens=False), generated=[99], logprobs=[-0.5], tops=[[(99, -0.5), (7, -1.0)]], timings=t,
                       prompt_logprobs=[-2.0], prompt_tops=[[(98, -1.5)]], text=tok.decode([99]))
     body = completion_response(plan, [o], tok, id="cmpl-x", created=1, model="m").model_dump()
     lp = body["choices"][0]["logprobs"]
@@ -110,9 +110,9 @@ def test_echo_logprobs_lay_out_prompt_then_generation(tok):
 def test_chat_renders_the_checkpoint_template_and_names_a_missing_one(tok):
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hello world"}], max_tokens=2)
     plan = plan_chat(req, tok, chat.render)
-    assert tok.decode(plan.prompts[0].tokens) == "<s> user hello world </s> <s> assistant"
+    assert plan.prompts[0].prompt == "<s> user hello world </s> <s> assistant "
     parts = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "hello world"}]}])
-    assert plan_chat(parts, tok, chat.render).prompts[0].tokens == plan.prompts[0].tokens
+    assert plan_chat(parts, tok, chat.render).prompts[0].prompt == plan.prompts[0].prompt
     saved, tok.chat_template = tok.chat_template, None
     try:
         with pytest.raises(OpenAIRequestError, match="no chat template") as e:

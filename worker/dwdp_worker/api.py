@@ -1,6 +1,7 @@
 """HTTP routes (thin): parse, hand to ``Supervisor``, shape the answer.
 
-Routes: ``POST /v1/completions``, ``GET /v1/models``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+Routes: the OpenAI-compatible ones (``openai_routes``: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``, ``GET /v1/models/{id}``), ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
 
 Invariants:
   * Statuses (each route's OpenAPI entry lists the ones it returns): malformed JSON 400 ``json_invalid``,
@@ -19,53 +20,18 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from . import text
-from .dispatch import Job
-from .http_errors import error_docs, error_response, install_handlers, parse_completion
+from .http_errors import install_handlers
 from .http_limits import BodyGuard, HttpBounds
-from .schemas import Choice, CompletionRequest, CompletionResponse, Logprobs, Timings, Usage
+from .openai_routes import openai_router, register_request_schemas
 from .supervisor import Supervisor
+
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # dwdp_requests_total, request latency
 
 PROBE_DOC = {200: {"description": "the probe passes (JSON body: status, reasons, ranks)"},
              503: {"description": "the probe fails; the body says why"}}
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _answer_or_cancel(sup: Supervisor, request: Request, job: Job) -> Job | None:
-    """The finished job, or ``None`` after cancelling it because its client went away."""
-    gone = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not job.future.done():
-        sup.cancel(job)
-        return None
-    return job.future.result()  # raises the job's ServeError
-
-
-def _completion(sup: Supervisor, req: CompletionRequest, job: Job) -> CompletionResponse:
-    tok = sup.tokenizer
-    lp = None
-    if req.logprobs is not None:
-        lp = Logprobs(tokens=[text.token_str(tok, t) for t in job.generated], token_logprobs=job.logprobs,
-                      top_logprobs=[{text.token_str(tok, i): v for i, v in top} for top in job.tops])
-    now = time.monotonic()
-    return CompletionResponse(
-        id=job.id, created=int(time.time()), model=sup.model_name,
-        choices=[Choice(text=text.decode(tok, job.generated), token_ids=job.generated, logprobs=lp)],
-        usage=Usage(prompt_tokens=job.prompt_len, completion_tokens=len(job.generated),
-                    total_tokens=job.prompt_len + len(job.generated)),
-        timings=Timings(queue_s=round((job.t_first or now) - job.t_admit, 6), compute_s=round(job.compute_s, 6),
-                        prefetch_wait_s=round(job.prefetch_wait_s, 6), total_s=round(now - job.t_admit, 6),
-                        forwards=len(job.generated), ranks=job.ranks, batch_sequences=job.batch_sizes))
 
 
 class CountAndClose:
@@ -90,7 +56,7 @@ class CountAndClose:
             await send(msg)
 
         await self.app(scope, receive, send_counted)
-        if scope.get("path") == "/v1/completions" and status:
+        if scope.get("path") in COUNTED_PATHS and status:
             self.sup.metrics.requests.labels(code=str(status[0])).inc()
             if status[0] == 200:
                 self.sup.metrics.latency.observe(time.monotonic() - t0)
@@ -107,31 +73,7 @@ def create_app(sup: Supervisor) -> FastAPI:
     app = FastAPI(title="dwdp-worker", description="DWDP context (prefill) server", version="0.1.0")
     install_handlers(app)
 
-    @app.post("/v1/completions", response_model=CompletionResponse,
-              responses=error_docs(400, 404, 408, 413, 422, 429, 500, 503),
-              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}})
-    async def completions(request: Request):
-        req = parse_completion(await request.body())
-        if req.model is not None and req.model != sup.model_name:
-            return error_response(404, f"model {req.model!r} is not served here; this server serves "
-                                       f"{sup.model_name!r} (see GET /v1/models)", param="model",
-                                  code="model_not_found")
-        job = await sup.submit(req.prompt, max_tokens=req.max_tokens, top_n=req.logprobs or 0)
-        done = await _answer_or_cancel(sup, request, job)
-        if done is None:
-            return Response(status_code=499)  # nobody reads it: the client is gone (counted in metrics)
-        return _completion(sup, req, done)
-
-    @app.get("/v1/models")
-    async def models():
-        limits = sup.limits()
-        return {"object": "list", "data": [{
-            "id": sup.model_name, "object": "model", "created": int(sup.started_at), "owned_by": "dwdp",
-            "root": sup.model_dir, "max_model_len": limits.max_positions if limits else None,
-            "vocab_size": limits.vocab_size if limits else None, "has_tokenizer": sup.tokenizer is not None,
-            "ranks": len(sup.ranks), "groups": len({h.spec.group for h in sup.ranks}),
-        }]}
+    app.include_router(openai_router(sup))
 
     @app.get("/healthz", responses=PROBE_DOC)
     async def healthz():
@@ -149,22 +91,5 @@ def create_app(sup: Supervisor) -> FastAPI:
     async def metrics():
         return Response(sup.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    _register_request_schema(app)
+    register_request_schemas(app)
     return app
-
-
-def _register_request_schema(app: FastAPI) -> None:
-    """The completions body is parsed by ``http_errors.parse_completion``: add its schema to the document."""
-    from fastapi.openapi.utils import get_openapi
-
-    def openapi():
-        if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            schema = CompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(schema.pop("$defs", {}))
-            schemas["CompletionRequest"] = schema
-            app.openapi_schema = doc
-        return app.openapi_schema
-
-    app.openapi = openapi

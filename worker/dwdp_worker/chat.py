@@ -5,15 +5,14 @@ Invariants:
     ``chat_template.jinja`` beside it, as ``save_pretrained`` writes it). No fallback template is
     invented: without one, chat is a 400 that names what is missing and where it would live — a
     guessed format would silently give a different model input than the model was trained on.
-  * The rendered text is tokenized without adding special tokens (the template already writes BOS
-    and turn markers), exactly like ``/v1/completions`` tokenizes text.
+  * ``render`` returns text; the front tokenizes it like any text prompt, without adding special
+    tokens (the template already writes BOS and turn markers).
   * Template errors (a ``raise_exception`` in the template, e.g. "roles must alternate") are 400s
     with the template's own message, never a 500.
 """
 
 from __future__ import annotations
 
-from . import text
 from .openai_requests import OpenAIRequestError
 
 
@@ -37,8 +36,8 @@ def _text_only(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *, model_dir: str = "") -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *, model_dir: str = "") -> str:
+    """``messages`` rendered with the tokenizer's chat template (text)."""
     if template_of(tokenizer) is None:
         where = f" of {model_dir}" if model_dir else ""
         raise OpenAIRequestError(
@@ -53,4 +52,4 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, 
                                  param="messages", code="chat_template_error") from None
     if not isinstance(rendered, str):  # some tokenizer versions return a list for a batch of one
         rendered = rendered[0]
-    return text.encode(tokenizer, rendered)
+    return rendered

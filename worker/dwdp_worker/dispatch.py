@@ -6,7 +6,8 @@ Runs on the event loop thread only (no locks). Pipeline of one request::
             ─► _dispatch: idle ready rank with the fewest busy ranks in its group, then the fewest
                sequences served (ranks of different groups are independent replicas: least-loaded wins)
                ─► batcher.pack (prefix of the queue, ≤ max_num_tokens) ─► Forward to the rank
-            ─► on_result: append the greedy token; max_tokens reached? finish : re-queue at the head
+            ─► on_result: append the greedy token (none for max_tokens 0: prompt scoring only);
+               on_step says stop (a stop string, EOS) or max_tokens reached? finish : re-queue at the head
 
 Invariants:
   * Every enqueued job is finished exactly once (``finish``): a result, an error, or cancelled.
@@ -24,12 +25,14 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import protocol as p
 from .batcher import pack, queued_tokens, requeue_front
 from .errors import ForwardFailed, ServeError, Unavailable
 from .metrics import Metrics
 from .rank_handle import InFlight, RankHandle
+from .serving_metrics import ServingMetrics
 
 log = logging.getLogger("dwdp_worker.dispatch")
 
@@ -52,6 +55,10 @@ class Job:
     prefetch_wait_s: float = 0.0
     ranks: list[int] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    score_prompt: bool = False       # echo + logprobs: the first forward also scores every prompt token
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    on_step: Callable[["Job"], bool] | None = None  # after each of its forwards; True = finish now
 
     def __post_init__(self):
         self.prompt_len = len(self.tokens)
@@ -62,8 +69,8 @@ class Job:
 
 class Dispatcher:
     def __init__(self, ranks: list[RankHandle], metrics: Metrics, *, max_num_tokens: int, max_num_seqs: int,
-                 batch_wait_s: float):
-        self.ranks, self.metrics = ranks, metrics
+                 batch_wait_s: float, serving: ServingMetrics | None = None):
+        self.ranks, self.metrics, self.serving = ranks, metrics, serving
         self.max_num_tokens, self.max_num_seqs, self.batch_wait_s = max_num_tokens, max_num_seqs, batch_wait_s
         self.queue: deque[Job] = deque()
         self.jobs: set[Job] = set()
@@ -77,8 +84,10 @@ class Dispatcher:
         self._loop = loop
 
     # -- jobs -------------------------------------------------------------------------------------------
-    def enqueue(self, tokens: list[int], *, max_tokens: int, top_n: int) -> Job:
-        job = Job(tokens=list(tokens), max_tokens=max_tokens, top_n=top_n, future=self._loop.create_future())
+    def enqueue(self, tokens: list[int], *, max_tokens: int, top_n: int, score_prompt: bool = False,
+                on_step: Callable[[Job], bool] | None = None) -> Job:
+        job = Job(tokens=list(tokens), max_tokens=max_tokens, top_n=top_n, future=self._loop.create_future(),
+                  score_prompt=score_prompt, on_step=on_step)
         job.t_enqueued = time.monotonic()
         self.jobs.add(job)
         self.queue.append(job)
@@ -125,25 +134,33 @@ class Dispatcher:
         if held is None:
             log.error("%s answered batch %s it does not hold (ignored)", h.describe(), msg.batch_id)
             return
-        self.metrics.forward.observe(time.monotonic() - held.sent_at)
+        now = time.monotonic()
+        self.metrics.forward.observe(now - held.sent_at)
         continuing = []
+        scores = msg.prompt or [None] * len(held.jobs)
         for i, job in enumerate(held.jobs):
             if job.future.done():
                 continue  # cancelled: the client went away
-            tok = int(msg.next_ids[i])
-            job.generated.append(tok)
-            job.logprobs.append(float(msg.logprobs[i]))
-            job.tops.append(msg.top[i][: job.top_n])
+            if scores[i] is not None:
+                job.prompt_logprobs, job.prompt_tops = scores[i].logprobs, [t[: job.top_n] for t in scores[i].top]
             job.compute_s += msg.compute_s
             job.prefetch_wait_s += msg.prefetch_wait_s
             job.ranks.append(h.gid)
             job.batch_sizes.append(len(held.jobs))
-            if len(job.generated) >= job.max_tokens:
+            if job.max_tokens > 0:
+                job.generated.append(int(msg.next_ids[i]))
+                job.logprobs.append(float(msg.logprobs[i]))
+                job.tops.append(msg.top[i][: job.top_n])
+                if len(job.generated) == 1 and self.serving is not None:
+                    self.serving.first_token(now - job.t_admit)
+            if job.on_step is not None and job.on_step(job):
+                self.finish(job)  # a stop string or end-of-sequence: no forward after it
+            elif len(job.generated) >= job.max_tokens:
                 self.finish(job)
             elif self.failing:
                 self.finish(job, Unavailable(f"the server is failing ({self.failing}); retry on another replica"))
             else:
-                job.tokens.append(tok)
+                job.tokens.append(job.generated[-1])
                 continuing.append(job)
         requeue_front(self.queue, continuing)
         self.kick()
@@ -193,7 +210,9 @@ class Dispatcher:
     def _send(self, rank: RankHandle, jobs: list[Job]) -> None:
         batch_id = next(self._batch_ids)
         try:
-            rank.send(p.Forward(batch_id, [list(j.tokens) for j in jobs], max(j.top_n for j in jobs)))
+            score = [j.score_prompt and not j.ranks for j in jobs]  # scored once: in its first forward
+            rank.send(p.Forward(batch_id, [list(j.tokens) for j in jobs], max(j.top_n for j in jobs),
+                                score if any(score) else None))
         except OSError as exc:
             log.error("could not send a batch to %s: %s", rank.describe(), exc)
             requeue_front(self.queue, jobs)

@@ -5,7 +5,8 @@ Invariants:
     message that says what to change; no traceback ever reaches a client.
   * 429 and 503 carry ``Retry-After`` (seconds); 405 carries ``Allow``; 408 and 413 close the connection
     (the rest of the body was never read).
-  * The request body of ``POST /v1/completions`` is parsed here (``parse_completion``), not by FastAPI, so
+  * The request bodies of ``POST /v1/completions`` and ``/v1/chat/completions`` are parsed here
+    (``parse_body``), not by FastAPI, so
     every way a body can fail to be JSON (bad syntax, invalid UTF-8, another encoding, nesting deeper
     than the parser's limit) is the same documented 400 ``json_invalid``, and schema violations a 422.
 """
@@ -22,7 +23,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import ServeError
-from .schemas import CompletionRequest, ErrorResponse, error_json
+from pydantic import BaseModel
+
+from .schemas import ErrorResponse, error_json
+
+#: the four shapes of an OpenAI ``prompt``; pydantic reports one error per union member, we say it once
+PROMPT_FORMS = "a string, a list of strings, a list of token ids (strict integers) or a list of token-id lists"
 
 log = logging.getLogger("dwdp_worker.api")
 
@@ -55,8 +61,8 @@ def describe_validation(errors) -> tuple[str, str | None]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         where = ".".join(loc) or "body"
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown field (this server accepts: " + ", ".join(CompletionRequest.model_fields) + ")"
+        if loc[:1] == ["prompt"] and len(loc) > 1:
+            where, msg = "prompt", f"must be {PROMPT_FORMS}"
         parts.append(f"{where}: {msg}")
         params.append(loc[0] if loc else None)
     uniq = list(dict.fromkeys(parts))
@@ -68,10 +74,10 @@ def _json_invalid(reason: str) -> RequestInvalid:
                           code="json_invalid")
 
 
-def parse_completion(body: bytes) -> CompletionRequest:
-    """The request, or ``RequestInvalid`` (400 ``json_invalid`` / 422 ``invalid_field``) with the reason."""
+def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
+    """The request as ``model``, or ``RequestInvalid`` (400 ``json_invalid`` / 422 ``invalid_field``) with the reason."""
     try:
-        return CompletionRequest.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors()
         if errors[0].get("type") != "json_invalid":
@@ -85,7 +91,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     except (ValueError, RecursionError):  # bad syntax, invalid UTF-8 (UnicodeDecodeError), too deep
         raise _json_invalid(reason) from None
     try:
-        return CompletionRequest.model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as exc:
         message, param = describe_validation(exc.errors())
         raise RequestInvalid(422, message, code="invalid_field", param=param) from None

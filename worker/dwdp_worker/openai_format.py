@@ -10,9 +10,13 @@ Invariants:
     last ``len(longest stop) - 1`` characters (and a trailing U+FFFD, half of a multi-byte character)
     until the next token shows they are not the start of a stop string.
   * ``token_ids`` and the log-probabilities of a stopped choice end with the token that completed
-    the stop string; text ends before the stop string (OpenAI's and vLLM's convention).
+    the stop string; text ends before the stop string (OpenAI's and vLLM's convention). The
+    tokenizer's end-of-sequence token ends a generation the same way (its text is not returned)
+    unless the request sets ``ignore_eos`` (vLLM's field).
   * Completions with ``echo`` + ``logprobs``: ``tokens`` lists prompt then generated tokens; the
     first prompt token has no log-probability (``null``, nothing precedes it), like OpenAI.
+    ``text_offset`` indexes the concatenation of ``tokens`` (cheap and exact for that string; it can
+    differ from ``text`` where the tokenizer's decode joins tokens with spaces).
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ class FinishReason(str, Enum):
 class TextStream:
     """Detokenize a growing generation; apply stop strings; hand out only text that is final."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
-        self._tok, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), eos_id: int | None = None):
+        self._tok, self.stops, self.eos_id = tokenizer, stops, eos_id
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""            # text decided so far (never contains a stop string)
         self.emitted = 0          # characters of ``text`` already handed out
@@ -50,8 +54,9 @@ class TextStream:
         """Feed all generated ids so far; returns the new final text (may be empty)."""
         if self.stopped:
             return ""
-        full = text.decode(self._tok, generated)
-        cut = min((i for i in (full.find(s) for s in self.stops) if i >= 0), default=-1)
+        at_eos = bool(generated) and self.eos_id is not None and generated[-1] == self.eos_id
+        full = text.decode(self._tok, generated[:-1] if at_eos else generated)
+        cut = min((i for i in (full.find(s) for s in self.stops) if i >= 0), default=len(full) if at_eos else -1)
         if cut >= 0:
             self.stopped, self.tokens_kept = True, len(generated)
             self.text = full[:cut]
@@ -78,6 +83,7 @@ class PromptOutcome:
     """What the front computed for one prompt (built by the route from the supervisor's job)."""
 
     plan: PromptPlan
+    prompt_tokens: list[int]                                        # the prompt as the model saw it
     generated: list[int]
     logprobs: list[float]
     tops: list[list[tuple[int, float]]]
@@ -101,10 +107,11 @@ def _top_dict(tokenizer, top: list[tuple[int, float]], n: int) -> dict[str, floa
 def completion_logprobs(tokenizer, o: PromptOutcome, *, echo: bool, top_n: int, offset0: int = 0) -> CompletionLogprobs:
     ids, lps, tops = [], [], []
     if echo:
-        ids += o.plan.tokens
-        lps += [None] + list(o.prompt_logprobs) if o.plan.score_prompt else [None] * len(o.plan.tokens)
+        n = len(o.prompt_tokens)
+        ids += o.prompt_tokens
+        lps += [None] + list(o.prompt_logprobs) if o.plan.score_prompt else [None] * n
         tops += [None] + [_top_dict(tokenizer, t, top_n) for t in o.prompt_tops] if o.plan.score_prompt \
-            else [None] * len(o.plan.tokens)
+            else [None] * n
     ids += o.generated
     lps += o.logprobs
     tops += [_top_dict(tokenizer, t, top_n) for t in o.tops]
@@ -116,8 +123,13 @@ def completion_logprobs(tokenizer, o: PromptOutcome, *, echo: bool, top_n: int, 
     return CompletionLogprobs(tokens=strs, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
 
 
+def echo_text(o: PromptOutcome, tokenizer) -> str:
+    """The prompt as echoed: the text as sent, or the decoded ids (empty without a tokenizer)."""
+    return o.plan.prompt if isinstance(o.plan.prompt, str) else text.decode(tokenizer, o.prompt_tokens)
+
+
 def _usage(outcomes: list[PromptOutcome]) -> Usage:
-    p = sum(len(o.plan.tokens) for o in outcomes)
+    p = sum(len(o.prompt_tokens) for o in outcomes)
     c = sum(len(o.generated) for o in outcomes)
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
@@ -126,7 +138,7 @@ def completion_response(plan: RequestPlan, outcomes: list[PromptOutcome], tokeni
                         model: str) -> CompletionResponse:
     choices = []
     for o in sorted(outcomes, key=lambda o: o.plan.index):
-        prefix = (o.plan.prompt_text or "") if plan.echo else ""
+        prefix = echo_text(o, tokenizer) if plan.echo else ""
         lp = completion_logprobs(tokenizer, o, echo=plan.echo, top_n=plan.top_n) if plan.logprobs else None
         choices.append(CompletionChoice(index=o.plan.index, text=prefix + o.text, token_ids=o.generated, logprobs=lp,
                                         finish_reason=o.finish_reason.value))

@@ -1,8 +1,10 @@
 """OpenAI request → internal plan: what to run for each prompt, and why a request is refused.
 
 Pure functions (no asyncio, no HTTP): ``plan_completion`` and ``plan_chat`` turn a parsed request
-(``openai_schemas``) into a ``RequestPlan`` — one ``PromptPlan`` (token ids + what to return) per
-prompt — or raise ``OpenAIRequestError`` with the HTTP status, the message and the offending field.
+(``openai_schemas``) into a ``RequestPlan`` — one ``PromptPlan`` (the prompt, text or token ids, and
+what to return) per prompt — or raise ``OpenAIRequestError`` with the HTTP status, the message and the
+offending field. Tokenizing and admission stay with the front (``Supervisor.submit``), which does
+them off the event loop for every endpoint alike.
 
 Invariants:
   * This server decodes greedily and only greedily. A parameter that would change the answer away
@@ -12,7 +14,7 @@ Invariants:
   * Unknown fields are ignored; each unknown field name is logged once per process (a gateway that
     adds a field on every request must not flood the log).
   * A list of prompts is one choice per prompt, ``index`` = position in the list; each prompt is
-    admitted on its own (a too-long one is a 400 naming its index) before any of them runs.
+    admitted on its own, and the request fails as a whole if one of them is refused.
   * ``max_tokens: 0`` is prompt scoring: only with ``echo`` (the answer is the prompt itself, with
     its log-probabilities when ``logprobs`` is set); it generates nothing.
 """
@@ -25,7 +27,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
-from . import text
 from .openai_schemas import MAX_STOP_SEQUENCES, ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("dwdp_worker.openai")
@@ -52,8 +53,7 @@ class PromptPlan:
     """One prompt: the tokens to run and what its choice returns."""
 
     index: int
-    tokens: list[int]
-    prompt_text: str | None          # the prompt as text (for echo); None for token prompts without a tokenizer
+    prompt: str | list[int]          # text (tokenized by the front) or token ids
     max_tokens: int
     top_n: int                       # top-N log-probabilities per generated token (0 = none)
     score_prompt: bool               # also return the log-probability of every prompt token (echo + logprobs)
@@ -69,6 +69,7 @@ class RequestPlan:
     logprobs: bool = False           # return log-probabilities at all (completions: logprobs set; chat: logprobs)
     top_n: int = 0
     stop: tuple[str, ...] = ()
+    stop_at_eos: bool = True         # the tokenizer's end-of-sequence token ends a generation (not ignore_eos)
     ignored_fields: tuple[str, ...] = field(default=())
 
 
@@ -135,28 +136,15 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 # -- prompts ------------------------------------------------------------------------------------------
-def completion_prompts(prompt, tokenizer) -> list[tuple[list[int], str | None]]:
-    """(token ids, text) per prompt: a text, a list of texts, token ids, or a list of token-id lists."""
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """One entry per prompt: a text, a list of texts, token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
-        items: list = [prompt]
-    elif prompt and isinstance(prompt[0], list):
-        items = list(prompt)
-    elif prompt and isinstance(prompt[0], str):
-        items = list(prompt)
-    else:
-        items = [prompt]  # token ids (possibly empty: admission refuses it with the reason)
-    if not items:
-        raise OpenAIRequestError("prompt is an empty list: send at least one prompt", param="prompt")
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            if tokenizer is None:
-                raise OpenAIRequestError("this checkpoint has no tokenizer: send prompt as token ids "
-                                         "(a list of ints, or a list of such lists)", param="prompt")
-            out.append((text.encode(tokenizer, item), item))
-        else:
-            out.append((list(item), text.decode(tokenizer, list(item)) if tokenizer is not None else None))
-    return out
+        return [prompt]
+    if prompt and isinstance(prompt[0], (list, str)):
+        return list(prompt)
+    if not prompt:
+        return [[]]  # an empty token prompt: admission refuses it with the reason
+    return [list(prompt)]
 
 
 def _max_tokens(value: int | None, *, echo: bool, param: str = "max_tokens") -> int:
@@ -167,23 +155,30 @@ def _max_tokens(value: int | None, *, echo: bool, param: str = "max_tokens") -> 
     return n
 
 
+def _stop_needs_text(stops: tuple[str, ...], tokenizer) -> tuple[str, ...]:
+    if stops and tokenizer is None:
+        raise OpenAIRequestError("stop strings need a tokenizer (this checkpoint has none) to turn ids into text",
+                                 param="stop")
+    return stops
+
+
 def plan_completion(req: CompletionRequest, tokenizer) -> RequestPlan:
     check_served(req)
     ignored = ignored_fields(req)
     max_tokens = _max_tokens(req.max_tokens, echo=req.echo)
     top_n = req.logprobs or 0
     score = req.echo and req.logprobs is not None
-    prompts = [PromptPlan(index=i, tokens=tokens, prompt_text=ptext, max_tokens=max_tokens, top_n=top_n,
-                          score_prompt=score)
-               for i, (tokens, ptext) in enumerate(completion_prompts(req.prompt, tokenizer))]
+    prompts = [PromptPlan(index=i, prompt=prompt, max_tokens=max_tokens, top_n=top_n, score_prompt=score)
+               for i, prompt in enumerate(completion_prompts(req.prompt))]
     return RequestPlan(endpoint=Endpoint.COMPLETIONS, prompts=prompts, stream=req.stream,
                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                       echo=req.echo, logprobs=req.logprobs is not None, top_n=top_n, stop=_stop(req.stop),
+                       echo=req.echo, logprobs=req.logprobs is not None, top_n=top_n,
+                       stop=_stop_needs_text(_stop(req.stop), tokenizer), stop_at_eos=not req.ignore_eos,
                        ignored_fields=ignored)
 
 
-def plan_chat(req: ChatCompletionRequest, tokenizer, render: Callable[..., list[int]]) -> RequestPlan:
-    """``render(tokenizer, messages, add_generation_prompt)`` → prompt token ids (``chat.render``)."""
+def plan_chat(req: ChatCompletionRequest, tokenizer, render: Callable[..., str]) -> RequestPlan:
+    """``render(tokenizer, messages, add_generation_prompt)`` → the prompt text (``chat.render``)."""
     check_served(req)
     ignored = ignored_fields(req)
     if req.top_logprobs and not req.logprobs:
@@ -194,10 +189,10 @@ def plan_chat(req: ChatCompletionRequest, tokenizer, render: Callable[..., list[
     if tokenizer is None:
         raise OpenAIRequestError("this checkpoint has no tokenizer: chat needs one (and a chat template); "
                                  "use /v1/completions with token ids", param="messages")
-    tokens = render(tokenizer, [m.model_dump(exclude_none=True) for m in req.messages], req.add_generation_prompt)
+    rendered = render(tokenizer, [m.model_dump(exclude_none=True) for m in req.messages], req.add_generation_prompt)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
-    prompt = PromptPlan(index=0, tokens=tokens, prompt_text=None, max_tokens=max_tokens, top_n=top_n,
-                        score_prompt=False)
+    prompt = PromptPlan(index=0, prompt=rendered, max_tokens=max_tokens, top_n=top_n, score_prompt=False)
     return RequestPlan(endpoint=Endpoint.CHAT, prompts=[prompt], stream=req.stream,
                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                       logprobs=req.logprobs, top_n=top_n, stop=_stop(req.stop), ignored_fields=ignored)
+                       logprobs=req.logprobs, top_n=top_n, stop=_stop(req.stop), stop_at_eos=not req.ignore_eos,
+                       ignored_fields=ignored)

@@ -67,6 +67,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Number] | None = None
     seed: StrictInt | None = Field(default=None, description="accepted: greedy decoding is deterministic")
     stop: StrictStr | list[StrictStr] | None = Field(default=None, description=f"up to {MAX_STOP_SEQUENCES} strings")
+    ignore_eos: StrictBool = Field(default=False, description="keep generating past the end-of-sequence token "
+                                   "(vLLM's field)")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None

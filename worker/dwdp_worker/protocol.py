@@ -4,13 +4,15 @@ A rank process (``rank_process``) and the front's handle of it (``rank_handle``)
 dataclasses over one duplex ``multiprocessing`` ``Connection`` (pickled; ``spawn`` re-imports this
 module in the child, so both sides decode the same types)::
 
-    front → rank:  Forward(batch_id, sequences, top_n)   one step of each packed sequence
+    front → rank:  Forward(batch_id, sequences, top_n, score)  one step of each packed sequence; ``score``
+                                                          flags the sequences whose prompt is also scored
                    Stop()                                leave the group and exit 0
     rank  → front: PhaseChanged(phase)                   starting → rendezvous → loading → warmup
                    LoadProgress(...)                     what the load has done so far (logged at info)
                    Ready(info)                           vocab size, context length, pid, stats
                    Heartbeat(stats)                      every ``timeouts.RANK_HEARTBEAT_S``, busy or idle
-                   StepResult(batch_id, …)               per sequence: next id, its logprob, top-N
+                   StepResult(batch_id, …)               per sequence: next id, its logprob, top-N (and
+                                                         the prompt's scores for flagged sequences)
                    StepFailed(batch_id, message)         the forward raised; the rank keeps serving
                    PeerLost(message)                     the group is broken; the rank exits 1 next
                    Fatal(message)                        start-up or serving failed; the process exits 1
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from . import timeouts
+from .scoring import PromptScores
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +99,7 @@ class Forward:
     batch_id: int
     sequences: list[list[int]]
     top_n: int
+    score: list[bool] | None = None  # per sequence: also the logprob of every prompt token (echo + logprobs)
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ class StepResult:
     prefetch_wait_s: float
     forward_s: float
     stats: RankStats
+    prompt: list[PromptScores | None] | None = None  # per sequence, when Forward.score flagged it
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from dwdp_runtime.contract import TuningEnv
 from . import protocol as p
 from . import timeouts
 from .load_progress import report_bars_to
+from .scoring import PromptScores, next_tokens, prompt_scores
 
 log = logging.getLogger("dwdp_worker.rank")
 
@@ -86,18 +87,11 @@ class RankLink:
         self._stop.set()
 
 
-def _top(logits, top_n: int):
-    import torch
-
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    nxt = torch.argmax(logits, dim=-1)
-    chosen = logp.gather(1, nxt[:, None])[:, 0]
-    top: list[list[tuple[int, float]]] = [[] for _ in range(len(nxt))]
-    if top_n > 0:
-        k = min(top_n, logp.shape[-1])
-        vals, ids = torch.topk(logp, k, dim=-1)
-        top = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
-    return nxt.tolist(), chosen.tolist(), top
+def _prompt_scores(res, msg: p.Forward) -> list[PromptScores | None] | None:
+    if res.prompt_logits is None:
+        return None
+    return [None if lg is None else prompt_scores(lg, seq, msg.top_n)
+            for lg, seq in zip(res.prompt_logits, msg.sequences)]
 
 
 def rank_main(spec: p.RankSpec, conn) -> None:
@@ -231,8 +225,9 @@ def _loop(engine, link: RankLink, monitor) -> int:
         t0 = time.perf_counter()
         link.busy = True
         try:
-            res = engine.forward(msg.sequences)
-            next_ids, logprobs, top = _top(res.logits, msg.top_n)
+            res = engine.forward(msg.sequences, msg.score)
+            next_ids, logprobs, top = next_tokens(res.logits, msg.top_n)
+            scores = _prompt_scores(res, msg)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
             log.exception("forward of batch %s failed", msg.batch_id)
             link.send(p.StepFailed(msg.batch_id, f"{type(exc).__name__}: {exc}"))
@@ -242,4 +237,4 @@ def _loop(engine, link: RankLink, monitor) -> int:
         link.stats = _stats(engine)
         link.send(p.StepResult(batch_id=msg.batch_id, next_ids=next_ids, logprobs=logprobs, top=top,
                                compute_s=float(res.compute_s), prefetch_wait_s=float(res.prefetch_wait_s),
-                               forward_s=time.perf_counter() - t0, stats=link.stats))
+                               forward_s=time.perf_counter() - t0, stats=link.stats, prompt=scores))

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from . import probes, timeouts
 from . import protocol as p
@@ -31,6 +31,7 @@ from .admission import Limits, admit, text_fits
 from .dispatch import Dispatcher, Job
 from .errors import BadPrompt, NotReady, QueueFull, Unavailable
 from .metrics import Metrics
+from .serving_metrics import RequestLoad, ServingMetrics
 from .rank_handle import RankHandle
 from . import text
 
@@ -62,8 +63,9 @@ class Supervisor:
         self.tokenizer_ready = not text.has_tokenizer_files(model_dir)
         self.started_at = time.time()
         self.metrics = Metrics(self.snapshot)
+        self.serving = ServingMetrics(self.metrics.registry, self.request_load)
         self.dispatch = Dispatcher(self.ranks, self.metrics, max_num_tokens=max_num_tokens,
-                                   max_num_seqs=max_num_seqs, batch_wait_s=batch_wait_s)
+                                   max_num_seqs=max_num_seqs, batch_wait_s=batch_wait_s, serving=self.serving)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -230,8 +232,15 @@ class Supervisor:
         if self.draining:
             raise Unavailable("the server is draining (stopping): it accepts no new requests; retry on another replica")
 
-    async def submit(self, prompt: str | list[int], *, max_tokens: int, top_n: int) -> Job:
-        """Admit and enqueue one request; raises ``ServeError`` (400/429/503) with the reason."""
+    def request_load(self) -> RequestLoad:
+        """The model-server protocol's load gauges (``serving_metrics``): sequences waiting and running."""
+        waiting = sum(1 for j in self.jobs if j.t_first is None)
+        return RequestLoad(waiting=waiting, running=len(self.jobs) - waiting)
+
+    async def submit(self, prompt: str | list[int], *, max_tokens: int, top_n: int, score_prompt: bool = False,
+                     on_step: Callable[[Job], bool] | None = None) -> Job:
+        """Admit and enqueue one request; raises ``ServeError`` (400/429/503) with the reason.
+        ``score_prompt``/``on_step``: see ``dispatch.Job`` (the OpenAI layer's echo scoring, stop strings)."""
         self._refuse_if_closed()
         limits = self.limits()
         if limits is None or not self.tokenizer_ready or not any(h.ready for h in self.ranks):
@@ -239,19 +248,20 @@ class Supervisor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise BadPrompt("this checkpoint has no tokenizer: send prompt as a list of token ids")
-            why = text_fits(prompt, max_tokens, limits, self.max_token_chars)
+            why = text_fits(prompt, max(1, max_tokens), limits, self.max_token_chars)
             if why:
                 raise BadPrompt(why)
             tokens = await self._loop.run_in_executor(self._text_pool, text.encode, self.tokenizer, prompt)
             self._refuse_if_closed()  # the drain may have started while tokenizing
         else:
             tokens = prompt
-        why = admit(tokens, max_tokens, limits)
+        why = admit(tokens, max(1, max_tokens), limits)  # max_tokens 0 (scoring) still runs the prompt once
         if why:
             raise BadPrompt(why, param="prompt" if "prompt" in why or "token" in why else "max_tokens")
         if len(self.dispatch.queue) >= self.max_queue:
             raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
-        return self.dispatch.enqueue(tokens, max_tokens=max_tokens, top_n=top_n)
+        return self.dispatch.enqueue(tokens, max_tokens=max_tokens, top_n=top_n, score_prompt=score_prompt,
+                                     on_step=on_step)
 
     def cancel(self, job: Job) -> None:
         self.dispatch.cancel(job)
