@@ -3,8 +3,8 @@
 1. write a seeded tiny ``qwen3_moe`` checkpoint (with a small tokenizer) to a temp dir;
 2. start the local launcher (``dwdp-worker --local``, G=1 × D=2 by default, host backend) as a child
    process on a free loopback port and wait for ``/readyz``;
-3. send one text request and one token-id request to ``/v1/completions``; print the answers and
-   ``/healthz``;
+3. send one text request and one token-id request to ``/v1/completions`` and one chat request to
+   ``/v1/chat/completions``; print the answers and ``/healthz``;
 4. run the same checkpoint unsharded with plain ``transformers`` (the oracle) and compare the greedy
    tokens; the demo fails (exit 1) if they differ;
 5. SIGTERM the launcher (drain) and check it exits 0.
@@ -119,6 +119,13 @@ def run_demo(args: argparse.Namespace) -> int:
                 tokens = encode(load_tokenizer(model_dir), PROMPT)
                 r2 = http.post("/v1/completions", json={"prompt": tokens, "max_tokens": 1})
                 _say(f"      same prompt as token ids {tokens}: first token {r2.json()['choices'][0]['token_ids']}")
+                chat = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 2}
+                r3 = http.post("/v1/chat/completions", json=chat)  # the checkpoint's chat template (synth writes one)
+                if r3.status_code != 200:
+                    _say(f"demo: chat request failed: {r3.status_code} {r3.text}")
+                    return 1
+                _say(f"      POST /v1/chat/completions {json.dumps(chat)} → "
+                     f"{json.dumps(r3.json()['choices'][0]['message'])}")
                 health = http.get("/healthz").json()
                 health["ranks"] = [{k: v for k, v in rk.items() if k in ("global_id", "group", "rank", "phase",
                                                                          "forwards", "prefetch_bytes")}
