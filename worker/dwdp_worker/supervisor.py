@@ -31,6 +31,7 @@ from .admission import Limits, admit, text_fits
 from .dispatch import Dispatcher, Job
 from .errors import BadPrompt, NotReady, QueueFull, Unavailable
 from .metrics import Metrics
+from .kv.metrics import budget_summary
 from .serving_metrics import RequestLoad, ServingMetrics
 from .rank_handle import RankHandle
 from . import text
@@ -233,9 +234,13 @@ class Supervisor:
             raise Unavailable("the server is draining (stopping): it accepts no new requests; retry on another replica")
 
     def request_load(self) -> RequestLoad:
-        """The model-server protocol's load gauges (``serving_metrics``): sequences waiting and running."""
+        """The model-server protocol's load gauges (``serving_metrics``): sequences waiting and running, and
+        the KV budget in use once ranks report a KV region (``kv.metrics.budget_summary``; absent before)."""
         waiting = sum(1 for j in self.jobs if j.t_first is None)
-        return RequestLoad(waiting=waiting, running=len(self.jobs) - waiting)
+        now = time.monotonic()
+        kv = budget_summary(h.snapshot(now) for h in self.ranks)
+        return RequestLoad(waiting=waiting, running=len(self.jobs) - waiting,
+                           kv_cache_usage=kv["use"] if kv else None)
 
     async def submit(self, prompt: str | list[int], *, max_tokens: int, top_n: int, score_prompt: bool = False,
                      on_step: Callable[[Job], bool] | None = None) -> Job:
