@@ -81,28 +81,30 @@ def openai_router(sup: Supervisor) -> APIRouter:
                      "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
                **error_docs(400, 404, 408, 413, 422, 429, 500, 503)}
 
+    async def answer(request: Request, model, make_plan):
+        """Parse the body as ``model``, plan it (``make_plan(req)``), run it; errors in OpenAI's format."""
+        req = parse_body(await request.body(), model)
+        try:
+            model_check(req.model)
+            return await run(make_plan(req), request)
+        except (OpenAIRequestError, ServeError) as exc:
+            return openai_error(exc)
+
+    def chat_plan(req: ChatCompletionRequest) -> RequestPlan:
+        if not sup.tokenizer_ready:
+            raise not_ready()
+        render = lambda tok, msgs, gen: chat.render(tok, msgs, gen, model_dir=sup.model_dir)  # noqa: E731
+        return plan_chat(req, sup.tokenizer, render)
+
     @router.post("/v1/completions", response_model=CompletionResponse, responses=answers,
                  openapi_extra=_body_doc("CompletionRequest"))
     async def completions(request: Request):
-        req = parse_body(await request.body(), CompletionRequest)
-        try:
-            model_check(req.model)
-            return await run(plan_completion(req, sup.tokenizer), request)
-        except (OpenAIRequestError, ServeError) as exc:
-            return openai_error(exc)
+        return await answer(request, CompletionRequest, lambda req: plan_completion(req, sup.tokenizer))
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=answers,
                  openapi_extra=_body_doc("ChatCompletionRequest"))
     async def chat_completions(request: Request):
-        req = parse_body(await request.body(), ChatCompletionRequest)
-        try:
-            model_check(req.model)
-            if not sup.tokenizer_ready:
-                raise not_ready()
-            render = lambda tok, msgs, gen: chat.render(tok, msgs, gen, model_dir=sup.model_dir)  # noqa: E731
-            return await run(plan_chat(req, sup.tokenizer, render), request)
-        except (OpenAIRequestError, ServeError) as exc:
-            return openai_error(exc)
+        return await answer(request, ChatCompletionRequest, chat_plan)
 
     def model_card() -> dict:
         limits = sup.limits()
