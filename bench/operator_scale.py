@@ -100,20 +100,25 @@ class PodCounter:
 
     def __init__(self, api, ns: str):
         from kubernetes import client, watch
-        self.count, self.last = 0, 0.0
+        self.count, self.last, self._stopped = 0, 0.0, False
         self._w = watch.Watch()
         core = client.CoreV1Api(api)
 
         def run():
-            for ev in self._w.stream(core.list_namespaced_pod, ns, label_selector="app.kubernetes.io/managed-by=dwdp-operator",
-                                     timeout_seconds=3600):
-                if ev["type"] == "ADDED":
-                    self.count += 1
-                    self.last = time.perf_counter()
+            try:
+                for ev in self._w.stream(core.list_namespaced_pod, ns, timeout_seconds=3600,
+                                         label_selector="app.kubernetes.io/managed-by=dwdp-operator"):
+                    if ev["type"] == "ADDED":
+                        self.count += 1
+                        self.last = time.perf_counter()
+            except Exception:  # noqa: BLE001 — stop() ends the stream mid-chunk
+                if not self._stopped:
+                    raise
         self._t = threading.Thread(target=run, daemon=True)
         self._t.start()
 
     def stop(self) -> None:
+        self._stopped = True
         self._w.stop()
 
 

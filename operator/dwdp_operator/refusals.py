@@ -5,8 +5,9 @@ Invariants:
   1. Nothing here (or anywhere in the operator's logs) prints an ``ApiException`` itself: its
      ``str()`` carries the HTTP headers and body. ``describe`` gives ``<code> <reason>: <message>``.
   2. A refusal is something only a person can fix: the kind is not served (404 on the kind's
-     path), forbidden by RBAC (403), over a ResourceQuota (403 naming a quota), or rejected by
-     validation / an admission webhook (400, 422, or 403 from a webhook). Everything else (409
+     path), forbidden by RBAC (403), over a ResourceQuota (403 naming a quota), rejected by
+     validation / an admission webhook (400, 422, or 403 from a webhook), or a cluster pool is
+     exhausted (the Service IP allocator's 500 "range is full"; found by bench/operator_scale.py). Everything else (409
      conflicts, 429, 5xx, a namespace being deleted) is transient: retried, never a condition.
   3. ``Refusal.reason`` is ``<Kind><Cause>`` (``ComputeDomainNotServed``, ``PodQuotaExceeded``): one
      distinct cause = one reason = one Warning event, however often the create is retried.
@@ -32,6 +33,7 @@ class Cause(StrEnum):
     FORBIDDEN = "Forbidden"
     QUOTA_EXCEEDED = "QuotaExceeded"
     REJECTED = "Rejected"
+    EXHAUSTED = "Exhausted"  # a cluster-wide pool ran out (the Service IP range: a 500 from the allocator)
 
 
 class Refusal(BaseModel):
@@ -77,6 +79,10 @@ def classify(e: ApiException, child: ChildKind, *, ns: str, name: str) -> Refusa
     if e.status in (400, 422) or (e.status == 403 and "admission webhook" in lowered):
         return _refusal(child, Cause.REJECTED, f"{what} rejected ({e.status}): {said}; fix the spec fields it "
                                                f"names or the admission policy that refuses it")
+    if e.status == 500 and "range is full" in lowered:
+        return _refusal(child, Cause.EXHAUSTED, f"{what}: {said}; the cluster's Service IP range is used up: "
+                                                f"delete unused Services or widen the API server's "
+                                                f"--service-cluster-ip-range")
     if e.status == 403 and "quota" in lowered:
         return _refusal(child, Cause.QUOTA_EXCEEDED, f"{what} over quota: {said}; raise the ResourceQuota of "
                                                      f"namespace {ns} or lower numGroups / gpusPerPod")

@@ -46,6 +46,12 @@ def test_forbidden_quota_and_webhook_are_distinct_causes():
     assert "create on pods in namespace n" in forbidden.message
 
 
+def test_service_ip_range_full_is_a_refusal():
+    e = _exc(500, "InternalError", "Internal error occurred: failed to allocate a serviceIP: range is full")
+    r = classify(e, KINDS["Service"], ns="n", name="s")
+    assert r.reason == "ServiceExhausted" and "--service-cluster-ip-range" in r.message
+
+
 @pytest.mark.parametrize("exc", [_exc(409, "Conflict"), _exc(500, "InternalError"), _exc(429, "TooManyRequests"),
                                  _exc(404, "NotFound", "namespaces \"n\" not found", {"kind": "namespaces"})])
 def test_transient_answers_are_not_refusals(exc):

@@ -19,7 +19,7 @@ import kopf
 
 from .. import labels as L
 from ..observed import slim_pod
-from ..reconciler import Reconciler, Settings, owner_key
+from ..reconciler import IO_THREADS, Reconciler, Settings, owner_key
 from ..spec import GROUP, PLURAL, VERSION
 
 POD_FILTER = {L.MANAGED_BY: L.MANAGER, L.COMPONENT: "worker"}
@@ -74,12 +74,17 @@ class PodIndexRef:
 
 
 def _load_kube_config() -> None:
-    """The kubernetes client used by apply.py: in-cluster service account, else KUBECONFIG."""
-    from kubernetes import config
+    """The kubernetes client used by apply.py: in-cluster service account, else KUBECONFIG; its
+    connection pool as large as the reconciler's thread pool (urllib3 discards, and re-opens,
+    every connection beyond the pool: TLS handshakes under load)."""
+    from kubernetes import client, config
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    cfg = client.Configuration.get_default_copy()
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, IO_THREADS * 2)
+    client.Configuration.set_default(cfg)
 
 
 @kopf.on.cleanup()
