@@ -157,6 +157,7 @@ def test_unknown_fields_and_neutral_sampling_values_are_accepted(client, ref):
     (dict(prompt=[[1], [1] * 70]), openai.BadRequestError, "prompt[1]"),
     (dict(prompt=[1], extra_body={"max_tokens": "3"}), openai.UnprocessableEntityError, "max_tokens"),
     (dict(prompt=[1], model="other"), openai.NotFoundError, "not served"),
+    (dict(prompt=[[1]] * 300), openai.RateLimitError, "queue is full"),  # > --max-queue 256: all or nothing
 ])
 def test_errors_are_openai_typed_exceptions(client, kwargs, exc, needle):
     kwargs.setdefault("model", "tiny")
