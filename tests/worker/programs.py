@@ -130,3 +130,31 @@ def engine_api_program(rank, world, port, *, model_dir):
         except RuntimeError as exc:
             out["after_close"] = str(exc)
     return out
+
+
+def matrix_program(rank, world, port, *, runs, batches, ports, rendezvous_timeout_s=30.0):
+    """``oracle_program`` for the support matrix: many model types in one process set, one failure per run
+    recorded (``{"error": text}``) instead of ending the rank, so one architecture cannot hide the others."""
+    import torch
+
+    torch.set_num_threads(1)
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_worker.engine import Engine, num_experts_of
+
+    out = {}
+    for job, model_dir, k, s in runs:
+        try:
+            cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
+                             num_prefetch_experts=s)
+            with _rdzv(rank, world, ports[job], job, timeout_s=rendezvous_timeout_s) as rdzv:
+                engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
+                                      token="tok", progress=False)
+                try:
+                    results = [engine.forward(b) for b in batches]
+                    out[job] = {"logits": [r.logits.numpy() for r in results], "stats": engine.stats(),
+                                "local": engine.manager.local_range}
+                finally:
+                    engine.close()
+        except Exception as exc:  # noqa: BLE001 - reported per model type
+            out[job] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+    return out

@@ -14,7 +14,8 @@ can read only its own experts' bytes:
   * followed by ``Concatenate(dim=d)``, d ≥ 1 → the parts (e.g. gate then up, in source-pattern order) are
     concatenated along per-expert dim d − 1 (``gate_up_proj[e] = cat([gate_e, up_e], 0)``);
   * a plain rename, or no rule at all, onto the fused name → FUSED: experts [a, b) are rows [a, b);
-  * ``Transpose(dim0, dim1)`` of a fused tensor with both dims ≥ 1 → FUSED with per-expert dims swapped;
+  * ``Transpose(dim0, dim1)`` of a fused tensor with both dims ≥ 1 → FUSED with per-expert dims swapped
+    (with ``check_dims``, as `transformers` does, only when the stored shape differs from the model's);
   * anything else (interleaving, text/vision expert splits, dequantizing converters) is refused with an
     ``UnsupportedModelError`` that names the tensor and the operation.
 
@@ -112,6 +113,9 @@ def _expert_source(full: str, num_experts: int, expert_shape: tuple[int, ...], m
             concat_dim = op.dim - 1
         elif isinstance(op, Transpose) and not per_expert and min(op.dim0, op.dim1) >= 1 and transpose is None:
             transpose = (op.dim0 - 1, op.dim1 - 1)
+            key = matches[0].key
+            if getattr(op, "check_dims", False) and tuple(shape_of(key)) == (num_experts, *expert_shape):
+                transpose = None  # transformers transposes only a tensor whose shape differs from the model's
         else:
             raise UnsupportedModelError(
                 f"{full}: the checkpoint conversion {conv.source_patterns} -> {conv.target_patterns} uses {op!r}; "

@@ -74,8 +74,9 @@ class Engine:
         self.hf_config = hf_config
         self.model_dir = model_dir
         self.load_report = load_report
-        self.vocab_size: int = int(hf_config.vocab_size)
-        self.max_positions: int = int(getattr(hf_config, "max_position_embeddings", 1 << 30))
+        text_config = hf_config.get_text_config()  # a vision-language model keeps its vocabulary there
+        self.vocab_size: int = int(text_config.vocab_size)
+        self.max_positions: int = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         self.device = manager.device
         self._lock = threading.Lock()
         self._closed = False

@@ -8,8 +8,8 @@ Pipeline (``load_sharded``):
      it loads into by `transformers`' own conversion rules (``checkpoint_names``);
   4. load every dense tensor (attention, norms, embeddings, routers, shared experts, dense MLPs) fully
      onto ``manager.device`` from the safetensors files, in the dtype of the meta parameter;
-  5. rebuild non-persistent buffers (rotary ``inv_freq``) with the model's own ``_init_weights``
-     — the same path `from_pretrained` takes for them;
+  5. rebuild non-persistent buffers (rotary ``inv_freq``) with the owning (sub-)model's ``_init_weights``
+     — the same path `from_pretrained` takes for them (loaded parameters flagged initialised);
   6. for each experts module (forward order) register the layer with DWDP and a ``fill`` callback per
      sharded tensor (weights and per-expert biases) that reads **only experts [a, b)** of this rank from
      safetensors (one expert at a time, or the row range of a fused tensor) straight into the transport
@@ -80,10 +80,11 @@ def resolve_dtype(config, dtype):
 def build_meta_model(config, dtype):
     """The model on the meta device with the kernels ``from_pretrained`` would select."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from .synth_config import serving_auto_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = serving_auto_class(config).from_config(config, dtype=dtype)
     model.eval()
     return model
 
@@ -95,8 +96,9 @@ def _set_tensor(model, name: str, value, *, buffer: bool) -> None:
     mod = model.get_submodule(mod_name) if mod_name else model
     if buffer:
         mod._buffers[attr] = value
-    else:
-        mod._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    else:  # requires_grad as from_pretrained leaves it: some kernels (Jamba's selective scan) branch on it
+        old = mod._parameters.get(attr)
+        mod._parameters[attr] = torch.nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
 
 
 @dataclass
@@ -140,7 +142,6 @@ def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: Safetensor
     todo.update({n: (t, True) for n, t in model.named_buffers() if n not in non_persistent})
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     nbytes = 0
-    missing = []
     done: set[str] = set()
     read = quant.dense_reader(ckpt, device)
     from tqdm.auto import tqdm
@@ -149,11 +150,7 @@ def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: Safetensor
                      disable=not progress):
         if name in done:
             continue
-        produced = dense_tensors(model, name, cmap, read)
-        if name not in produced:
-            if name not in tied:
-                missing.append(name)
-            continue
+        produced = dense_tensors(model, name, cmap, read)  # a converter may produce several (q, k, v)
         for out_name, value in produced.items():
             if out_name not in todo or out_name in done:
                 continue
@@ -166,27 +163,45 @@ def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: Safetensor
             _set_tensor(model, out_name, value, buffer=is_buffer)
             nbytes += value.numel() * value.element_size()
             done.add(out_name)
+    missing = [n for n in todo if n not in done and n not in tied]
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} dense tensor(s), e.g. {missing[:3]}")
     if tied:
         model.tie_weights()
-    # non-persistent buffers (rotary inv_freq): empty on the device, then the model's own init
+    _init_non_persistent_buffers(model, non_persistent, device)
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                if t.device.type == "meta" and not layout.is_sharded(n)]
+    if leftover:
+        raise CheckpointError(f"tensors left uninitialised after loading: {leftover[:5]}")
+    return nbytes
+
+
+def _init_non_persistent_buffers(model, names, device) -> None:
+    """Non-persistent buffers (rotary ``inv_freq``, …): empty on the device, then the ``_init_weights`` of the
+    (sub-)model owning the module — what ``from_pretrained`` does. Loaded parameters of the same module are
+    flagged ``_is_hf_initialized`` first, the flag `transformers`' init functions honour, so only the buffers
+    are (re)computed."""
+    import torch
+    from transformers import PreTrainedModel
+
     owners = set()
-    for name in non_persistent:
+    for name in names:
         buf = model.get_buffer(name)
         _set_tensor(model, name, torch.empty_like(buf, device=device), buffer=True)
         owners.add(name.rpartition(".")[0])
     with torch.no_grad():
         for owner in sorted(owners):
             module = model.get_submodule(owner)
-            if any(True for _ in module.parameters(recurse=False)):
-                raise arch.UnsupportedModelError(f"module {owner} mixes parameters and non-persistent buffers")
-            model._init_weights(module)
-    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-                if t.device.type == "meta" and not layout.is_sharded(n)]
-    if leftover:
-        raise CheckpointError(f"tensors left uninitialised after loading: {leftover[:5]}")
-    return nbytes
+            for p in module.parameters(recurse=False):
+                p._is_hf_initialized = True
+            parts = owner.split(".") if owner else []
+            init_model = model
+            for i in range(len(parts), 0, -1):  # the deepest PreTrainedModel above the module dispatches its init
+                candidate = model.get_submodule(".".join(parts[:i]))
+                if isinstance(candidate, PreTrainedModel):
+                    init_model = candidate
+                    break
+            init_model._init_weights(module)
 
 
 def _expert_reader(ckpt: SafetensorsIndex, experts: ExpertsLayout, param: ExpertParam, progress_bar):
@@ -272,7 +287,7 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
         module = model.get_submodule(experts.path)
         for p in experts.params:
             module._parameters[p.name] = torch.nn.Parameter(manager.composite(experts.layer, p.name),
-                                                            requires_grad=False)
+                                                            requires_grad=module._parameters[p.name].requires_grad)
         if experts.path in fp8:
             quant.install_fp8_forward(module, fp8[experts.path], dtype)
     model.dwdp_layout = layout

@@ -1,6 +1,7 @@
 """The unsharded oracle: plain `transformers` on the same checkpoint, packed exactly like the engine.
 
-``reference_logits(model_dir, sequences)`` loads the model with ``AutoModelForCausalLM.from_pretrained``
+``reference_logits(model_dir, sequences)`` loads the model with ``from_pretrained`` of its serving Auto class
+(``AutoModelForCausalLM``, or the image-text-to-text class of a vision-language model)
 (every expert resident, no DWDP), runs one packed forward (``packing.packed_logits``) and returns the
 last-position logits ``[num_sequences, vocab]`` in float32 on CPU. On the same device, dtype and thread
 count the DWDP engine must match it bitwise: DWDP only changes *where* expert bytes live, never the math.
@@ -39,11 +40,12 @@ class Reference:
 
     def __init__(self, model_dir, *, dtype=None, device="cpu", experts: str | None = None):
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from .synth_config import serving_auto_class
 
         config = load_config(model_dir)
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(config, dtype))
+        self.model = serving_auto_class(config).from_pretrained(str(model_dir), dtype=resolve_dtype(config, dtype))
         self.model.to(self.device).eval()
         realign(self.model)
         if experts is not None:  # e.g. "dwdp": the unsharded model on the same experts kernels as the engine

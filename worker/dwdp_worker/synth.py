@@ -1,15 +1,18 @@
 """Synthetic checkpoints: seeded random tiny MoE causal LMs, written exactly as ``save_pretrained`` writes them.
 
-``write_synthetic(arch, out_dir, seed=…)`` builds a real `transformers` model of a supported architecture
-from a small config, fills every parameter from one ``torch.Generator(seed)`` (O(1) activations: weights
+``write_synthetic(model_type, out_dir, seed=…)`` builds a real `transformers` model of **any** architecture
+from a tiny config — hand-sized presets for ``SUPPORTED_ARCHS`` (the GPU oracle's three, sizes adjustable),
+any other model type from its own config class (``synth_config.tiny_config``) — fills every parameter from
+one ``torch.Generator(seed)`` (O(1) activations: weights
 ``randn / sqrt(fan_in)``, norms ``1 + 0.1·randn``, DeepSeek-V3's score-correction bias ``0.1·randn`` so
 that it matters), and calls ``save_pretrained`` (``config.json`` + ``model.safetensors``; per-expert tensors
 in the checkpoint's original layout). With ``tokenizer=True`` a small word-level `tokenizers` tokenizer,
 built offline, is saved beside it.
 
-Invariants: same (arch, seed, sizes, dtype) → byte-identical tensors; defaults are CPU-fast (a forward of
-a few hundred tokens takes milliseconds); every architecture has at least one dense (non-MoE) layer except
-Mixtral (which has none by design).
+Invariants: same (model type, seed, sizes, dtype, transformers version) → byte-identical tensors; defaults
+are CPU-fast (a forward of a few hundred tokens takes milliseconds); the presets have at least one dense
+(non-MoE) layer except Mixtral (which has none by design). ``dwdp-worker synth --list`` prints every model
+type the installed `transformers` offers with the experts interface and whether it builds tiny.
 """
 
 from __future__ import annotations
@@ -78,14 +81,22 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
     import torch
     import transformers as tf
 
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: must be one of {', '.join(q for q in QUANTS if q)} (or none)")
     if fused_experts and quant is None:
         raise ValueError("fused_experts applies to a quantized checkpoint (--quant fp8)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
+    if arch not in SUPPORTED_ARCHS:
+        given = {k: v for k, v in dict(num_experts=num_experts, num_layers=num_layers, hidden_size=hidden_size,
+                                       vocab_size=vocab_size, intermediate_size=intermediate_size,
+                                       moe_intermediate_size=moe_intermediate_size, num_heads=num_heads).items()
+                 if v is not None}
+        if given:
+            raise ValueError(f"{arch}: sizes {sorted(given)} are adjustable for {', '.join(SUPPORTED_ARCHS)} only; "
+                             f"other model types use synth_config.TINY")
+        return _write_from_config_class(arch, pathlib.Path(out_dir), seed=seed, dtype=dtype, tokenizer=tokenizer,
+                                        quant=quant, fused_experts=fused_experts)
     sizes = dict(num_experts=num_experts, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
     sizes = {k: (_DEFAULTS[k] if v is None else int(v)) for k, v in sizes.items()}
     for k, v in sizes.items():
@@ -100,10 +111,27 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
 
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _fill_seeded(model, seed, dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer:
+        write_tokenizer(out, vocab_size=sizes["vocab_size"], max_positions=max_positions)
+    if quant == "fp8":
+        from .fp8_checkpoint import quantize_checkpoint
+
+        quantize_checkpoint(out, fused_experts=fused_experts)
+    return out
+
+
+def _fill_seeded(model, seed: int, dtype: str) -> None:
+    """Every parameter (sorted by name) from one generator; score-correction biases non-zero (routing uses
+    them); meta buffers (none are saved except those) empty."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if p.dim() == 1:
+            if p.dim() <= 1:
                 value = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
             elif name.endswith("embed_tokens.weight"):
                 value = torch.randn(p.shape, generator=gen)
@@ -119,10 +147,28 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
                 continue
             _set(model, name, value.to(b.dtype), buffer=True)
         # non-persistent buffers (rotary inv_freq) are not saved; nothing else stays on meta
+
+
+def _write_from_config_class(model_type: str, out: pathlib.Path, *, seed: int, dtype: str, tokenizer: bool,
+                             quant: str | None = None, fused_experts: bool = False):
+    """Any architecture: its config class made tiny, built on CPU (buffers get the model's own init, under
+    ``torch.manual_seed(seed)``), parameters from the seeded generator, ``save_pretrained``."""
+    import torch
+
+    from .synth_config import TINY_VOCAB, serving_auto_class, tiny_config
+
+    config = tiny_config(model_type)
+    auto = serving_auto_class(config)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto.from_config(config, dtype=torch.float32)
+    _fill_seeded(model, seed, dtype)
     model.config.dtype = dtype
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer:
-        write_tokenizer(out, vocab_size=sizes["vocab_size"], max_positions=max_positions)
+        write_tokenizer(out, vocab_size=TINY_VOCAB, max_positions=getattr(config.get_text_config(),
+                                                                            "max_position_embeddings", 4096))
     if quant == "fp8":
         from .fp8_checkpoint import quantize_checkpoint
 
@@ -174,8 +220,11 @@ def write_tokenizer(out_dir, *, vocab_size: int, max_positions: int = 4096) -> N
 
 # -- CLI delegation (the `dwdp-worker synth` subcommand is owned by the CLI module) ----------------------------
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("arch", choices=SUPPORTED_ARCHS, help="architecture (transformers model_type)")
-    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("arch", nargs="?", metavar="MODEL_TYPE",
+                        help=f"any transformers model_type with MoE experts (see --list); presets with adjustable "
+                             f"sizes: {', '.join(SUPPORTED_ARCHS)}")
+    parser.add_argument("--list", action="store_true", help="list the model types it can build and why others not")
+    parser.add_argument("--out", help="output directory (created)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed → same bytes; default 0)")
     parser.add_argument("--num-experts", type=int, default=None, help=f"default {_DEFAULTS['num_experts']}")
     parser.add_argument("--num-layers", type=int, default=None, help=f"default {_DEFAULTS['num_layers']}")
@@ -197,6 +246,11 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
 def synth_main(args: argparse.Namespace) -> int:
     import sys
 
+    if args.list:
+        return _print_list()
+    if not args.arch or not args.out:
+        print("dwdp-worker synth: error: give MODEL_TYPE and --out DIR (or --list)", file=sys.stderr)
+        return 2
     try:
         path = write_synthetic(args.arch, args.out, seed=args.seed, num_experts=args.num_experts,
                                num_layers=args.num_layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size,
@@ -211,6 +265,19 @@ def synth_main(args: argparse.Namespace) -> int:
     print(f"wrote {args.arch} checkpoint to {path} (layers={cfg.get('num_hidden_layers')}, "
           f"hidden={cfg.get('hidden_size')}, vocab={cfg.get('vocab_size')}, dtype={args.dtype}"
           f"{', quant=' + args.quant if getattr(args, 'quant', None) else ''})")
+    return 0
+
+
+def _print_list() -> int:
+    from .architectures import experts_model_types, probe
+
+    probes = [probe(t) for t in experts_model_types()]
+    width = max(len(p.model_type) for p in probes)
+    for p in probes:
+        detail = (f"{p.auto_class}, experts in layers {list(p.layers)}{', ' + p.flags if p.flags else ''}" if p.ok
+                  else f"refused: {p.reason}")
+        print(f"{p.model_type:<{width}}  {'ok' if p.ok else '--'}  {detail}")
+    print(f"{sum(p.ok for p in probes)} of {len(probes)} model types build tiny")
     return 0
 
 
