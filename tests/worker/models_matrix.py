@@ -71,7 +71,7 @@ def _precheck(path) -> None:
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:220]}"
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def build_matrix(base: pathlib.Path, model_types) -> list[Row]:

@@ -75,8 +75,11 @@ def memory_program(rank, world, port, *, model_dir, k, s):
     from dwdp_worker.engine import Engine, num_experts_of
     from dwdp_worker.loader import build_meta_model, load_config
 
-    # import the modeling code (~130 MiB of interpreter/library state) before measuring weights
-    build_meta_model(load_config(model_dir), torch.float32)
+    # import the modeling code (~130 MiB of interpreter/library state) and build transformers' conversion-rule
+    # table (a process-wide cache of every architecture's rules, a few MiB) before measuring weights
+    from dwdp_worker.checkpoint_names import conversion_rules
+
+    conversion_rules(build_meta_model(load_config(model_dir), torch.float32))
 
     cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
                      num_prefetch_experts=s)

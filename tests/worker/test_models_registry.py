@@ -121,8 +121,10 @@ def test_synth_cli_errors_are_messages(tmp_path, capsys):
     add_synth_arguments(parser)
     assert synth_main(parser.parse_args(["qwen3_moe", "--out", str(tmp_path / "x"), "--num-experts", "1"])) == 2
     assert "num_experts must be >= 2" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parser.parse_args(["llama", "--out", str(tmp_path)])
+    assert synth_main(parser.parse_args(["llama", "--out", str(tmp_path / "l")])) == 2  # dense: nothing to shard
+    assert "llama: the model has no experts module" in capsys.readouterr().err
+    assert synth_main(parser.parse_args(["no_such_type", "--out", str(tmp_path / "n")])) == 2
+    assert "not known to this transformers" in capsys.readouterr().err
     assert synth_main(parser.parse_args(["mixtral", "--out", str(tmp_path / "m"), "--tokenizer"])) == 0
     assert (tmp_path / "m" / "tokenizer.json").is_file()
 

@@ -91,6 +91,11 @@ def probe(model_type: str) -> Probe:
     except (ValueError, UnsupportedModelError) as exc:
         return Probe(model_type, False, reason=_one_line(exc))
     except Exception as exc:  # noqa: BLE001 - the model's own code failed to build: that is the reason
+        unset = _unset_fields_the_model_reads(model_type)
+        if unset and isinstance(exc, TypeError) and "NoneType" in str(exc):
+            return Probe(model_type, False, reason=f"no tiny config possible: the config class leaves "
+                                                   f"{', '.join(unset)} unset (None) and the modeling code needs "
+                                                   f"them; a real checkpoint's config.json sets them")
         return Probe(model_type, False, reason=f"transformers cannot build it tiny ({type(exc).__name__}: "
                                                f"{_one_line(exc)})")
     if not layout.experts:
@@ -100,6 +105,34 @@ def probe(model_type: str) -> Probe:
     flags = ",".join(f for f, on in (("transposed", e.is_transposed), ("gated", e.has_gate), ("bias", e.has_bias),
                                      ("interleaved", not e.is_concatenated)) if on)
     return Probe(model_type, True, auto.__name__, tuple(layout.layers), flags)
+
+
+def _unset_fields_the_model_reads(model_type: str) -> list[str]:
+    """Config fields the tiny config leaves None that the architecture's modeling source reads
+    (``config.<field>``): the usual reason a config class cannot be instantiated usefully without a checkpoint."""
+    import re
+
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from .synth_config import tiny_config
+
+    try:
+        config = tiny_config(model_type)
+    except ValueError:
+        return []
+    module = model_type_to_module_name(model_type)
+    root = pathlib.Path(transformers.__file__).parent / "models" / module
+    source = "".join(f.read_text(encoding="utf-8") for f in root.glob("modeling_*.py"))
+    configs = [config, *(getattr(config, n, None) for n in (getattr(config, "sub_configs", None) or {}))]
+    unset = set()
+    for c in configs:
+        if c is None or not hasattr(c, "to_dict"):
+            continue
+        for field, value in c.to_dict().items():
+            if value is None and not field.endswith("_token_id") and re.search(rf"config\.{re.escape(field)}\b", source):
+                unset.add(field)
+    return sorted(unset)
 
 
 def _one_line(exc: BaseException, limit: int = 240) -> str:

@@ -14,8 +14,9 @@ can read only its own experts' bytes:
   * followed by ``Concatenate(dim=d)``, d ≥ 1 → the parts (e.g. gate then up, in source-pattern order) are
     concatenated along per-expert dim d − 1 (``gate_up_proj[e] = cat([gate_e, up_e], 0)``);
   * a plain rename, or no rule at all, onto the fused name → FUSED: experts [a, b) are rows [a, b);
-  * ``Transpose(dim0, dim1)`` of a fused tensor with both dims ≥ 1 → FUSED with per-expert dims swapped
-    (with ``check_dims``, as `transformers` does, only when the stored shape differs from the model's);
+  * ``Transpose(dim0, dim1)`` / ``Interleave(dim)`` of a fused tensor on dims ≥ 1 → FUSED with those ops run
+    by `transformers` on each expert's slice (``check_dims`` decided once, as `transformers` does, on the
+    whole tensor's shape);
   * anything else (interleaving, text/vision expert splits, dequantizing converters) is refused with an
     ``UnsupportedModelError`` that names the tensor and the operation.
 
@@ -95,7 +96,7 @@ class CheckpointMap:
 # -- experts ---------------------------------------------------------------------------------------------
 def _expert_source(full: str, num_experts: int, expert_shape: tuple[int, ...], matches: list[KeyMatch],
                    shape_of: Callable[[str], tuple[int, ...]]) -> CheckpointSource:
-    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+    from transformers.core_model_loading import Concatenate, MergeModulelist
 
     if not matches:
         raise CheckpointError(f"checkpoint has no tensor for {full} (neither per-expert keys nor a fused tensor)")
@@ -105,22 +106,20 @@ def _expert_source(full: str, num_experts: int, expert_shape: tuple[int, ...], m
         _check_shape(full, key, shape_of(key), (num_experts, *expert_shape))
         return CheckpointSource(SourceKind.FUSED, ((key,),))
     conv = matches[0].converter
-    per_expert, concat_dim, transpose = False, 0, None
+    per_expert, concat_dim, slice_ops = False, 0, []
     for op in conv.operations:
-        if isinstance(op, MergeModulelist) and op.dim == 0 and not per_expert and transpose is None:
+        if isinstance(op, MergeModulelist) and op.dim == 0 and not per_expert and not slice_ops:
             per_expert = True
         elif isinstance(op, Concatenate) and per_expert and op.dim >= 1:
             concat_dim = op.dim - 1
-        elif isinstance(op, Transpose) and not per_expert and min(op.dim0, op.dim1) >= 1 and transpose is None:
-            transpose = (op.dim0 - 1, op.dim1 - 1)
-            key = matches[0].key
-            if getattr(op, "check_dims", False) and tuple(shape_of(key)) == (num_experts, *expert_shape):
-                transpose = None  # transformers transposes only a tensor whose shape differs from the model's
+        elif not per_expert and _acts_within_experts(op):
+            slice_ops.append(op)
         else:
             raise UnsupportedModelError(
-                f"{full}: the checkpoint conversion {conv.source_patterns} -> {conv.target_patterns} uses {op!r}; "
-                f"DWDP reads each rank's experts directly and interprets only MergeModulelist(dim=0), "
-                f"Concatenate(dim>=1) and Transpose of per-expert dims")
+                f"{full}: its checkpoint conversion uses {type(op).__name__} (rule {conv.source_patterns[0]!r} -> "
+                f"{conv.target_patterns[0]!r}), which needs every expert at once; DWDP reads only a rank's own "
+                f"experts and interprets MergeModulelist(dim=0), Concatenate(dim>=1), Transpose/Interleave of "
+                f"per-expert dims")
     groups: dict[str, list[str]] = {p: [] for p in conv.source_patterns}
     for m in matches:
         groups.setdefault(m.pattern, []).append(m.key)
@@ -129,11 +128,9 @@ def _expert_source(full: str, num_experts: int, expert_shape: tuple[int, ...], m
         if len(parts) != 1 or len(parts[0]) != 1:
             raise UnsupportedModelError(f"{full}: conversion {conv.source_patterns} combines several whole tensors")
         key = parts[0][0]
-        want = list(expert_shape)
-        if transpose is not None:
-            want[transpose[0]], want[transpose[1]] = want[transpose[1]], want[transpose[0]]
-        _check_shape(full, key, shape_of(key), (num_experts, *want))
-        return CheckpointSource(SourceKind.FUSED, ((key,),), transpose=transpose)
+        ops = _resolve_check_dims(slice_ops, tuple(shape_of(key)), (num_experts, *expert_shape))
+        _check_shape(full, key, _sliced_shape(tuple(shape_of(key)), ops), (1, *expert_shape))
+        return CheckpointSource(SourceKind.FUSED, ((key,),), slice_ops=ops)
     if len(parts) > 1 and not any(isinstance(op, Concatenate) for op in conv.operations):
         raise UnsupportedModelError(f"{full}: conversion {conv.source_patterns} merges several parts without Concatenate")
     for keys in parts:
@@ -142,6 +139,45 @@ def _expert_source(full: str, num_experts: int, expert_shape: tuple[int, ...], m
                                   f"the model has {num_experts} experts")
     _check_parts(full, parts, expert_shape, concat_dim, shape_of)
     return CheckpointSource(SourceKind.PER_EXPERT, parts, concat_dim=concat_dim)
+
+
+def _acts_within_experts(op) -> bool:
+    """A single-tensor op that moves data only inside each expert's slice (dims >= 1), so it can run per expert."""
+    from transformers.core_model_loading import Interleave, Transpose
+
+    if isinstance(op, Transpose):
+        return min(op.dim0, op.dim1) >= 1
+    if isinstance(op, Interleave):
+        return op.dim >= 1
+    return False
+
+
+def _resolve_check_dims(ops, stored: tuple[int, ...], model_shape: tuple[int, ...]) -> tuple:
+    """``Transpose(check_dims=True)`` transposes only a tensor whose shape differs from the model's (transformers'
+    rule, decided on the whole tensor): decided here once, so the per-expert ops are unconditional."""
+    from transformers.core_model_loading import Transpose
+
+    out = []
+    for op in ops:
+        if isinstance(op, Transpose) and getattr(op, "check_dims", False):
+            if stored == model_shape:
+                continue
+            op = Transpose(dim0=op.dim0, dim1=op.dim1)
+        out.append(op)
+    return tuple(out)
+
+
+def apply_slice_ops(ops, tensor):
+    """``tensor`` (one expert's slice, ``[1, ...]``) through `transformers`' conversion ops, in order."""
+    for op in ops:
+        tensor = next(iter(op.convert({"slice": tensor}, source_patterns=["slice"], target_patterns=["slice"]).values()))
+    return tensor
+
+
+def _sliced_shape(stored: tuple[int, ...], ops) -> tuple[int, ...]:
+    import torch
+
+    return tuple(apply_slice_ops(ops, torch.empty((1, *stored[1:]), device="meta")).shape)
 
 
 def _check_shape(full: str, key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -195,4 +231,4 @@ def dense_tensors(model: Any, name: str, cmap: CheckpointMap, read: Callable[[st
         raise CheckpointError(f"{name}: transformers' conversion {conv.source_patterns} failed: {exc}") from None
 
 
-__all__ = ["CheckpointError", "CheckpointMap", "KeyMatch", "conversion_rules", "dense_tensors", "resolve_sources"]
+__all__ = ["CheckpointError", "CheckpointMap", "KeyMatch", "apply_slice_ops", "conversion_rules", "dense_tensors", "resolve_sources"]

@@ -63,14 +63,15 @@ class CheckpointSource:
 
     PER_EXPERT: ``param[e] = cat([parts[j][e] for j], dim=concat_dim)`` — ``parts[j]`` lists one key per
     expert (index = expert id, in `transformers`' natural key order), e.g. gate and up for ``gate_up_proj``.
-    FUSED: ``param[e] = tensor[e]`` of the single key ``parts[0][0]``, with dims ``transpose`` (per-expert
-    dims) swapped first when the checkpoint stores the transposed layout.
+    FUSED: ``param[e] = tensor[e]`` of the single key ``parts[0][0]``; when the checkpoint stores another
+    layout, ``slice_ops`` (`transformers`' own conversion ops that act on dims >= 1 only, e.g.
+    ``Transpose(1, 2)``, ``Interleave(dim=1)``) are applied to each expert's slice ``tensor[e:e+1]`` in order.
     """
 
     kind: SourceKind
     parts: tuple[tuple[str, ...], ...]
     concat_dim: int = 0
-    transpose: tuple[int, int] | None = None
+    slice_ops: tuple[Any, ...] = ()
 
     def keys(self, expert: int) -> list[str]:
         """The checkpoint keys read for expert ``expert`` (FUSED: the fused tensor's key)."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from . import models as arch
 from . import quant_loading as quant
-from .checkpoint_names import CheckpointMap, dense_tensors, resolve_sources
+from .checkpoint_names import CheckpointMap, apply_slice_ops, dense_tensors, resolve_sources
 from .experts_layout import ExpertParam, ExpertsLayout, ModelLayout, SourceKind
 from .safetensors_index import CheckpointError, SafetensorsIndex
 
@@ -208,7 +208,7 @@ def _expert_reader(ckpt: SafetensorsIndex, experts: ExpertsLayout, param: Expert
     """fill(view, a, b): write experts [a, b) of ``param`` into ``view`` ([b−a, ...] on the handle's device).
 
     FUSED: rows [a, b) of one tensor (one byte range; per expert through a one-expert staging buffer when the
-    checkpoint stores it transposed). PER_EXPERT: expert e's parts read one after the other into their
+    checkpoint stores another layout: ``slice_ops``). PER_EXPERT: expert e's parts read one after the other into their
     slices of ``view[e − a]`` (contiguous rows when the parts concatenate along dim 0)."""
     import torch
 
@@ -220,14 +220,13 @@ def _expert_reader(ckpt: SafetensorsIndex, experts: ExpertsLayout, param: Expert
     def fill(view, a: int, b: int) -> None:
         if src.kind is SourceKind.FUSED:
             key = src.fused_key
-            if src.transpose is None:
+            if not src.slice_ops:
                 ckpt.read_rows(key, a, b, view)
-            else:
-                d0, d1 = src.transpose
+            else:  # one expert at a time through transformers' own ops (one-expert staging buffer)
                 staging = torch.empty((1, *ckpt.shape(key)[1:]), dtype=ckpt.entries[key].dtype)
                 for e in range(a, b):
                     ckpt.read_rows(key, e, e + 1, staging)
-                    view[e - a].copy_(staging[0].transpose(d0, d1))
+                    view[e - a].copy_(apply_slice_ops(src.slice_ops, staging)[0])
             progress_bar.update(b - a)
             return
         dim = src.concat_dim
@@ -286,8 +285,9 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     for experts in layout.experts:
         module = model.get_submodule(experts.path)
         for p in experts.params:
+            meta = module._parameters.get(p.name)  # None: a quantization's extra tensor (scales)
             module._parameters[p.name] = torch.nn.Parameter(manager.composite(experts.layer, p.name),
-                                                            requires_grad=module._parameters[p.name].requires_grad)
+                                                            requires_grad=meta is not None and meta.requires_grad)
         if experts.path in fp8:
             quant.install_fp8_forward(module, fp8[experts.path], dtype)
     model.dwdp_layout = layout

@@ -73,7 +73,7 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
                     dtype: str = "float32", tokenizer: bool = False, intermediate_size: int | None = None,
                     moe_intermediate_size: int | None = None, num_heads: int | None = None,
                     max_positions: int = 4096, top_k: int = 2, quant: str | None = None,
-                    fused_experts: bool = False) -> pathlib.Path:
+                    fused_experts: bool = False, config_overrides: dict | None = None) -> pathlib.Path:
     """Write a seeded random tiny checkpoint of ``arch`` to ``out_dir`` and return its path.
 
     ``quant="fp8"``: then quantized from those seeded weights as a fine-grained FP8 checkpoint
@@ -96,7 +96,9 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
             raise ValueError(f"{arch}: sizes {sorted(given)} are adjustable for {', '.join(SUPPORTED_ARCHS)} only; "
                              f"other model types use synth_config.TINY")
         return _write_from_config_class(arch, pathlib.Path(out_dir), seed=seed, dtype=dtype, tokenizer=tokenizer,
-                                        quant=quant, fused_experts=fused_experts)
+                                        quant=quant, fused_experts=fused_experts, overrides=config_overrides)
+    if config_overrides:
+        raise ValueError(f"{arch}: config_overrides apply to non-preset model types; use the size arguments")
     sizes = dict(num_experts=num_experts, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
     sizes = {k: (_DEFAULTS[k] if v is None else int(v)) for k, v in sizes.items()}
     for k, v in sizes.items():
@@ -150,19 +152,23 @@ def _fill_seeded(model, seed: int, dtype: str) -> None:
 
 
 def _write_from_config_class(model_type: str, out: pathlib.Path, *, seed: int, dtype: str, tokenizer: bool,
-                             quant: str | None = None, fused_experts: bool = False):
+                             quant: str | None = None, fused_experts: bool = False, overrides: dict | None = None):
     """Any architecture: its config class made tiny, built on CPU (buffers get the model's own init, under
     ``torch.manual_seed(seed)``), parameters from the seeded generator, ``save_pretrained``."""
     import torch
 
+    from .experts_discovery import discover
     from .synth_config import TINY_VOCAB, serving_auto_class, tiny_config
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, seed_overrides=overrides)
     auto = serving_auto_class(config)
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
+    if not discover(model).experts:
+        raise ValueError(f"{model_type}: the model has no experts module under transformers' experts interface, "
+                         f"nothing for DWDP to shard (dwdp-worker synth --list shows the MoE model types)")
     _fill_seeded(model, seed, dtype)
     model.config.dtype = dtype
     model.save_pretrained(out, safe_serialization=True)

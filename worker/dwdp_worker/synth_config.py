@@ -118,8 +118,8 @@ def _rescale_mrope(rope: Any, head_dim: int, partial: float) -> Any:
     return {**rope, "mrope_section": new}
 
 
-def _shrink(cls, *, tower: bool = False) -> dict[str, Any]:
-    """Constructor overrides making ``cls`` tiny (recursing into its sub-configs)."""
+def _shrink(cls, *, tower: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Constructor overrides making ``cls`` tiny (recursing into its sub-configs); ``overrides`` win."""
     names = _fields(cls)
     default = cls()
     n_default = _default_of(default, "num_hidden_layers")
@@ -141,6 +141,7 @@ def _shrink(cls, *, tower: bool = False) -> dict[str, Any]:
         dv = _default_of(default, k)
         if isinstance(dv, list) and not isinstance(v, list):
             out[k] = [v] * len(dv)
+    out.update(overrides or {})
     if {"mamba_expand", "mamba_n_heads", "mamba_d_head"} <= names and "hidden_size" in out:
         out["mamba_d_head"] = int(_default_of(default, "mamba_expand") or 2) * out["hidden_size"] // out["mamba_n_heads"]
     n = out.get("num_hidden_layers", TINY_LAYERS)
@@ -187,15 +188,16 @@ def _with_fallback(kwargs: dict, fallback: dict) -> dict:
 
 
 def tiny_config(model_type: str, *, seed_overrides: dict[str, Any] | None = None):
-    """A tiny config of ``model_type`` from its own config class (``ValueError`` if it refuses the sizes)."""
+    """A tiny config of ``model_type`` from its own config class (``ValueError`` if it refuses the sizes).
+
+    ``seed_overrides``: constructor fields set after the tiny ones (e.g. larger sizes for a memory test)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
         cls = CONFIG_MAPPING[model_type]
     except KeyError:
         raise ValueError(f"model_type {model_type!r} is not known to this transformers") from None
-    kwargs = _shrink(cls)
-    kwargs.update(seed_overrides or {})
+    kwargs = _shrink(cls, overrides=seed_overrides)
     first_error = None
     for fallback in ({}, *FALLBACKS):
         try:
