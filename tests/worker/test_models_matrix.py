@@ -67,3 +67,22 @@ def test_docs_carry_the_generated_matrix(matrix):
                     f"this is {transformers.__version__}")
     assert table in text, ("docs/MODELS.md's support matrix is stale; regenerate it with "
                            "DWDP_WRITE_MODELS_MATRIX=1 python -m pytest tests/worker/test_models_matrix.py")
+
+
+def test_synth_list_agrees_with_the_matrix(matrix, capsys):
+    """``dwdp-worker synth --list``: one line per model type of the matrix; what it calls buildable is what
+    the matrix served or refused later than the tiny build (checkpoint rules, save_pretrained)."""
+    import argparse
+
+    from dwdp_worker.synth import add_synth_arguments, synth_main
+
+    parser = argparse.ArgumentParser()
+    add_synth_arguments(parser)
+    assert synth_main(parser.parse_args(["--list"])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = {line.split()[0]: line.split()[1] for line in lines[:-1]}
+    assert set(listed) == {r.model_type for r in matrix}
+    for r in matrix:
+        if r.status is Status.SERVES:
+            assert listed[r.model_type] == "ok", r
+    assert lines[-1].endswith(f"of {len(matrix)} model types build tiny")

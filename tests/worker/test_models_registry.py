@@ -163,3 +163,56 @@ def test_dense_weights_match_from_pretrained_in_bf16(name, checkpoints):
         assert v.dtype == ref[k].dtype and torch.equal(v, ref[k]), k
     if name == "deepseek_v3":
         assert ours["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+def test_several_experts_modules_in_one_layer_are_refused_by_name(checkpoints):
+    """A second experts module in a decoder layer (e.g. text and vision experts) is refused, naming both."""
+    import copy
+
+    model = build_meta_model(load_config(checkpoints["qwen3_moe"]), torch.float32)
+    layer = model.model.layers[0]
+    layer.vision_experts = copy.deepcopy(layer.mlp.experts)
+    with pytest.raises(arch.UnsupportedModelError, match=r"decoder layer 0 has 2 experts modules "
+                       r"\(model\.layers\.0\.mlp\.experts, model\.layers\.0\.vision_experts\)"):
+        arch.model_layout(model)
+
+
+def test_experts_outside_decoder_layers_are_refused_by_name(checkpoints):
+    import copy
+
+    model = build_meta_model(load_config(checkpoints["qwen3_moe"]), torch.float32)
+    model.model.stray_experts = copy.deepcopy(model.model.layers[0].mlp.experts)
+    with pytest.raises(arch.UnsupportedModelError, match=r"'model\.stray_experts' .* not inside a decoder layer"):
+        arch.model_layout(model)
+
+
+def test_transposed_fused_checkpoint_goes_through_transformers_ops(tmp_path):
+    """Qwen3-VL-MoE's rule Transpose(1, 2, check_dims): a checkpoint storing experts [E, in, out] (the layout its
+    original releases use) is read per expert through transformers' own op, to the same model tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from dwdp_worker.checkpoint_names import CheckpointMap, resolve_sources
+    from dwdp_worker.loader import _expert_reader
+
+    # expert FFN 48: [2I, H] = [96, 64] is not square, so the stored (transposed) shape tells transformers to transpose
+    src = write_synthetic("qwen3_vl_moe", tmp_path / "v", seed=2,
+                          config_overrides={"text_config": {"moe_intermediate_size": 48}})
+    tensors = load_file(str(src / "model.safetensors"))
+    experts = {k: v for k, v in tensors.items() if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))}
+    assert experts
+    save_file({**tensors, **{k: v.transpose(1, 2).contiguous() for k, v in experts.items()}},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    model = build_meta_model(load_config(src), torch.float32)
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    with SafetensorsIndex(src) as ckpt:
+        layout = resolve_sources(arch.model_layout(model), CheckpointMap.build(model, ckpt.entries), ckpt.shape)
+        for e in layout.experts:
+            for p in e.params:
+                assert p.source.slice_ops, p  # the stored shape differs: transformers' Transpose runs
+                view = torch.empty((3, *p.expert_shape))
+                _expert_reader(ckpt, e, p, Bar())(view, 2, 5)
+                assert torch.equal(view, experts[p.source.fused_key][2:5])

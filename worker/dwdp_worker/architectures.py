@@ -75,8 +75,10 @@ class Probe:
     reason: str = ""            # why it is refused (ok=False)
 
 
+@functools.lru_cache(maxsize=None)
 def probe(model_type: str) -> Probe:
-    """Can DWDP build and shard ``model_type`` tiny? (Never raises; the reason says why not.)"""
+    """Can DWDP build and shard ``model_type`` tiny? (Never raises; the reason says why not. Cached per process:
+    the answer depends only on the installed `transformers`.)"""
     import torch
 
     from .experts_discovery import UnsupportedModelError, discover

@@ -141,7 +141,9 @@ def _shrink(cls, *, tower: bool = False, overrides: dict[str, Any] | None = None
         dv = _default_of(default, k)
         if isinstance(dv, list) and not isinstance(v, list):
             out[k] = [v] * len(dv)
-    out.update(overrides or {})
+    for k, v in (overrides or {}).items():  # a dict for a sub-config refines that sub-config (below)
+        if not isinstance(v, dict):
+            out[k] = v
     if {"mamba_expand", "mamba_n_heads", "mamba_d_head"} <= names and "hidden_size" in out:
         out["mamba_d_head"] = int(_default_of(default, "mamba_expand") or 2) * out["hidden_size"] // out["mamba_n_heads"]
     n = out.get("num_hidden_layers", TINY_LAYERS)
@@ -173,7 +175,7 @@ def _shrink(cls, *, tower: bool = False, overrides: dict[str, Any] | None = None
         if not (isinstance(concrete, type) and hasattr(concrete, "model_type")) or concrete.__name__ == "AutoConfig":
             continue
         is_tower = any(w in name for w in ("vision", "audio", "visual", "image", "encoder", "talker"))
-        sub_kwargs = _shrink(concrete, tower=is_tower)
+        sub_kwargs = _shrink(concrete, tower=is_tower, overrides=(overrides or {}).get(name))
         if sub is not concrete or concrete.__name__ == "AutoConfig" or getattr(sub, "__name__", "") == "AutoConfig":
             sub_kwargs["model_type"] = concrete.model_type
         out[name] = sub_kwargs
