@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     settings = Settings(resync_seconds=args.resync_seconds, drain_seconds=args.drain_seconds,
-                        health_interval=args.health_interval,
+                        health_interval=args.health_interval, namespaces=tuple(args.namespace),
                         literal_namespaces=bool(args.namespace) and not any(map(is_pattern, args.namespace)))
     if args.metrics_port:
         from prometheus_client import start_http_server

@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
-from . import labels as L
 from . import metrics
 from .apply import ApiError, Applier
 from .desired import desired_state
@@ -47,6 +46,7 @@ RETRY_CAP_S = 15.0
 # reconciles of different DwdpGroups overlap on these threads (the kubernetes client blocks); more than
 # asyncio's default (cpu+4) so N groups created at once are not serialized behind a 2-core machine's 6
 IO_THREADS = 16
+POD_LIST_WAIT_S = 0.2  # retry a pass that came before the pod informer's first list
 
 
 @dataclass
@@ -56,6 +56,7 @@ class Settings:
     health_interval: float = 10.0
     retry_seconds: float = 2.0
     literal_namespaces: bool = False  # every --namespace is an exact name: no namespace discovery
+    namespaces: tuple[str, ...] = ()  # the --namespace values (exact names or kopf patterns); () = all
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Reconciler:
         ns, name = key
         t0 = time.perf_counter()
         if self.pods_of(key) is None:
-            return None  # the pod index is not ready yet; its first event triggers us again
+            return POD_LIST_WAIT_S  # the pods' first list is not in yet: never reconcile blind
         cr = await self._blocking(self.applier.get_group, ns, name)
         if cr is None:
             self.forget(key)
@@ -217,8 +218,3 @@ class Reconciler:
                 await self._blocking(self.applier.event, cr, EventType.WARNING, r.reason, r.message)
         if not refusals:
             log.info("%s/%s: every child accepted now", meta["namespace"], meta["name"])
-
-
-def owner_key(namespace: str | None, labels: dict[str, Any] | None) -> Key | None:
-    owner = (labels or {}).get(L.NAME)
-    return (namespace or "default", owner) if owner else None

@@ -1,28 +1,31 @@
 """Thin kopf handlers: every trigger becomes a reconcile request for one DwdpGroup; no decisions here.
 
-  * index ``dwdp_pods``: (namespace, DwdpGroup name) -> slim pods carrying our labels;
-  * any DwdpGroup event, any event of a pod we manage  -> reconcile that DwdpGroup;
+  * any DwdpGroup event -> reconcile that DwdpGroup (kopf watches DwdpGroups only);
+  * the operator's pods come from ``pod_informer.PodInformer`` (a plain list+watch; any change of a
+    pod we manage reconciles its DwdpGroup), not from kopf: kopf's per-event machinery cost grew
+    with the number of objects;
   * startup: the reconciler lives in kopf's ``memo`` (``cli.py`` passes a ``kopf.Memo`` holding the
     ``Settings``; a restarted kopf gets a fresh memo, so nothing of a stopped kopf is reused).
     There is no resync loop here: the reconciler schedules its own wake-ups (event-driven, with a
     long jittered safety resync per object).
 kopf's own state: the finalizer name and progress annotations get the ``dwdp.io`` prefix; no
-diff base is kept (``NoDiffBase``). No handler kopf tracks to completion is registered (``on.event`` and ``index`` only), so
-kopf adds no finalizer to a DwdpGroup and deletion is plain garbage collection of owned children.
+diff base is kept (``NoDiffBase``). No handler kopf tracks to completion is registered (``on.event``
+only), so kopf adds no finalizer to a DwdpGroup and deletion is plain garbage collection of owned
+children.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import kopf
+from kubernetes import client
 
-from .. import labels as L
-from ..observed import slim_pod
-from ..reconciler import IO_THREADS, Reconciler, Settings, owner_key
+from ..pod_informer import PodInformer
+from ..reconciler import IO_THREADS, Reconciler, Settings
 from ..spec import GROUP, PLURAL, VERSION
 
-POD_FILTER = {L.MANAGED_BY: L.MANAGER, L.COMPONENT: "worker"}
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; kopf re-lists and re-watches
 
 
@@ -38,14 +41,28 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     settings.scanning.disabled = cfg.literal_namespaces
 
     _load_kube_config()
-    memo.pods = PodIndexRef()
-    memo.reconciler = Reconciler(settings=cfg, pods_of=memo.pods.pods_of)
+    loop = asyncio.get_running_loop()
+    holder: dict[str, Reconciler] = {}
+    informer = PodInformer(client.ApiClient(), namespaces=list(cfg.namespaces) if cfg.literal_namespaces else None,
+                           match=_namespace_matcher(cfg.namespaces),
+                           on_change=lambda key: loop.call_soon_threadsafe(holder["r"].spawn, key))
+    holder["r"] = memo.reconciler = Reconciler(settings=cfg, pods_of=informer.pods_of)
+    memo.informer = informer.start()
+
+
+def _namespace_matcher(patterns: tuple[str, ...]):
+    """kopf's namespace patterns (globs, negations, comma lists); every namespace when there are none."""
+    if not patterns:
+        return lambda ns: True
+    from kopf._cogs.structs.references import match_namespace  # kopf's own semantics for -n
+
+    return lambda ns: any(match_namespace(ns, p) for p in patterns)
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
     """No change detection. kopf builds a "diff base" of every event's body (a deep copy) for its
-    on.create/on.update handlers; this operator registers only ``on.event`` and ``index`` handlers,
-    which kopf calls whatever the diff, so the copy is pure cost: measured as a third of the
+    on.create/on.update handlers; this operator registers only an ``on.event`` handler, which kopf
+    calls whatever the diff, so the copy is pure cost: measured as a third of the
     operator's CPU while creating 600 pods (bench/operator_scale.py, cProfile)."""
 
     def build(self, *, body, extra_fields=None):
@@ -56,21 +73,6 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
     def store(self, *, body, patch, essence) -> None:
         return None
-
-
-class PodIndexRef:
-    """The kopf pod index, as handed to each handler call. kopf gives every object a shallow copy
-    of the memo, so the index is kept in this shared holder, never assigned on a memo itself."""
-
-    def __init__(self) -> None:
-        self.index = None
-
-    def pods_of(self, key):
-        if self.index is None:
-            return None  # kopf has not handed us the index yet: reconcile nothing blind
-        if key not in self.index:
-            return []
-        return [dict(p) for p in self.index[key]]
 
 
 def _load_kube_config() -> None:
@@ -89,29 +91,15 @@ def _load_kube_config() -> None:
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_):
-    reconciler = memo.get("reconciler")
-    if reconciler is not None:
-        reconciler.close()
-
-
-@kopf.index("pods", labels=POD_FILTER)
-def dwdp_pods(namespace, labels, body, **_):
-    key = owner_key(namespace, labels)
-    return {key: slim_pod(body)} if key else {}
+    for part in ("informer", "reconciler"):
+        obj = memo.get(part)
+        if obj is not None:
+            obj.stop() if part == "informer" else obj.close()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def on_group(type, name, namespace, dwdp_pods, memo: kopf.Memo, **_):
-    memo.pods.index = dwdp_pods
+async def on_group(type, name, namespace, memo: kopf.Memo, **_):
     if type == "DELETED":
         memo.reconciler.forget((namespace, name))
         return
     memo.reconciler.spawn((namespace, name))
-
-
-@kopf.on.event("pods", labels=POD_FILTER)
-async def on_pod(namespace, labels, dwdp_pods, memo: kopf.Memo, **_):
-    memo.pods.index = dwdp_pods
-    key = owner_key(namespace, labels)
-    if key:
-        memo.reconciler.spawn(key)
