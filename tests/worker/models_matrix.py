@@ -103,6 +103,11 @@ def build_matrix(base: pathlib.Path, model_types) -> list[Row]:
         except Exception as exc:  # noqa: BLE001 - UnsupportedModelError / CheckpointError: the refusal itself
             rows[model_type] = Row(model_type, Status.REFUSED, _one_line(exc))
             continue
+        from dwdp_worker.engine import num_experts_of
+
+        if num_experts_of(path) != 8:  # config.json's stated count (the supervisor's) must be the discovered one
+            rows[model_type] = Row(model_type, Status.FAILS, f"config.json states {num_experts_of(path)} experts")
+            continue
         layout = f"{p.auto_class.removeprefix('AutoModelFor')}; experts in layers {list(p.layers)}"
         candidates[model_type] = (str(path), want, layout + (f"; {p.flags}" if p.flags else ""))
     results = {}

@@ -39,7 +39,7 @@ from . import experts_impl
 from . import models as arch
 from .generation import check_requests, generate_batch
 from .hooks import install_hooks
-from .loader import load_config, load_sharded, unbind_experts
+from .loader import load_config, load_sharded, read_config_json, unbind_experts
 from .packing import packed_logits, packed_scored_logits, validate
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,10 @@ class GenerateResult:
 
 
 def num_experts_of(model_dir) -> int:
-    """The routed expert count of the checkpoint in ``model_dir`` (from the model its config.json builds)."""
-    return arch.num_experts_in_config(load_config(model_dir))
+    """The routed expert count of the checkpoint in ``model_dir``: what config.json states under a usual key,
+    else what discovery finds in the model its config builds (meta device)."""
+    hint = arch.expert_count_hint(read_config_json(model_dir))
+    return hint if hint is not None else arch.num_experts_in_config(load_config(model_dir))
 
 
 class Engine:

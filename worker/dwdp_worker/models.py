@@ -48,6 +48,22 @@ def model_layout(model: Any) -> ModelLayout:
     return layout
 
 
+#: config.json keys that usually hold the routed expert count: a quick answer where no model may be built (the
+#: supervisor sizing the group); each rank checks it against the discovered layout (``Engine.build`` refuses a
+#: DwdpConfig whose num_experts differs from what discovery finds)
+EXPERT_COUNT_KEYS: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def expert_count_hint(raw_config: dict) -> int | None:
+    """The expert count a raw config.json states (top level or ``text_config``), or None."""
+    for d in (raw_config, raw_config.get("text_config") or {}):
+        for key in EXPERT_COUNT_KEYS:
+            value = d.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def num_experts_in_config(config: Any) -> int:
     """The routed expert count, read from the model `transformers` builds for ``config`` (on the meta device)."""
     import copy
@@ -74,5 +90,5 @@ def experts_sites(model: Any, layout: ModelLayout | None = None) -> list[Experts
     return [ExpertsSite(e.layer, e.path, model.get_submodule(e.path), e) for e in layout.experts]
 
 
-__all__ = ["SUPPORTED_ARCHS", "ExpertsSite", "UnsupportedModelError", "check_supported_config", "experts_sites", "model_layout",
+__all__ = ["EXPERT_COUNT_KEYS", "SUPPORTED_ARCHS", "ExpertsSite", "expert_count_hint", "UnsupportedModelError", "check_supported_config", "experts_sites", "model_layout",
            "num_experts_in_config"]
