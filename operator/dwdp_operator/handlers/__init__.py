@@ -42,11 +42,18 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
 
     _load_kube_config()
     loop = asyncio.get_running_loop()
-    holder: dict[str, Reconciler] = {}
+    holder: dict[str, object] = {}
+
+    def on_change(key) -> None:  # on an informer thread
+        if loop.is_closed():  # a stopped kopf (cli restarts it in-process): this informer is done too
+            holder["informer"].stop()
+            return
+        loop.call_soon_threadsafe(holder["reconciler"].spawn, key)
+
     informer = PodInformer(client.ApiClient(), namespaces=list(cfg.namespaces) if cfg.literal_namespaces else None,
-                           match=_namespace_matcher(cfg.namespaces),
-                           on_change=lambda key: loop.call_soon_threadsafe(holder["r"].spawn, key))
-    holder["r"] = memo.reconciler = Reconciler(settings=cfg, pods_of=informer.pods_of)
+                           match=_namespace_matcher(cfg.namespaces), on_change=on_change)
+    holder["informer"] = informer
+    holder["reconciler"] = memo.reconciler = Reconciler(settings=cfg, pods_of=informer.pods_of)
     memo.informer = informer.start()
 
 
