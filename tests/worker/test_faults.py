@@ -34,6 +34,8 @@ COPY_DELAY_S = 0.05   # widens forwards for the kill tests
 SLOW_COPY_S = 0.2     # the slow-copy fault: larger than a tiny forward's compute, so it cannot hide
 CLIENT_TIMEOUT_S = 60.0
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7, 7], [100, 3, 250, 9, 1, 2, 3, 4]]
+# in-flight requests must outlast the kill: decoding with the KV cache is fast, so ask many tokens
+LONG_TOKENS = 1500
 
 
 def _pod_env(*, pod_index: int, store_port: int, http_port: int, extra: dict | None = None) -> dict:
@@ -42,7 +44,7 @@ def _pod_env(*, pod_index: int, store_port: int, http_port: int, extra: dict | N
 
 def _start_pod(pod_index: int, store_port: int, *, extra_env: dict | None = None, args=()) -> Server:
     port = free_port()
-    return Server(["pod", "--host", "127.0.0.1", *args], port=port,
+    return Server(["pod", "--host", "127.0.0.1", "--max-new-tokens", str(LONG_TOKENS), *args], port=port,
                   env=_pod_env(pod_index=pod_index, store_port=store_port, http_port=port, extra=extra_env))
 
 
@@ -117,7 +119,7 @@ def _start_inflight(pods, n_per_pod: int, out: list) -> list[threading.Thread]:
         with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as c:
             t0 = time.monotonic()
             try:
-                r = c.post("/v1/completions", json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 1000})
+                r = c.post("/v1/completions", json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": LONG_TOKENS})
                 out.append((url, r.status_code, r.text, time.monotonic() - t0))
             except httpx.HTTPError as exc:
                 out.append((url, None, repr(exc), time.monotonic() - t0))
@@ -198,11 +200,11 @@ def test_stray_store_clients_and_slow_copy_leave_the_group_correct_then_killing_
         # slow copy thread on pod 1: the same answers, and the stall is visible in pod 1's metrics
         w0 = [_metric(p.get("/metrics").text, "dwdp_prefetch_wait_seconds_total") for p in (pod0, pod1)]
         n, per_request = 0, []
-        for prompt in PROMPTS * 2:
+        for prompt in PROMPTS * 4:  # max_tokens 1: exactly one packed forward each (more decode with the cache)
             for pod in (pod0, pod1):
-                r = pod.post({"prompt": prompt, "max_tokens": 2})
-                assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == oracle(prompt, 2), r.text
-            n += 2  # forwards per pod
+                r = pod.post({"prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == oracle(prompt, 1), r.text
+            n += 1  # forwards per pod
             per_request.append(r.json()["timings"]["prefetch_wait_s"])  # pod 1's answer
         w1 = [_metric(p.get("/metrics").text, "dwdp_prefetch_wait_seconds_total") for p in (pod0, pod1)]
         slow, fast = w1[1] - w0[1], w1[0] - w0[0]

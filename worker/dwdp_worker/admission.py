@@ -18,6 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``--max-new-tokens`` default: this is a context server — the first token is its product, a few more are
+#: a convenience (decoded with the KV cache, DECODE_CHUNK per step); long generations belong to a decode
+#: engine, reached through ``kv_transfer_params`` (docs/KV_TRANSFER.md)
+DEFAULT_MAX_NEW_TOKENS = 512
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -25,6 +30,8 @@ class Limits:
     vocab_size: int
     max_positions: int
     max_num_seqs: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    kv_enabled: bool = False
 
     @property
     def longest_step(self) -> int:
@@ -61,4 +68,18 @@ def admit(tokens: list[int], max_tokens: int, limits: Limits) -> str | None:
         return (f"prompt of {len(tokens)} tokens + max_tokens={max_tokens} needs {longest} tokens in one "
                 f"forward; this server packs at most --max-num-tokens={limits.max_num_tokens}: shorten the "
                 f"prompt or lower max_tokens")
+    return None
+
+
+def new_tokens_fit(max_tokens: int, remote_decode: bool, limits: Limits) -> str | None:
+    """Why ``max_tokens`` / ``kv_transfer_params`` cannot be served (a 400), or ``None``."""
+    if remote_decode and not limits.kv_enabled:
+        return ("kv_transfer_params.do_remote_decode: KV transfer is off on this server (start it with "
+                "--kv-budget-bytes, or spec.kvTransfer in the DwdpGroup)")
+    if remote_decode and max_tokens != 1:
+        return (f"kv_transfer_params.do_remote_decode needs max_tokens=1 (got {max_tokens}): the prefill makes "
+                f"the first token, the decode engine the rest")
+    if max_tokens > limits.max_new_tokens:
+        return (f"max_tokens={max_tokens} > --max-new-tokens={limits.max_new_tokens}: this is a context server; "
+                f"decode long outputs on a decode engine (kv_transfer_params, docs/KV_TRANSFER.md)")
     return None

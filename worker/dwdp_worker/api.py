@@ -6,7 +6,7 @@ Routes: the OpenAI-compatible ones (``openai_routes``: ``POST /v1/completions``,
 Invariants:
   * Statuses (each route's OpenAPI entry lists the ones it returns): malformed JSON 400 ``json_invalid``,
     schema violations 422, inputs the model cannot take (empty, too long, ids out of range, text without a
-    tokenizer) 400, unknown model 404, body too slow 408, too large 413, queue full 429, draining / not
+    tokenizer) 400, unknown model 404, body too slow 408, too large 413, queue full or KV budget full 429, draining / not
     ready / rank died 503. Error bodies, headers (``Retry-After``, ``Allow``): ``http_errors``. Body and
     header bounds: ``http_limits``.
   * A bad request never reaches a rank: admission (``admission``, in ``Supervisor.submit``) runs first; a

@@ -29,12 +29,16 @@ from typing import Callable
 
 from . import protocol as p
 from .batcher import pack, queued_tokens, requeue_front
-from .errors import ForwardFailed, ServeError, Unavailable
+from .errors import ForwardFailed, KvBudgetFull, ServeError, Unavailable
 from .metrics import Metrics
 from .rank_handle import InFlight, RankHandle
 from .serving_metrics import ServingMetrics
 
 log = logging.getLogger("dwdp_worker.dispatch")
+
+#: greedy tokens one step decodes with the KV cache (``Forward.max_new_tokens``): a longer request takes
+#: several steps, so cancellation, drain and the forward watchdog keep their per-step granularity
+DECODE_CHUNK = 16
 
 
 @dataclass(eq=False)
@@ -59,6 +63,8 @@ class Job:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_tops: list[list[tuple[int, float]]] = field(default_factory=list)
     on_step: Callable[["Job"], bool] | None = None  # after each of its forwards; True = finish now
+    kv_request_id: str | None = None   # keep this prompt's KV for a remote decode (kv_transfer_params)
+    kv_params: dict | None = None      # the rank's KvTransferParams once kept
 
     def __post_init__(self):
         self.prompt_len = len(self.tokens)
@@ -85,9 +91,11 @@ class Dispatcher:
 
     # -- jobs -------------------------------------------------------------------------------------------
     def enqueue(self, tokens: list[int], *, max_tokens: int, top_n: int, score_prompt: bool = False,
-                on_step: Callable[[Job], bool] | None = None) -> Job:
+                on_step: Callable[[Job], bool] | None = None, remote_decode: bool = False) -> Job:
         job = Job(tokens=list(tokens), max_tokens=max_tokens, top_n=top_n, future=self._loop.create_future(),
                   score_prompt=score_prompt, on_step=on_step)
+        if remote_decode:
+            job.kv_request_id = job.id
         job.t_enqueued = time.monotonic()
         self.jobs.add(job)
         self.queue.append(job)
@@ -143,27 +151,52 @@ class Dispatcher:
                 continue  # cancelled: the client went away
             if scores[i] is not None:
                 job.prompt_logprobs, job.prompt_tops = scores[i].logprobs, [t[: job.top_n] for t in scores[i].top]
+            kept = msg.kv[i] if msg.kv else None
+            if kept is not None and kept.error:
+                self.finish(job, KvBudgetFull(kept.error))
+                continue
+            if kept is not None:
+                job.kv_params = kept.params
             job.compute_s += msg.compute_s
             job.prefetch_wait_s += msg.prefetch_wait_s
-            job.ranks.append(h.gid)
-            job.batch_sizes.append(len(held.jobs))
-            if job.max_tokens > 0:
-                job.generated.append(int(msg.next_ids[i]))
-                job.logprobs.append(float(msg.logprobs[i]))
-                job.tops.append(msg.top[i][: job.top_n])
-                if len(job.generated) == 1 and self.serving is not None:
-                    self.serving.first_token(now - job.t_admit)
-            if job.on_step is not None and job.on_step(job):
+            stopped = self._fold_tokens(job, h, msg, i, len(held.jobs), now)
+            if stopped:
                 self.finish(job)  # a stop string or end-of-sequence: no forward after it
             elif len(job.generated) >= job.max_tokens:
                 self.finish(job)
             elif self.failing:
                 self.finish(job, Unavailable(f"the server is failing ({self.failing}); retry on another replica"))
             else:
-                job.tokens.append(job.generated[-1])
+                job.tokens.extend(job.generated[len(job.tokens) - job.prompt_len:])
                 continuing.append(job)
         requeue_front(self.queue, continuing)
         self.kick()
+
+    def _fold_tokens(self, job: Job, h: RankHandle, msg: p.StepResult, i: int, batch: int, now: float) -> bool:
+        """Append this step's tokens (the first, then the rank's continuation decoded with the KV cache) one
+        by one, as if each came from its own forward: ``on_step`` (stop strings, EOS) sees every token and
+        a stop drops the rest. True = the job stopped."""
+        cont = msg.continuations[i] if msg.continuations else None
+        steps = [(int(msg.next_ids[i]), float(msg.logprobs[i]), msg.top[i])] if job.max_tokens > 0 else []
+        if cont is not None:
+            steps += list(zip(cont.ids, cont.logprobs, cont.top))
+        if not steps:  # max_tokens 0 (echo only): the forward scored the prompt
+            job.ranks.append(h.gid)
+            job.batch_sizes.append(batch)
+            return job.on_step is not None and job.on_step(job)
+        for k, (tok, lp, top) in enumerate(steps):
+            job.ranks.append(h.gid)
+            job.batch_sizes.append(batch if k == 0 else 1)  # the packed prefill, then batch-1 decode forwards
+            job.generated.append(tok)
+            job.logprobs.append(lp)
+            job.tops.append(top[: job.top_n])
+            if len(job.generated) == 1 and self.serving is not None:
+                self.serving.first_token(now - job.t_admit)
+            if job.on_step is not None and job.on_step(job):
+                return True
+            if len(job.generated) >= job.max_tokens:
+                break
+        return False
 
     def on_step_failed(self, h: RankHandle, msg: p.StepFailed) -> None:
         held = h.take_batch(msg.batch_id)
@@ -210,9 +243,7 @@ class Dispatcher:
     def _send(self, rank: RankHandle, jobs: list[Job]) -> None:
         batch_id = next(self._batch_ids)
         try:
-            score = [j.score_prompt and not j.ranks for j in jobs]  # scored once: in its first forward
-            rank.send(p.Forward(batch_id, [list(j.tokens) for j in jobs], max(j.top_n for j in jobs),
-                                score if any(score) else None))
+            rank.send(_forward(batch_id, jobs))
         except OSError as exc:
             log.error("could not send a batch to %s: %s", rank.describe(), exc)
             requeue_front(self.queue, jobs)
@@ -232,3 +263,17 @@ class Dispatcher:
         self.metrics.queue_depth.set(len(self.queue))
         self.metrics.queue_tokens.set(queued_tokens(self.queue))
         self.metrics.inflight.set(len(self.jobs))
+
+
+def _forward(batch_id: int, jobs: list[Job]) -> p.Forward:
+    """One step: without a cache when every job wants one token and no KV (the context-only path, as
+    before); else with it: up to ``DECODE_CHUNK`` tokens per job, KV kept for those that asked."""
+    sequences, top_n = [list(j.tokens) for j in jobs], max(j.top_n for j in jobs)
+    score = [j.score_prompt and not j.ranks for j in jobs]  # scored once: in its first forward
+    new = [max(1, min(DECODE_CHUNK, j.max_tokens - len(j.generated))) for j in jobs]
+    if any(score) or (all(n == 1 for n in new) and not any(j.kv_request_id for j in jobs)):
+        # prompt scores need the no-cache forward (one token each this step; the admission refuses
+        # kv_transfer_params with prompt scoring)
+        return p.Forward(batch_id, sequences, top_n, score if any(score) else None)
+    return p.Forward(batch_id, sequences, top_n, max_new_tokens=new,
+                     keep_kv=[j.kv_request_id if not j.generated else None for j in jobs])

@@ -137,7 +137,7 @@ class Engine:
                                  restarts=self.manager.num_restarts, prompt_logits=prompt_logits)
 
     def generate(self, sequences: list[list[int]], *, max_new_tokens=None, keep_kv=None,
-                 model_name: str = "") -> GenerateResult:
+                 model_name: str = "", decode_budget_s: float | None = None) -> GenerateResult:
         """Packed prefill with the KV cache; per sequence ``max_new_tokens`` greedy tokens and, for a request id
         in ``keep_kv``, its KV kept for a remote decode. Raises ``BadBatchError`` (ValueError) for bad input."""
         sequences = validate(sequences, vocab_size=self.vocab_size, max_positions=self.max_positions)
@@ -149,10 +149,11 @@ class Engine:
             wait0 = self._bind_wait_s()
             t0 = time.perf_counter()
             outputs = generate_batch(self.model, self.device, sequences, max_new, keep, self.kv,
-                                     model_name=model_name)
+                                     model_name=model_name, decode_budget_s=decode_budget_s)
             elapsed = time.perf_counter() - t0
-            self._forwards += 1 + sum(m - 1 for m in max_new)
-            self._tokens += sum(len(s) for s in sequences) + sum(m - 1 for m in max_new)
+            decoded = sum(len(o.tokens) - 1 for o in outputs)
+            self._forwards += 1 + decoded
+            self._tokens += sum(len(s) for s in sequences) + decoded
             self._last_forward_s = elapsed
             return GenerateResult(outputs=outputs, compute_s=elapsed, prefetch_wait_s=self._bind_wait_s() - wait0,
                                   restarts=self.manager.num_restarts)

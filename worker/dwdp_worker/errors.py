@@ -30,6 +30,12 @@ class QueueFull(ServeError):
     status, kind, retry_after_s = 429, "queue_full", timeouts.RETRY_AFTER_QUEUE_FULL_S
 
 
+class KvBudgetFull(ServeError):
+    """The rank's KV region has no room for this sequence's KV (``kv_transfer_params``): retry later."""
+
+    status, kind, retry_after_s = 429, "kv_budget_full", timeouts.RETRY_AFTER_QUEUE_FULL_S
+
+
 class ForwardFailed(ServeError):
     status, kind = 500, "forward_failed"
 

@@ -52,7 +52,10 @@ def check_requests(sequences, max_new_tokens, keep_kv, *, max_positions: int, kv
 
 
 def generate_batch(model, device, sequences: Sequence[list[int]], max_new: Sequence[int],
-                   keep: Sequence[str | None], kv_service=None, *, model_name: str = "") -> list[SequenceOutput]:
+                   keep: Sequence[str | None], kv_service=None, *, model_name: str = "",
+                   decode_budget_s: float | None = None) -> list[SequenceOutput]:
+    """``decode_budget_s``: stop decoding a sequence after this long (it gets fewer tokens; the caller asks
+    again for the rest), so one call stays bounded however slow a forward is."""
     import torch
 
     if all(m == 1 for m in max_new) and all(k is None for k in keep):
@@ -70,7 +73,8 @@ def generate_batch(model, device, sequences: Sequence[list[int]], max_new: Seque
             except KvBudgetFull as exc:
                 out.kv_error = str(exc)
         if max_new[i] > 1:
-            out.tokens, step_logits = continue_greedy(model, seq, first, cache_from(model, per_seq[i]), max_new[i])
+            out.tokens, step_logits = continue_greedy(model, seq, first, cache_from(model, per_seq[i]), max_new[i],
+                                                      max_time_s=decode_budget_s)
             out.logits = torch.cat([out.logits, step_logits])
         outs.append(out)
     return outs

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         return 1
     choice = r.json()["choices"][0]
     params = KvTransferParams.model_validate(choice["kv_transfer_params"])
-    prompt_ids = choice.get("prompt_token_ids") or prompt
+    prompt_ids = params.prompt_token_ids or prompt  # the server's tokenization of a text prompt
     model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
     try:
         with KvPuller(device=args.device) as puller:

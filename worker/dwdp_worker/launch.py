@@ -24,7 +24,10 @@ from typing import Callable
 from dwdp_runtime.contract import DEFAULT_HTTP_PORT
 
 from . import timeouts
+from .admission import DEFAULT_MAX_NEW_TOKENS
 from .http_limits import MAX_BODY_BYTES, HttpBounds
+from .kv.options import add_kv_arguments
+from .kv.service import KvSettings
 from .protocol import RankSpec
 
 
@@ -36,6 +39,7 @@ class FrontPlan:
     port: int
     group_attempt: int = 0
     banner: str = ""
+    kv: KvSettings = KvSettings()     # KV handoff of every rank (flags, or the pod's contract.KvEnv)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,6 +95,10 @@ def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = DEF
                    help=f"wait this long for the group's other ranks (default {default_rendezvous_s:g})")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info shows each rank's load progress (default info)")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"largest max_tokens served (default {DEFAULT_MAX_NEW_TOKENS}): a context server decodes a "
+                        f"few tokens with the KV cache; long outputs belong to a decode engine (kv_transfer_params)")
+    add_kv_arguments(p)
 
 
 def run_front(prog: str, args: argparse.Namespace, build: Callable[[contextlib.ExitStack], FrontPlan]) -> int:
@@ -104,12 +112,13 @@ def run_front(prog: str, args: argparse.Namespace, build: Callable[[contextlib.E
         except ValueError as exc:  # EnvContractError, bad sharding, missing checkpoint
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
-        specs = [dataclasses.replace(s, log_level=args.log_level.upper()) for s in plan.specs]
+        specs = [dataclasses.replace(s, log_level=args.log_level.upper(), kv=plan.kv) for s in plan.specs]
         sup = Supervisor(specs, model_dir=plan.model_dir, model_name=args.served_model_name or plan.model_name,
                          group_attempt=plan.group_attempt, max_num_tokens=args.max_num_tokens,
                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                          batch_wait_s=args.batch_wait_ms / 1000.0, heartbeat_timeout_s=args.heartbeat_timeout_s,
-                         forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s)
+                         forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s,
+                         max_new_tokens=args.max_new_tokens)
         print(f"{prog}: {plan.banner}, http {args.host}:{plan.port}", file=sys.stderr, flush=True)
         bounds = HttpBounds(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
                             body_timeout_s=args.body_timeout_s)

@@ -24,6 +24,7 @@ import secrets
 from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
 
 from . import timeouts
+from .kv.options import settings_from_args
 from .launch import FrontPlan, add_serving_arguments, cuda_count, free_port, run_front, synthetic_checkpoint
 from .protocol import RankSpec
 
@@ -95,7 +96,7 @@ def plan_local(args: argparse.Namespace, stack: contextlib.ExitStack) -> FrontPl
                               transfer=args.transfer, backend=args.backend, dtype=args.dtype,
                               threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s)
     name = args.synthetic or pathlib.Path(model_dir).resolve().name
-    return FrontPlan(specs=specs, model_dir=model_dir, model_name=name, port=args.port,
+    return FrontPlan(specs=specs, model_dir=model_dir, model_name=name, port=args.port, kv=settings_from_args(args),
                      banner=f"serving {args.served_model_name or name} with {args.groups} group(s) × "
                             f"{args.dwdp_size} ranks ({specs[0].backend} backend)")
 

@@ -28,6 +28,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .kv.metrics import KvCollector
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536)
@@ -79,6 +81,7 @@ class Metrics:
         self.queue_tokens = Gauge("dwdp_queue_tokens", "tokens waiting for a rank", registry=r)
         self.inflight = Gauge("dwdp_inflight_requests", "admitted, not yet answered", registry=r)
         r.register(_RankCollector(snapshot))
+        r.register(KvCollector(snapshot))  # dwdp_kv_*: KV handoff, from the ranks' stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -92,6 +92,7 @@ class PromptOutcome:
     prompt_tops: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason = FinishReason.LENGTH
+    kv_transfer_params: dict | None = None   # the rank's KvTransferParams + prompt_token_ids (remote decode)
 
     def stopped_at(self, kept: int | None) -> None:
         """Keep the tokens up to the one that completed a stop string."""
@@ -140,8 +141,9 @@ def completion_response(plan: RequestPlan, outcomes: list[PromptOutcome], tokeni
     for o in sorted(outcomes, key=lambda o: o.plan.index):
         prefix = echo_text(o, tokenizer) if plan.echo else ""
         lp = completion_logprobs(tokenizer, o, echo=plan.echo, top_n=plan.top_n) if plan.logprobs else None
+        kv = {**o.kv_transfer_params, "model": model} if o.kv_transfer_params else None
         choices.append(CompletionChoice(index=o.plan.index, text=prefix + o.text, token_ids=o.generated, logprobs=lp,
-                                        finish_reason=o.finish_reason.value))
+                                        finish_reason=o.finish_reason.value, kv_transfer_params=kv))
     timings = outcomes[0].timings if len(outcomes) == 1 else [o.timings for o in outcomes]
     return CompletionResponse(id=id, created=created, model=model, choices=choices, usage=_usage(outcomes),
                               timings=timings)

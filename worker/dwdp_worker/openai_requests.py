@@ -57,6 +57,7 @@ class PromptPlan:
     max_tokens: int
     top_n: int                       # top-N log-probabilities per generated token (0 = none)
     score_prompt: bool               # also return the log-probability of every prompt token (echo + logprobs)
+    remote_decode: bool = False      # kv_transfer_params.do_remote_decode: keep its KV for a decode engine
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,9 @@ def plan_completion(req: CompletionRequest, tokenizer) -> RequestPlan:
     max_tokens = _max_tokens(req.max_tokens, echo=req.echo)
     top_n = req.logprobs or 0
     score = req.echo and req.logprobs is not None
-    prompts = [PromptPlan(index=i, prompt=prompt, max_tokens=max_tokens, top_n=top_n, score_prompt=score)
-               for i, prompt in enumerate(completion_prompts(req.prompt))]
+    remote = req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode
+    prompts = [PromptPlan(index=i, prompt=prompt, max_tokens=max_tokens, top_n=top_n, score_prompt=score,
+                          remote_decode=remote) for i, prompt in enumerate(completion_prompts(req.prompt))]
     return RequestPlan(endpoint=Endpoint.COMPLETIONS, prompts=prompts, stream=req.stream,
                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
                        echo=req.echo, logprobs=req.logprobs is not None, top_n=top_n,

@@ -71,7 +71,9 @@ class PromptRun:
         ids, lps, tops = generated_only or (job.generated, job.logprobs, job.tops)
         o = PromptOutcome(plan=self.plan, prompt_tokens=list(job.tokens[: job.prompt_len]), generated=list(ids),
                           logprobs=list(lps), tops=list(tops), timings=timings_of(job, t_now),
-                          prompt_logprobs=list(job.prompt_logprobs), prompt_tops=list(job.prompt_tops))
+                          prompt_logprobs=list(job.prompt_logprobs), prompt_tops=list(job.prompt_tops),
+                          kv_transfer_params=({**job.kv_params, "prompt_token_ids": list(job.tokens[: job.prompt_len])}
+                                              if job.kv_params else None))
         if generated_only is None:
             self.take_text(final=True)
             o.stopped_at(self.stream.tokens_kept)
@@ -101,7 +103,8 @@ async def submit_all(sup: Supervisor, plan: RequestPlan, *, streaming: bool) -> 
         for run in runs:
             try:
                 run.job = await sup.submit(run.plan.prompt, max_tokens=run.plan.max_tokens, top_n=run.plan.top_n,
-                                           score_prompt=run.plan.score_prompt, on_step=run.on_step if watch else None)
+                                           score_prompt=run.plan.score_prompt, on_step=run.on_step if watch else None,
+                                           remote_decode=run.plan.remote_decode)
             except BadPrompt as exc:
                 if len(runs) == 1:
                     raise

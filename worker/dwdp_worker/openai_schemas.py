@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
+from .kv.params import RemoteDecodeRequest
+
 from .schemas import Timings, Usage
 
 MAX_LOGPROBS = 20          # OpenAI's own cap on top-N log-probabilities per position
@@ -87,6 +89,9 @@ class CompletionRequest(_SamplingFields):
                                        description=f"top-N (0..{MAX_LOGPROBS}) log-probabilities per token")
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+    kv_transfer_params: RemoteDecodeRequest | None = Field(
+        default=None, description='DWDP extra (vLLM\'s name): {"do_remote_decode": true} keeps the prompt\'s KV for a '
+                                  'decode engine to pull over NIXL (max_tokens 1; docs/KV_TRANSFER.md)')
 
     @field_validator("prompt")
     @classmethod
@@ -135,6 +140,9 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] = Field(description="DWDP extra: the generated token ids")
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["length", "stop"] | None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None, description="DWDP extra: what a decode engine needs to pull this prompt's KV "
+                                  "(kv.params.KvTransferParams); null unless the request asked for it")
 
 
 class _ResponseHead(BaseModel):

@@ -59,12 +59,26 @@ def plan_pod(args: argparse.Namespace, environ, stack: contextlib.ExitStack) -> 
         raise EnvContractError(f"DWDP_NUM_EXPERTS={env.num_experts} but the checkpoint {model_dir} has {n} "
                                f"routed experts per layer: set experts.numExperts to {n} in the DwdpGroup")
     specs = build_pod_specs(env, model_dir, rendezvous_timeout_s=args.rendezvous_timeout_s)
-    return FrontPlan(specs=specs, model_dir=model_dir,
+    return FrontPlan(specs=specs, model_dir=model_dir, kv=_kv_settings(args, environ),
                      model_name=env.model_synthetic or pathlib.Path(model_dir).resolve().name,
                      port=args.port or env.http_port, group_attempt=env.attempt,
                      banner=(f"{env.job} group {env.group} attempt {env.attempt} pod {env.pod_index}: ranks "
                              f"{env.ranks} of {env.dwdp_size} ({specs[0].backend} backend), store "
                              f"{env.store_addr}:{env.store_port}"))
+
+
+def _kv_settings(args: argparse.Namespace, environ):
+    """The pod's contract.KvEnv (the operator's spec.kvTransfer) when present, else the --kv-* flags."""
+    from dwdp_runtime.contract import KvEnv
+
+    from .kv.options import settings_from_args, settings_from_env
+
+    if any(v.value in environ for v in KvEnv):
+        try:
+            return settings_from_env(environ)
+        except ValueError as exc:
+            raise EnvContractError(str(exc)) from None
+    return settings_from_args(args)
 
 
 def run_pod(args: argparse.Namespace, environ=None) -> int:

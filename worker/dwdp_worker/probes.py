@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .kv.metrics import budget_summary
+
 
 def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool, bool, dict[str, Any]]:
     ranks = snap["ranks"]
@@ -61,6 +63,7 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
         "forwards": sum(int(r.get("forwards") or 0) for r in ranks),
         "last_forward_age_s": round(min(ages), 3) if ages else None,
         "reasons": not_ready,
+        "kv": budget_summary(ranks),   # KV handoff budget use over the ranks (None: off)
         "ranks": ranks,
     }
     return live, ready, body

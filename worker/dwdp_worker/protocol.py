@@ -4,15 +4,17 @@ A rank process (``rank_process``) and the front's handle of it (``rank_handle``)
 dataclasses over one duplex ``multiprocessing`` ``Connection`` (pickled; ``spawn`` re-imports this
 module in the child, so both sides decode the same types)::
 
-    front → rank:  Forward(batch_id, sequences, top_n, score)  one step of each packed sequence; ``score``
-                                                          flags the sequences whose prompt is also scored
+    front → rank:  Forward(batch_id, sequences, top_n, score,   one step of each packed sequence; ``score``
+                           max_new_tokens, keep_kv)        flags the sequences whose prompt is also scored;
+                                                           with the KV cache: several tokens, KV kept
                    Stop()                                leave the group and exit 0
     rank  → front: PhaseChanged(phase)                   starting → rendezvous → loading → warmup
                    LoadProgress(...)                     what the load has done so far (logged at info)
                    Ready(info)                           vocab size, context length, pid, stats
                    Heartbeat(stats)                      every ``timeouts.RANK_HEARTBEAT_S``, busy or idle
                    StepResult(batch_id, …)               per sequence: next id, its logprob, top-N (and
-                                                         the prompt's scores for flagged sequences)
+                                                         the prompt's scores for flagged sequences;
+                                                         continuations, KV transfer params)
                    StepFailed(batch_id, message)         the forward raised; the rank keeps serving
                    PeerLost(message)                     the group is broken; the rank exits 1 next
                    Fatal(message)                        start-up or serving failed; the process exits 1
@@ -31,6 +33,8 @@ from enum import StrEnum
 
 from . import timeouts
 from .scoring import PromptScores
+from .kv.service import KvSettings
+from .kv.store import KvStats
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +60,7 @@ class RankSpec:
     peer_interval_s: float = timeouts.PEER_HEARTBEAT_S
     peer_dead_after_s: float = timeouts.PEER_DEAD_AFTER_S
     log_level: str = "WARNING"       # the front's level: load progress reaches the log at info
+    kv: KvSettings = field(default_factory=KvSettings)  # KV handoff (docs/KV_TRANSFER.md); budget 0 = off
     env: dict = field(default_factory=dict)
 
 
@@ -82,6 +87,7 @@ class RankStats:
     remote_bytes_per_forward: int = 0
     last_forward_s: float = 0.0
     backend: str | None = None
+    kv: KvStats | None = None    # the rank's KV store counters (None without a KV budget)
     error: str | None = None     # stats could not be read (never takes the rank down)
 
 
@@ -100,6 +106,10 @@ class Forward:
     sequences: list[list[int]]
     top_n: int
     score: list[bool] | None = None  # per sequence: also the logprob of every prompt token (echo + logprobs)
+    # per sequence, with the KV cache (``Engine.generate``): greedy tokens this step makes, and the request
+    # id to keep its KV under for a remote decode (None: don't). Both None: one forward without a cache.
+    max_new_tokens: list[int] | None = None
+    keep_kv: list[str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,23 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """Tokens a rank decoded with the KV cache after a sequence's first token of this step."""
+
+    ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class KvKept:
+    """A sequence's KV handoff outcome: the transfer params (JSON-ready dict), or why it was not kept."""
+
+    params: dict | None = None
+    error: str | None = None     # the KV budget is full (the front answers 429)
+
+
+@dataclass(frozen=True)
 class StepResult:
     batch_id: int
     next_ids: list[int]                          # greedy token per sequence
@@ -146,6 +173,8 @@ class StepResult:
     forward_s: float
     stats: RankStats
     prompt: list[PromptScores | None] | None = None  # per sequence, when Forward.score flagged it
+    continuations: list[Continuation | None] | None = None   # per sequence, when Forward.max_new_tokens
+    kv: list[KvKept | None] | None = None                    # per sequence, when Forward.keep_kv
 
 
 @dataclass(frozen=True)

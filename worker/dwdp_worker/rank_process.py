@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -66,6 +67,7 @@ class RankLink:
         self.conn = conn
         self._lock = threading.Lock()
         self.stats = p.RankStats()
+        self.kv_stats = None  # the engine's KV store stats (thread-safe): fresh in every heartbeat, TTL frees show
         self.busy = False
         self._stop = threading.Event()
 
@@ -76,7 +78,8 @@ class RankLink:
     def beat_forever(self) -> None:
         while not self._stop.wait(timeouts.RANK_HEARTBEAT_S):
             try:
-                self.send(p.Heartbeat(self.stats, busy=self.busy))
+                stats = self.stats if self.kv_stats is None else dataclasses.replace(self.stats, kv=self.kv_stats())
+                self.send(p.Heartbeat(stats, busy=self.busy))
             except (OSError, ValueError):
                 return  # the front is gone; the main loop notices too
 
@@ -150,7 +153,8 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
         with report_bars_to(lambda step, detail: link.send(p.LoadProgress(step, detail))):
             engine = Engine.build(model_dir=spec.model_dir, config=config, rank=spec.rank, rendezvous=rdzv,
                                   backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
-                                  progress=True, copy_delay_s=_test_copy_delay())
+                                  progress=True, copy_delay_s=_test_copy_delay(), kv=spec.kv,
+                                  identity=_kv_identity(spec))
         rep = engine.load_report
         link.send(p.LoadProgress("weights", (
             f"{len(rep.layers)} MoE layers, dense {rep.dense_bytes / 2**20:.1f} MiB, local experts "
@@ -165,6 +169,8 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
             warm = [t % engine.vocab_size for t in spec.warmup_tokens][: max(1, engine.max_positions)]
             engine.forward([warm])
             link.stats = _stats(engine)
+            if engine.kv is not None:
+                link.kv_stats = engine.kv.stats
             link.send(p.Ready(p.RankInfo(vocab_size=int(engine.vocab_size),
                                          max_positions=int(engine.max_positions), pid=os.getpid(),
                                          stats=link.stats)))
@@ -198,6 +204,42 @@ def _test_copy_delay() -> float:
     return delay
 
 
+def _kv_identity(spec: p.RankSpec):
+    from .kv.service import RankIdentity
+
+    return RankIdentity(job=spec.job.replace("/", "-"), group=spec.group, rank=spec.rank, attempt=spec.attempt)
+
+
+def _chosen(logits, tokens: list[int], top_n: int):
+    """Log-probability of each chosen token (rows of ``logits``) and the top-N of each row."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n > 0:
+        vals, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+        top = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
+    return chosen, top
+
+
+def _generate(engine, msg: p.Forward):
+    """The cache path: first-step fields, continuations and KV outcomes per sequence."""
+    res = engine.generate(msg.sequences, max_new_tokens=msg.max_new_tokens, keep_kv=msg.keep_kv,
+                          decode_budget_s=timeouts.DECODE_STEP_BUDGET_S)
+    next_ids, logprobs, top, conts, kept = [], [], [], [], []
+    for i, o in enumerate(res.outputs):
+        lps, tops = _chosen(o.logits, o.tokens, msg.top_n)
+        next_ids.append(o.tokens[0])
+        logprobs.append(lps[0])
+        top.append(tops[0])
+        conts.append(p.Continuation(o.tokens[1:], lps[1:], tops[1:]) if len(o.tokens) > 1 else None)
+        wanted = msg.keep_kv is not None and msg.keep_kv[i] is not None
+        kept.append(p.KvKept(params=o.kv_params.model_dump(mode="json") if o.kv_params else None,
+                             error=o.kv_error) if wanted else None)
+    return res, next_ids, logprobs, top, conts, kept
+
+
 def _stats(engine) -> p.RankStats:
     try:
         s = engine.stats()
@@ -205,7 +247,8 @@ def _stats(engine) -> p.RankStats:
                            prefetch_restarts=int(s.get("prefetch_restarts", 0) or 0),
                            prefetch_bytes=int(s.get("prefetch_bytes", 0) or 0),
                            remote_bytes_per_forward=int(s.get("remote_bytes_per_forward", 0) or 0),
-                           last_forward_s=float(s.get("last_forward_s", 0.0) or 0.0), backend=s.get("backend"))
+                           last_forward_s=float(s.get("last_forward_s", 0.0) or 0.0), backend=s.get("backend"),
+                           kv=engine.kv.stats() if engine.kv is not None else None)
     except Exception as exc:  # noqa: BLE001 - stats must never take the rank down
         return p.RankStats(error=str(exc))
 
@@ -224,10 +267,15 @@ def _loop(engine, link: RankLink, monitor) -> int:
             continue
         t0 = time.perf_counter()
         link.busy = True
+        conts = kept = None
         try:
-            res = engine.forward(msg.sequences, msg.score)
-            next_ids, logprobs, top = next_tokens(res.logits, msg.top_n)
-            scores = _prompt_scores(res, msg)
+            scores = None
+            if msg.max_new_tokens is None and msg.keep_kv is None:
+                res = engine.forward(msg.sequences, msg.score)
+                next_ids, logprobs, top = next_tokens(res.logits, msg.top_n)
+                scores = _prompt_scores(res, msg)
+            else:  # the KV cache path (dispatch never asks it together with prompt scores)
+                res, next_ids, logprobs, top, conts, kept = _generate(engine, msg)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
             log.exception("forward of batch %s failed", msg.batch_id)
             link.send(p.StepFailed(msg.batch_id, f"{type(exc).__name__}: {exc}"))
@@ -237,4 +285,5 @@ def _loop(engine, link: RankLink, monitor) -> int:
         link.stats = _stats(engine)
         link.send(p.StepResult(batch_id=msg.batch_id, next_ids=next_ids, logprobs=logprobs, top=top,
                                compute_s=float(res.compute_s), prefetch_wait_s=float(res.prefetch_wait_s),
-                               forward_s=time.perf_counter() - t0, stats=link.stats, prompt=scores))
+                               forward_s=time.perf_counter() - t0, stats=link.stats, prompt=scores,
+                               continuations=conts, kv=kept))

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from . import probes, timeouts
 from . import protocol as p
-from .admission import Limits, admit, text_fits
+from .admission import DEFAULT_MAX_NEW_TOKENS, Limits, admit, new_tokens_fit, text_fits
 from .dispatch import Dispatcher, Job
 from .errors import BadPrompt, NotReady, QueueFull, Unavailable
 from .metrics import Metrics
@@ -48,12 +48,15 @@ class Supervisor:
                  max_num_tokens: int = 8192, max_num_seqs: int = 256, max_queue: int = 256,
                  batch_wait_s: float = 0.0, heartbeat_timeout_s: float = timeouts.HEARTBEAT_TIMEOUT_S,
                  forward_timeout_s: float = timeouts.FORWARD_TIMEOUT_S,
-                 drain_timeout_s: float = timeouts.DRAIN_TIMEOUT_S, stop_timeout_s: float = timeouts.STOP_TIMEOUT_S):
+                 drain_timeout_s: float = timeouts.DRAIN_TIMEOUT_S, stop_timeout_s: float = timeouts.STOP_TIMEOUT_S,
+                 max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
         if not specs:
             raise ValueError("a front needs at least one rank")
         self.ranks = [RankHandle(s) for s in specs]
         self.model_dir, self.model_name, self.group_attempt = str(model_dir), model_name, group_attempt
         self.max_num_tokens, self.max_num_seqs, self.max_queue = max_num_tokens, max_num_seqs, max_queue
+        self.max_new_tokens = max_new_tokens
+        self.kv_enabled = any(h.spec.kv.enabled for h in self.ranks)
         self.heartbeat_timeout_s, self.forward_timeout_s = heartbeat_timeout_s, forward_timeout_s
         self.drain_timeout_s, self.stop_timeout_s = drain_timeout_s, stop_timeout_s
         self.draining = False
@@ -224,7 +227,8 @@ class Supervisor:
         for h in self.ranks:
             if h.phase == p.RankPhase.READY and h.info is not None:
                 return Limits(max_num_tokens=self.max_num_tokens, vocab_size=h.info.vocab_size,
-                              max_positions=h.info.max_positions, max_num_seqs=self.max_num_seqs)
+                              max_positions=h.info.max_positions, max_num_seqs=self.max_num_seqs,
+                              max_new_tokens=self.max_new_tokens, kv_enabled=self.kv_enabled)
         return None
 
     def _refuse_if_closed(self) -> None:
@@ -243,9 +247,10 @@ class Supervisor:
                            kv_cache_usage=kv["use"] if kv else None)
 
     async def submit(self, prompt: str | list[int], *, max_tokens: int, top_n: int, score_prompt: bool = False,
-                     on_step: Callable[[Job], bool] | None = None) -> Job:
+                     on_step: Callable[[Job], bool] | None = None, remote_decode: bool = False) -> Job:
         """Admit and enqueue one request; raises ``ServeError`` (400/429/503) with the reason.
-        ``score_prompt``/``on_step``: see ``dispatch.Job`` (the OpenAI layer's echo scoring, stop strings)."""
+        ``score_prompt``/``on_step``: see ``dispatch.Job`` (the OpenAI layer's echo scoring, stop strings);
+        ``remote_decode``: keep the prompt's KV for a decode engine (``kv_transfer_params``)."""
         self._refuse_if_closed()
         limits = self.limits()
         if limits is None or not self.tokenizer_ready or not any(h.ready for h in self.ranks):
@@ -263,10 +268,16 @@ class Supervisor:
         why = admit(tokens, max(1, max_tokens), limits)  # max_tokens 0 (scoring) still runs the prompt once
         if why:
             raise BadPrompt(why, param="prompt" if "prompt" in why or "token" in why else "max_tokens")
+        if remote_decode and score_prompt:
+            raise BadPrompt("kv_transfer_params.do_remote_decode cannot be combined with echo + logprobs (prompt "
+                            "scoring): send them as two requests", param="kv_transfer_params")
+        why = new_tokens_fit(max_tokens, remote_decode, limits)
+        if why:
+            raise BadPrompt(why, param="kv_transfer_params" if "kv_transfer" in why[:20] else "max_tokens")
         if len(self.dispatch.queue) >= self.max_queue:
             raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
         return self.dispatch.enqueue(tokens, max_tokens=max_tokens, top_n=top_n, score_prompt=score_prompt,
-                                     on_step=on_step)
+                                     on_step=on_step, remote_decode=remote_decode)
 
     def cancel(self, job: Job) -> None:
         self.dispatch.cancel(job)

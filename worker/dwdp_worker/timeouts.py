@@ -44,6 +44,10 @@ DRAIN_TIMEOUT_S = 60.0
 #: after a failure the group is broken: requests on healthy ranks get one more step (a forward, ≤ seconds)
 #: to finish, then 503 — the front does not wait out the drain for a rank that will never answer.
 FAILED_DRAIN_S = 5.0
+#: a step that decodes with the KV cache (max_tokens > 1) stops decoding after this long and the request
+#: goes back to the queue for the rest: a step stays about one prefill long, well inside FAILED_DRAIN_S
+#: and the forward watchdog, however slow each decode forward is (kv, docs/KV_TRANSFER.md)
+DECODE_STEP_BUDGET_S = 1.0
 #: ranks leaving in order: the release barrier with the group's live peers (importers unmap first).
 STOP_TIMEOUT_S = 20.0
 #: a process that closed its pipe or was SIGKILLed is gone within milliseconds; this bounds its reaping on a

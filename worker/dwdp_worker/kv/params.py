@@ -95,6 +95,7 @@ class KvTransferParams(_Frozen):
     request_id: str                  # the key of this sequence in the rank's store
     expires_at: float                # unix time after which unclaimed KV is freed (TTL)
     cache_layout: str = "transformers.DynamicCache"
+    prompt_token_ids: list[int] | None = None  # filled by the front: the decode side continues from exactly these
 
 
 class AgentOp(StrEnum):

@@ -83,9 +83,11 @@ def cache_from(model, kv):
     return cache
 
 
-def continue_greedy(model, prompt: Sequence[int], first_token: int, cache, max_new_tokens: int):
-    """Greedy tokens ``[first_token, …]`` (``max_new_tokens`` in all) and the float32 CPU logits that chose
-    each token after the first (``[max_new_tokens - 1, vocab]``), decoding from ``cache`` (the prompt's KV)."""
+def continue_greedy(model, prompt: Sequence[int], first_token: int, cache, max_new_tokens: int,
+                    max_time_s: float | None = None):
+    """Greedy tokens ``[first_token, …]`` (``max_new_tokens`` in all, fewer when ``max_time_s`` — generate's own
+    time limit — ran out) and the float32 CPU logits that chose each token after the first, decoding from
+    ``cache`` (the prompt's KV)."""
     import torch
 
     if max_new_tokens <= 1:
@@ -96,6 +98,6 @@ def continue_greedy(model, prompt: Sequence[int], first_token: int, cache, max_n
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens - 1,
                              min_new_tokens=max_new_tokens - 1, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-                             **{cache_kwarg(model): cache})
+                             **({"max_time": max_time_s} if max_time_s else {}), **{cache_kwarg(model): cache})
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return [first_token] + tokens, torch.stack([lg[0] for lg in out.logits]).float().cpu()
