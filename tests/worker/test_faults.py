@@ -35,7 +35,8 @@ SLOW_COPY_S = 0.2     # the slow-copy fault: larger than a tiny forward's comput
 CLIENT_TIMEOUT_S = 60.0
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7, 7], [100, 3, 250, 9, 1, 2, 3, 4]]
 # in-flight requests must outlast the kill: decoding with the KV cache is fast, so ask many tokens
-LONG_TOKENS = 1500
+# (steps stay short: timeouts.DECODE_STEP_BUDGET_S)
+LONG_TOKENS = 4000
 
 
 def _pod_env(*, pod_index: int, store_port: int, http_port: int, extra: dict | None = None) -> dict:
