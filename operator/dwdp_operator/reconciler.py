@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
+from dwdp_runtime.contract import DEFAULT_HTTP_PORT
+
 from . import metrics
 from .apply import ApiError, Applier
 from .desired import desired_state
@@ -178,7 +180,7 @@ class Reconciler:
         if (cr.get("metadata") or {}).get("deletionTimestamp"):
             return None  # garbage collection removes the children (owner references)
         pods = self.pods_of(key) or []
-        port = int(((cr.get("spec") or {}).get("httpPort")) or 8000)
+        port = int(((cr.get("spec") or {}).get("httpPort")) or DEFAULT_HTTP_PORT)
         health = await self._blocking(self.health.read_all, key, pods, port=port, namespace=ns)
         plan = desired_state(cr, pods, now=time.time(), token=secrets.token_urlsafe(32), health=health,
                              drain_seconds=self.settings.drain_seconds)

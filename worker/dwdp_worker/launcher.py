@@ -22,6 +22,7 @@ import pathlib
 import secrets
 
 from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
+from dwdp_runtime.contract import Backend, ModelDtype, Transfer
 
 from . import timeouts
 from .kv.options import settings_from_args
@@ -42,11 +43,11 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert buffers per layer for prefetched weights (default 2: double buffering)")
     p.add_argument("--contention-opt", action="store_true",
                    help="cut expert copies into 2 MiB slices interleaved across peers (spreads the pull over sources)")
-    p.add_argument("--transfer", choices=TRANSFER_MODES, default="copy_engine",
+    p.add_argument("--transfer", choices=TRANSFER_MODES, default=Transfer.COPY_ENGINE.value,
                    help="how experts move between ranks (default copy_engine; docs/RUNTIME.md)")
-    p.add_argument("--backend", choices=["auto", "host", "cuda"], default="auto",
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.AUTO.value,
                    help="memory backend: cuda (GPUs), host (CPU shared memory), auto = cuda when a GPU is visible")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    p.add_argument("--dtype", choices=[d.value for d in ModelDtype], default=None,
                    help="default: the checkpoint's dtype")
     p.add_argument("--threads-per-rank", type=int, default=None, help="torch CPU threads per rank")
     add_serving_arguments(p, default_rendezvous_s=timeouts.RENDEZVOUS_LOCAL_S)
@@ -54,7 +55,7 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_per_worker: int | None,
                       prefetch_stride: int | None, prefetch_slots: int = 2, contention_opt: bool = False,
-                      transfer: str = "copy_engine", backend: str = "auto", dtype: str | None = None,
+                      transfer: str = Transfer.COPY_ENGINE.value, backend: str = Backend.AUTO.value, dtype: str | None = None,
                       threads_per_rank: int | None = None,
                       rendezvous_timeout_s: float = timeouts.RENDEZVOUS_LOCAL_S,
                       num_experts: int | None = None) -> list[RankSpec]:

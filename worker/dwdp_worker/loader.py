@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import models as arch
+from .meta_model import build_meta_model  # re-exported: callers import it from the loader
 from . import quant_loading as quant
 from .checkpoint_names import CheckpointMap, apply_slice_ops, dense_tensors, resolve_sources
 from .experts_layout import ExpertParam, ExpertsLayout, ModelLayout, SourceKind
@@ -75,18 +76,6 @@ def resolve_dtype(config, dtype):
             raise ValueError(f"dtype {dtype!r} is not a torch dtype (use float32, bfloat16 or float16)")
         dtype = getattr(torch, name)
     return dtype
-
-
-def build_meta_model(config, dtype):
-    """The model on the meta device with the kernels ``from_pretrained`` would select."""
-    import torch
-
-    from .synth_config import serving_auto_class
-
-    with torch.device("meta"):
-        model = serving_auto_class(config).from_config(config, dtype=dtype)
-    model.eval()
-    return model
 
 
 def _set_tensor(model, name: str, value, *, buffer: bool) -> None:
@@ -313,5 +302,5 @@ def unbind_experts(model) -> None:
                                                             requires_grad=False)
 
 
-__all__ = ["CheckpointError", "LoadReport", "load_config", "load_sharded", "read_config_json",
+__all__ = ["CheckpointError", "LoadReport", "build_meta_model", "load_config", "load_sharded", "read_config_json",
            "resolve_dtype", "unbind_experts"]

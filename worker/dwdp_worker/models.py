@@ -70,7 +70,7 @@ def num_experts_in_config(config: Any) -> int:
 
     import torch
 
-    from .loader import build_meta_model
+    from .meta_model import build_meta_model
 
     # a copy: from_config records the dtype it built with in the config (the caller's dtype must stay its own)
     return model_layout(build_meta_model(copy.deepcopy(config), torch.float32)).num_experts

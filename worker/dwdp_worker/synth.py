@@ -22,9 +22,11 @@ import json
 import pathlib
 from typing import Any
 
+from dwdp_runtime.contract import ModelDtype
+
 from .models import SUPPORTED_ARCHS
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(d.value for d in ModelDtype)  # the dtypes a worker loads (dwdp_runtime.contract)
 #: checkpoint quantizations synth can write (None = unquantized); see dwdp_runtime.quant
 QUANTS = (None, "fp8")
 
