@@ -83,16 +83,21 @@ def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budg
 
 
 def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result, device="cuda:0"):
-    """The decode side on CUDA: pull every sequence into GPU memory, check it, decode with plain transformers."""
+    """The decode side on CUDA: pull every sequence into GPU memory, check it, decode with plain transformers.
+
+    Its unsharded model runs the same experts forward as the engine (``experts="auto"``: DWDP's Triton
+    kernels on CUDA), as the GPU oracle does: DWDP must not change the math, so the pulled K/V equal this
+    model's own cache bit for bit (with transformers' grouped_mm experts they differ by bf16 noise, ~2 on
+    a random tiny model, measured on H200)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from dwdp_worker.kv.prefill import cached_prefill
     from dwdp_worker.kv_client import KvPuller, decode_from_params
+    from dwdp_worker.oracle import Reference
 
     exchange = pathlib.Path(exchange)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+        model = Reference(model_dir, device=device, experts="auto").model
         _, ref_kv = cached_prefill(model, prompts, torch.device(device))
         with torch.inference_mode():
             expected = [model.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens,
