@@ -95,6 +95,7 @@ class ServingEnv(StrEnum):
     MAX_QUEUE = "DWDP_MAX_QUEUE"                  # waiting requests before 429 (--max-queue)
     MAX_NUM_TOKENS = "DWDP_MAX_NUM_TOKENS"        # tokens packed into one forward (--max-num-tokens)
     MAX_NUM_SEQS = "DWDP_MAX_NUM_SEQS"            # sequences packed into one forward (--max-num-seqs)
+    MAX_NEW_TOKENS = "DWDP_MAX_NEW_TOKENS"        # largest max_tokens served (--max-new-tokens)
     SERVED_MODEL_NAME = "DWDP_SERVED_MODEL_NAME"  # model id in the API (--served-model-name)
 
 
@@ -153,6 +154,10 @@ class PortName:
 
 
 DEFAULT_HTTP_PORT = 8000    # spec.httpPort default
+#: ``--max-new-tokens`` / ``spec.serving.maxNewTokens`` default: this is a context server — the first token is
+#: its product, a few more are a convenience (decoded with the KV cache); long generations belong to a decode
+#: engine, reached through ``kv_transfer_params`` (docs/KV_TRANSFER.md)
+DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_STORE_PORT = 29500  # spec.storePort default (torch.distributed's customary store port)
 
 TOKEN_SECRET_KEY = "token"  # key of the group token in Secret <name>-token (DWDP_TOKEN's secretKeyRef)

@@ -183,7 +183,8 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
     if (sv := spec.serving) is not None:  # the front's limits (contract.ServingEnv), only when the spec has them
         env += [{"name": str(k), "value": str(v)} for k, v in (
             (ServingEnv.MAX_QUEUE, sv.maxQueue), (ServingEnv.MAX_NUM_TOKENS, sv.maxNumTokens),
-            (ServingEnv.MAX_NUM_SEQS, sv.maxNumSeqs), (ServingEnv.SERVED_MODEL_NAME, sv.servedModelName or ""))]
+            (ServingEnv.MAX_NUM_SEQS, sv.maxNumSeqs),
+            (ServingEnv.MAX_NEW_TOKENS, sv.maxNewTokens), (ServingEnv.SERVED_MODEL_NAME, sv.servedModelName or ""))]
     return env
 
 

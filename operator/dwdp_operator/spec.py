@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dwdp_runtime.config import sharding_errors
-from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
+from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
                                    POD_ENV,
                                    RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode)
 
@@ -101,6 +101,7 @@ class Serving(_Model):
     maxQueue: int = Field(default=256, ge=1, le=1_000_000)
     maxNumTokens: int = Field(default=8192, ge=1, le=10_000_000)
     maxNumSeqs: int = Field(default=256, ge=1, le=65536)
+    maxNewTokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000)
     servedModelName: str | None = Field(default=None, min_length=1)
 
 

@@ -18,10 +18,10 @@ def _env(**over) -> dict[str, str]:
 
 
 def test_serving_section_becomes_the_worker_flags():
-    env = _env(serving={"maxQueue": 32, "maxNumTokens": 4096, "servedModelName": "r1-prefill"})
+    env = _env(serving={"maxQueue": 32, "maxNumTokens": 4096, "maxNewTokens": 24, "servedModelName": "r1-prefill"})
     assert {v.value for v in ServingEnv} <= set(env)
     assert serving_overrides(env) == {"max_queue": 32, "max_num_tokens": 4096, "max_num_seqs": 256,
-                                      "served_model_name": "r1-prefill"}
+                                      "max_new_tokens": 24, "served_model_name": "r1-prefill"}
 
 
 def test_absent_serving_sets_nothing_and_keeps_the_template_hash():

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: ``--max-new-tokens`` default: this is a context server — the first token is its product, a few more are
-#: a convenience (decoded with the KV cache, DECODE_CHUNK per step); long generations belong to a decode
-#: engine, reached through ``kv_transfer_params`` (docs/KV_TRANSFER.md)
-DEFAULT_MAX_NEW_TOKENS = 512
+from dwdp_runtime import contract
+
+#: ``--max-new-tokens`` default (``spec.serving.maxNewTokens`` too): defined in the contract, reason there
+DEFAULT_MAX_NEW_TOKENS = contract.DEFAULT_MAX_NEW_TOKENS
 
 
 @dataclass(frozen=True)

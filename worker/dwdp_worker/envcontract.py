@@ -110,7 +110,8 @@ def parse_env(environ: Mapping[str, str]) -> PodEnv:
 
 # contract.ServingEnv -> the ``dwdp-worker pod`` flag (argparse dest) it overrides
 SERVING_FLAGS = {"DWDP_MAX_QUEUE": "max_queue", "DWDP_MAX_NUM_TOKENS": "max_num_tokens",
-                 "DWDP_MAX_NUM_SEQS": "max_num_seqs", "DWDP_SERVED_MODEL_NAME": "served_model_name"}
+                 "DWDP_MAX_NUM_SEQS": "max_num_seqs", "DWDP_MAX_NEW_TOKENS": "max_new_tokens",
+                 "DWDP_SERVED_MODEL_NAME": "served_model_name"}
 
 
 def serving_overrides(environ: Mapping[str, str]) -> dict[str, int | str]:
