@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -122,6 +123,31 @@ class PodCounter:
         self._w.stop()
 
 
+def request_counts(kubeconfig: str) -> dict[str, float]:
+    """The API server's own request counters (``apiserver_request_total``) as "VERB resource" -> count."""
+    text = kubectl(kubeconfig, "get", "--raw", "/metrics").stdout
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+        key = f"{labels.get('verb', '?')} {labels.get('resource', '?')}{'/' + labels['subresource'] if labels.get('subresource') else ''}"
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def requests_per_group(before: dict, after: dict, n: int) -> dict[str, float]:
+    """Requests per DwdpGroup during the operator phase, excluding watches and the bench's own creates."""
+    out = {}
+    for k, v in after.items():
+        d = v - before.get(k, 0.0)
+        if k == "POST dwdpgroups":
+            d -= n  # the bench's own creates
+        if d > 0 and not k.startswith("WATCH"):
+            out[k] = round(d / n, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def cpu_s(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return t.user + t.system + t.children_user + t.children_system
@@ -158,6 +184,7 @@ def one_size(n: int, idle_s: float, tmp: Path) -> dict:
         time.sleep(4)  # kopf started and watching
         counter = PodCounter(api, ns)
         want = n * PODS_PER_GROUP
+        req0 = request_counts(kubeconfig)
         cpu0, t0 = cpu_s(proc), time.perf_counter()
         with ThreadPoolExecutor(CREATE_THREADS) as pool:
             list(pool.map(lambda i: custom.create_namespaced_custom_object("dwdp.io", "v1alpha1", ns, "dwdpgroups",
@@ -175,6 +202,7 @@ def one_size(n: int, idle_s: float, tmp: Path) -> dict:
             if (cpu_s(proc) - c0) / SETTLE_S < SETTLED_CPU:
                 break
         settled = time.perf_counter() - settle_t0
+        per_group = requests_per_group(req0, request_counts(kubeconfig), n)  # every write creation caused, settled
         cpu1, t1 = cpu_s(proc), time.perf_counter()
         rss_peak = 0
         while time.perf_counter() - t1 < idle_s:
@@ -187,7 +215,9 @@ def one_size(n: int, idle_s: float, tmp: Path) -> dict:
                 "ratio_vs_kubectl": round(want / all_pods / raw_seq, 2),
                 f"ratio_vs_kubectl_x{RAW_PARALLEL}": round(want / all_pods / raw_par, 2),
                 "operator_cpu_s_during_create": round(create_cpu, 1), "settle_s": round(settled, 1),
-                "idle_cpu_pct_of_core": round(idle_pct, 2), "idle_rss_mib": round(rss_peak / 2**20, 1)}
+                "idle_cpu_pct_of_core": round(idle_pct, 2), "idle_rss_mib": round(rss_peak / 2**20, 1),
+                "requests_per_group": round(sum(per_group.values()), 1), "requests_per_group_by_kind": per_group,
+                "load_average": [round(x, 2) for x in os.getloadavg()]}
     finally:
         if op is not None:
             op.terminate()

@@ -35,7 +35,10 @@ from kubernetes.client.rest import ApiException
 from .children import KINDS
 from .desired import Plan
 from .refusals import Refusal, classify, describe
+from .rest import RawApi
 from .spec import GROUP, KIND, PLURAL, VERSION
+
+GROUP_VERSION = f"{GROUP}/{VERSION}"
 
 log = logging.getLogger("dwdp_operator.apply")
 REMEMBER_S = 30.0
@@ -88,16 +91,14 @@ class ApplyResult:
 class Applier:
     def __init__(self, api: client.ApiClient | None = None, *, parallel: int = 8,
                  clock: Callable[[], float] = time.monotonic):
-        self.api = api or client.ApiClient()
-        self.core = client.CoreV1Api(self.api)
-        self.custom = client.CustomObjectsApi(self.api)
+        self.api = RawApi(api or client.ApiClient())
         self.pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dwdp-apply")
         self.known = CreateMemory(clock=clock)
 
     # -- reads -------------------------------------------------------------------------------
     def get_group(self, ns: str, name: str) -> dict | None:
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            return self.api.get(GROUP_VERSION, ns, PLURAL, name)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -127,8 +128,7 @@ class Applier:
 
     def write_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         try:
-            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, PLURAL, name, {"status": status},
-                                                              _preload_content=False)
+            self.api.merge_patch(GROUP_VERSION, ns, PLURAL, name, {"status": status}, subresource="status")
         except ApiException as e:
             raise ApiError(f"status of DwdpGroup {ns}/{name}: {describe(e)}") from None
 
@@ -173,8 +173,7 @@ class Applier:
 
     def _patch_pod(self, ns: str, name: str, patch: dict) -> int:
         try:
-            self.core.patch_namespaced_pod(name, ns, patch, _content_type="application/merge-patch+json",
-                                           _preload_content=False)
+            self.api.merge_patch("v1", ns, "pods", name, patch)
             return 1
         except ApiException as e:
             if e.status != 404:
@@ -187,14 +186,14 @@ class Applier:
         body = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
+            "involvedObject": {"apiVersion": GROUP_VERSION, "kind": KIND, "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta.get("uid", "")},
             "type": etype, "reason": reason, "message": message[:1000],
             "source": {"component": "dwdp-operator"}, "firstTimestamp": now, "lastTimestamp": now,
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False)
+            self.api.create("v1", meta["namespace"], "events", body)
             return 1
         except ApiException as e:  # an Event is best effort: never fail a reconcile for it
             log.warning("event %s/%s not posted: %s", meta["name"], reason, describe(e))

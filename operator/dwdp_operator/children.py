@@ -3,20 +3,18 @@ the API server does not serve the kind.
 
 Adding a child kind (an InferencePool, a KV-transfer Service, ...) is: a pure builder in
 ``manifests.py``, a row in ``KINDS``, and the RBAC verb in the chart. Custom resources need no code
-here: they go through ``CustomObjectsApi`` by ``apiVersion`` and ``plural``.
+here: every kind goes through ``rest.RawApi`` by ``apiVersion`` and ``plural``.
 
-Invariant: every write uses ``_preload_content=False`` — the operator never reads a create's answer,
-and skipping the client's model deserialization is most of a create's CPU cost (the 1.20 server
-also answers some deletes with a Status that the typed client cannot parse).
+Invariant: a create's or delete's answer is never parsed (``rest.RawApi``: no client models; the 1.20
+server also answers some deletes with a Status that the typed client cannot parse).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kubernetes import client
-
 from .manifests import CD_API_VERSION, IP_API_VERSION
+from .rest import RawApi
 
 NO_INFERENCE_POOL_CRD_FIX = ("install the Gateway API Inference Extension CRDs (InferencePool "
                              "inference.networking.k8s.io/v1) or remove spec.inferencePool")
@@ -30,43 +28,14 @@ class ChildKind:
     plural: str
     not_served_fix: str = ""  # what to do when the API server answers 404 for the kind itself
 
-    @property
-    def custom(self) -> bool:
-        return self.api_version not in ("v1", "networking.k8s.io/v1")
-
     def fix_when_not_served(self) -> str:
         return self.not_served_fix or f"install the CRD that serves {self.api_version} {self.kind}"
 
-    def create(self, api: client.ApiClient, ns: str, body: dict) -> None:
-        self._call(api, "create", ns, body)
+    def create(self, api: RawApi, ns: str, body: dict) -> None:
+        api.create(self.api_version, ns, self.plural, body)
 
-    def delete(self, api: client.ApiClient, ns: str, name: str) -> None:
-        self._call(api, "delete", ns, name)
-
-    def _call(self, api: client.ApiClient, verb: str, ns: str, arg) -> None:
-        if self.custom:
-            group, version = self.api_version.split("/")
-            fn = getattr(client.CustomObjectsApi(api), f"{verb}_namespaced_custom_object")
-            _release(fn(group, version, ns, self.plural, arg, _preload_content=False))
-            return
-        typed = client.NetworkingV1Api(api) if self.kind == "NetworkPolicy" else client.CoreV1Api(api)
-        fn = getattr(typed, f"{verb}_namespaced_{_snake(self.kind)}")
-        args = (ns, arg) if verb == "create" else (arg, ns)  # the typed client: create(ns, body), delete(name, ns)
-        _release(fn(*args, _preload_content=False))
-
-
-def _release(response) -> None:
-    """Read the unparsed answer so its connection goes back to the pool (urllib3 keeps it otherwise)."""
-    read = getattr(response, "read", None)
-    if read is not None:
-        read()
-    release = getattr(response, "release_conn", None)
-    if release is not None:
-        release()
-
-
-def _snake(kind: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(kind))
+    def delete(self, api: RawApi, ns: str, name: str) -> None:
+        api.delete(self.api_version, ns, self.plural, name)
 
 
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (
