@@ -12,7 +12,8 @@ HBM traffic versus the bf16 block: weights and the ``[rows, I]`` intermediate ar
 2; the input is read once in bf16 and once in e4m3 (``[T, H]``, small next to the weights at prefill sizes).
 
 Tiles: ``default_configs`` (below) or ``tune_fp8`` at warm-up (cached per shape key; never inside a forward).
-BLOCK_K = 128 always (the scale block); GEMM 1 has BLOCK_N = 128 (one activation group per output tile).
+BLOCK_K = 128 always (the scale block); each GEMM 1 program produces one 128-column activation group (in one
+or two passes: ``fp8_grouped_gemm``).
 """
 
 from __future__ import annotations
@@ -38,31 +39,44 @@ class Fp8Key:
     load: int
 
 
-def default_configs(load: int) -> tuple[tuning.GemmConfig, tuning.GemmConfig]:
-    """(gate_up, down) tiles, from the tuner's choices on H200 (2026-12-01, bench/fp8_moe.py): at prefill loads
-    it picked 64-row blocks for both shapes (DeepSeek-V3 and Qwen3 experts, 16K tokens) — GEMM 1 64×128 with
-    8 warps and 3 stages (A + gate + up tiles = 40 KiB per stage), GEMM 2 64×128, 4 warps, 4 stages. A 128-row
-    GEMM 1 block (two 128×128 fp32 accumulators) is pathological: 21.2 ms at 4K tokens on the DeepSeek-V3 shape,
-    against 14.7 ms for 64-row blocks at 16K tokens (4× the work). Small loads: 16/32-row blocks."""
+#: reduction length from which GEMM 1's weight tiles come through TMA descriptors by default: measured on an
+#: H200 (2026-12-01, 16K tokens) 4 % faster at DeepSeek-V3's H = 7168, 6 % slower at Qwen3's H = 2048
+TMA_MIN_HIDDEN = 4096
+
+
+def default_configs(load: int, hidden: int = 0) -> tuple[tuning.GemmConfig, tuning.GemmConfig]:
+    """(gate_up, down) tiles: the H200 sweep's winners (2026-12-01, DeepSeek-V3 and Qwen3 expert shapes, 4K and
+    16K tokens; docs/MODELS.md). Registers decide: every K step ends in a wait for the MMA and an FMA
+    promotion of the fp32 partial (``acc += dot · s``), so a program's MMA and its promotion serialise and the
+    SM stays busy only with several programs resident. Prefill loads: 64-row blocks of 4 warps —
+    GEMM 1 in two 64-column passes per activation group (two [64, 64] accumulators + partials: 224
+    registers, 2 programs per SM; the one-pass [64, 128] pair needs 8 warps and spills at 4), GEMM 2 64×128
+    tiles, 3 stages, weight tiles through TMA (168 registers, 3 programs per SM: 1.2–1.5× bf16 there). 128-row
+    blocks were 5–30 % slower in both GEMMs (one program per SM). Small loads: 16/32-row blocks."""
     bm = 16 if load <= 16 else 32 if load <= 32 else 64
-    g1 = tuning.GemmConfig(block_m=bm, block_n=SCALE_BLOCK, block_k=SCALE_BLOCK, num_warps=8 if bm == 64 else 4,
-                           num_stages=3)
-    g2 = tuning.GemmConfig(block_m=bm, block_n=128, block_k=SCALE_BLOCK, num_warps=4, num_stages=4)
+    g1 = tuning.GemmConfig(block_m=bm, block_n=64, block_k=SCALE_BLOCK, num_warps=4, num_stages=3,
+                           tma=bm == 64 and hidden >= TMA_MIN_HIDDEN)
+    g2 = tuning.GemmConfig(block_m=bm, block_n=128, block_k=SCALE_BLOCK, num_warps=4, num_stages=3, tma=bm == 64)
     return g1, g2
 
 
 def candidates(gemm: str, block_m: int | None, load: int) -> list[tuning.GemmConfig]:
-    """Tiles the warm-up tuner tries: BLOCK_K 128; GEMM 1 BLOCK_N 128; prefill-size loads (≥ 256 rows per expert)
-    only the 64/128-row blocks (smaller ones waste the wgmma tile), 8 configs per GEMM (compile time)."""
+    """Tiles the warm-up tuner tries: BLOCK_K 128 always; prefill-size loads (≥ 256 rows per expert) 64-row
+    blocks (128-row ones lost everywhere in the sweep), smaller loads 16–64 rows. GEMM 1: one or two passes
+    per activation group (BLOCK_N 128 / 64) at 4 or 8 warps; GEMM 2: 128 columns at 4 warps, 3 or 4 stages;
+    weight tiles through TMA or pointers. 8 configs per GEMM (each a compile at warm-up)."""
     if block_m:
         ms = [block_m]
     elif load >= 256:
-        ms = [64, 128]
+        ms = [64]
     else:
         ms = [m for m in (16, 32, 64) if m <= max(16, 2 * load)]
-    ns = (SCALE_BLOCK,) if gemm == "gate_up" else (128, 256)
-    return [tuning.GemmConfig(block_m=m, block_n=n, block_k=SCALE_BLOCK, num_warps=warps, num_stages=stages)
-            for m in ms for n in ns for warps in (4, 8) for stages in (3, 4)]
+    if gemm == "gate_up":
+        shapes = [(64, 4, 3), (64, 4, 4), (128, 8, 3), (64, 8, 3)]
+    else:
+        shapes = [(128, 4, 3), (128, 4, 4), (128, 4, 2), (256, 8, 3)]
+    return [tuning.GemmConfig(block_m=m, block_n=n, block_k=SCALE_BLOCK, num_warps=warps, num_stages=stages, tma=tma)
+            for m in ms for n, warps, stages in shapes for tma in (False, True)]
 
 
 _TUNED: dict[Fp8Key, tuning.GemmConfig] = {}
@@ -77,7 +91,7 @@ def _keys(t: int, top_k: int, w1, w2) -> tuple[Fp8Key, Fp8Key]:
 
 def configs_for(t: int, top_k: int, w1, w2) -> tuple[tuning.GemmConfig, tuning.GemmConfig]:
     k1, k2 = _keys(t, top_k, w1, w2)
-    d1, d2 = default_configs(k1.load)
+    d1, d2 = default_configs(k1.load, w1.shape[2])
     c1 = _TUNED.get(k1, d1)
     c2 = _TUNED.get(k2) or tuning.with_block_m(d2, c1.block_m)
     return c1, c2

@@ -98,3 +98,30 @@ def test_fp8_moe_refuses_wrong_grids():
         fp8_moe.fp8_moe_forward(x, ids, torch.ones(2, 1), w1, s1[:, :1], w2, s2)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_moe.fp8_moe_forward(x, ids, torch.ones(2, 1), w1.float(), s1, w2, s2)
+
+
+@pytest.mark.parametrize("h, i", [(384, 256), (256, 192)])
+def test_fp8_tilings_are_bitwise_equal(h, i):
+    """Every tiling the tuner may pick gives the same bits: GEMM 1 in one pass or two 64-column passes per
+    activation group, GEMM 2 with one weight scale per tile (BLOCK_N = 128) or one per column (256), weight tiles
+    through TMA descriptors or pointers, 16- to 64-row blocks (batch invariance: the K order and the promotion
+    per 128-deep block never change)."""
+    from dwdp_runtime.kernels.tuning import GemmConfig
+
+    e, k, t = 5, 2, 11
+    w1, s1, w2, s2 = _experts(e, h, i, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    xq, xs = fp8_quant.quantize_groups(x)
+
+    def run(bm, n2, tma, n1=128):
+        c1 = GemmConfig(block_m=bm, block_n=n1, block_k=128, tma=tma)
+        c2 = GemmConfig(block_m=bm, block_n=n2, block_k=128, tma=tma)
+        return fp8_moe._run(xq, xs, ids, w, w1, s1, w2, s2, c1, c2, has_gate=True, activation="silu",
+                            out_dtype=torch.bfloat16)
+
+    want = run(16, 128, False)
+    for bm, n2, tma, n1 in [(16, 256, False, 128), (64, 128, True, 128), (64, 256, True, 64), (32, 128, False, 64)]:
+        assert torch.equal(run(bm, n2, tma, n1), want), (bm, n2, tma, n1)
