@@ -9,7 +9,9 @@
      same kernels, no DWDP);
   4. agreement: ``--prompts`` random prompts of ``--prompt-len`` tokens, packed ``--pack`` per forward: top-1
      agreement of the last-position logits, sharded FP8 vs the bf16 reference, and the max |Δ logprob|
-     (log-softmax over the vocabulary, all entries);
+     (log-softmax over the vocabulary, all entries); then both against the same dequantized weights in
+     float32 — the metric's noise floor on this model (a random-weight model has nearly flat logits, so bf16
+     rounding alone flips some arg-maxes);
   5. prefill: one ``--isl``-token sequence, sharded FP8 vs unsharded FP8, alternated after warm-up: tokens/s
      and the ratio; unsharded bf16 reference time beside them.
 
@@ -90,19 +92,24 @@ def rank_main(rank, args, fp8, ref, port, q):
         q.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
 
 
-def _agreement(engine, ref, args, vocab):
+def _agreement(models: dict, args, vocab) -> dict:
+    """Top-1 agreement and max |Δ logprob| of every pair in ``models`` (name → batch → logits) against the
+    first, over the same random prompts."""
     import torch
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
-    agree, max_dlp = 0, 0.0
+    names = list(models)
+    agree = {n: 0 for n in names[1:]}
+    max_dlp = {n: 0.0 for n in names[1:]}
     for i in range(0, len(prompts), args.pack):
         batch = prompts[i:i + args.pack]
-        got = engine.forward(batch).logits
-        want = ref.logits(batch)
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        max_dlp = max(max_dlp, float((got.log_softmax(-1) - want.log_softmax(-1)).abs().max()))
-    return agree / len(prompts), max_dlp
+        want = models[names[0]](batch).float()
+        for n in names[1:]:
+            got = models[n](batch).float()
+            agree[n] += int((got.argmax(-1) == want.argmax(-1)).sum())
+            max_dlp[n] = max(max_dlp[n], float((got.log_softmax(-1) - want.log_softmax(-1)).abs().max()))
+    return {n: (agree[n] / len(prompts), max_dlp[n]) for n in names[1:]}
 
 
 def run_rank(rank, args, fp8, ref_dir, port):
@@ -133,7 +140,16 @@ def run_rank(rank, args, fp8, ref_dir, port):
 
                 ref = Reference(ref_dir, dtype="bfloat16", device=device)
                 t0 = time.perf_counter()
-                out["top1_agreement"], out["max_abs_dlogprob"] = _agreement(engine, ref, args, engine.vocab_size)
+                got = _agreement({"bf16": ref.logits, "fp8": lambda b: engine.forward(b).logits}, args,
+                                 engine.vocab_size)
+                out["top1_agreement"], out["max_abs_dlogprob"] = got["fp8"]
+                # the noise floor of the metric on this model: both against the same weights in float32
+                ref32 = Reference(ref_dir, dtype="float32", device=device, experts="eager")
+                floor = _agreement({"fp32": ref32.logits, "bf16": ref.logits,
+                                    "fp8": lambda b: engine.forward(b).logits}, args, engine.vocab_size)
+                del ref32
+                out["top1_bf16_vs_fp32"], out["max_abs_dlogprob_bf16_vs_fp32"] = floor["bf16"]
+                out["top1_fp8_vs_fp32"], out["max_abs_dlogprob_fp8_vs_fp32"] = floor["fp8"]
                 out["agreement_s"] = time.perf_counter() - t0
                 unsharded = Reference(ref_dir, dtype="bfloat16", device=device)
                 bind_fp8_experts(unsharded.model, fp8, device, _t.bfloat16)
@@ -195,6 +211,9 @@ def run(args) -> int:
     print(f"\n{fp8.name}: dwdp_size={args.dwdp_size}, rank 0 holds {r0['local']} — {r0['report']}")
     print(f"agreement over {args.prompts} prompts x {args.prompt_len} tokens: top-1 {r0['top1_agreement']:.4f}, "
           f"max |dlogprob| {r0['max_abs_dlogprob']:.4f} (sharded FP8 vs dequantized bf16 reference)")
+    print(f"noise floor, the same weights in float32 as the reference: bf16 top-1 {r0['top1_bf16_vs_fp32']:.4f} "
+          f"(max |dlogprob| {r0['max_abs_dlogprob_bf16_vs_fp32']:.4f}), FP8 top-1 {r0['top1_fp8_vs_fp32']:.4f} "
+          f"(max |dlogprob| {r0['max_abs_dlogprob_fp8_vs_fp32']:.4f})")
     print(f"prefill ISL {args.isl}: sharded fp8 {r0['sharded_fp8_s'] * 1e3:.2f} ms, unsharded fp8 "
           f"{r0['unsharded_fp8_s'] * 1e3:.2f} ms, unsharded bf16 ref {r0['unsharded_bf16_ref_s'] * 1e3:.2f} ms; "
           f"sharded/unsharded (tok/s) = {r0['sharded_over_unsharded']:.3f}; "
