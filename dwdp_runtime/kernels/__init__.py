@@ -1,4 +1,5 @@
-"""DWDP's Triton kernels (bf16 MoE experts on CUDA; Triton's interpreter runs them on CPU for tests).
+"""DWDP's Triton kernels (bf16 MoE experts and the fused non-expert layers on CUDA; Triton's interpreter runs
+them on CPU for tests).
 
 Modules (each imports triton, so this package imports them lazily — ``import dwdp_runtime.kernels``
 works on a machine without triton):
@@ -7,7 +8,9 @@ works on a machine without triton):
   * ``grouped_gemm`` — GEMM 1 (gather in the A-load, act·mul epilogue), GEMM 2 (routing-weight epilogue);
   * ``reduce``       — fixed-order fp32 top-k reduction;
   * ``tuning``       — default tile table, warm-up tuner, per-shape cache (imports without triton);
-  * ``moe``          — ``fused_experts`` composing them, ``ExpertsLayout`` / ``ExpertWeights``.
+  * ``moe``          — ``fused_experts`` composing them, ``ExpertsLayout`` / ``ExpertWeights``;
+  * ``rmsnorm``      — one-pass RMSNorm (``rms_norm``), ``rope`` — one-launch q/k rotary embedding
+                       (``apply_rope``); swapped into models by ``worker/dwdp_worker/layers_impl.py``.
 
 ``available(device)`` says whether the kernels can run for tensors on ``device`` (``support``: the
 triton-free facts the kernel modules share, so none of them imports this package back).
