@@ -25,6 +25,8 @@ dtype other than 16-bit (fp32 too, under the CPU interpreter) falls back to grou
 
 ``select(model, device, requested)`` is the engine's choice: ``"auto"`` → ``"dwdp"`` on CUDA when the
 kernels are available and the architecture is supported, else the model's default (``grouped_mm``).
+With ``dwdp`` on CUDA it also swaps in the fused non-expert layers (``layers_impl.install``: one-pass
+RMSNorm, one-launch RoPE), so the engine and the oracle, which both select here, run the same kernels.
 """
 
 from __future__ import annotations
@@ -163,4 +165,8 @@ def select(model: Any, device: Any, requested: str = "auto") -> str:
         attach_layouts(model)
     model.set_experts_implementation(name)
     log.info("experts implementation: %s", name)
+    if name == IMPL_NAME and _device_type(device) == "cuda":
+        from . import layers_impl
+
+        layers_impl.install(model)
     return name
