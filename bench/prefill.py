@@ -10,7 +10,9 @@
      max |Δlogits| between the two (a correctness sanity check, bf16), and the MFU of each.
 
 ``--experts-impl`` picks the experts forward of BOTH models (``auto``: DWDP's Triton kernels on CUDA,
-``grouped_mm``: plain `transformers`); ``--num-heads`` sets the attention heads (default hidden/128).
+``grouped_mm``: plain `transformers`); with DWDP's experts on CUDA both models also run the fused RMSNorm
+and RoPE (``--layers all``, as the engine does; ``norms`` / ``none`` for an A/B); ``--num-heads`` sets the
+attention heads (default hidden/128).
 
 MFU = model FLOPs of one forward ÷ time ÷ ``--peak-tflops`` (790: the dense bf16 matrix rate measured on
 this H200, docs/KERNELS.md). Model FLOPs (``prefill_flops``; multiply-add = 2 FLOPs; sequences of length L
@@ -46,9 +48,26 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+#: ``--layers`` choices: which fused non-expert layers (worker/dwdp_worker/layers_impl.py) stay installed
+LAYER_CHOICES = ("all", "norms", "none")
+
+
+def apply_layers(model, choice: str) -> None:
+    """Keep the fused layers ``choice`` names on a model the engine's selection gave all of them (DWDP experts
+    on CUDA); other models are left alone. RoPE is process-wide: apply the same choice to every model."""
+    from dwdp_worker import layers_impl
+
+    if choice == "all" or model.config._experts_implementation != "dwdp" or model.device.type != "cuda":
+        return
+    layers_impl.uninstall(model)
+    if choice == "norms":
+        layers_impl.install(model, rope=False)
+
+
+def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
+    """The model/run options (bench/prefill_layers.py adds its own to the same parser)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
     p.add_argument("--model", help="checkpoint directory (default: write a synthetic one under --work-dir)")
     p.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dwdp-bench"))
@@ -69,12 +88,19 @@ def parse_args(argv=None):
     p.add_argument("--num-heads", type=int, default=None, help="attention heads (default hidden/128, at least 2)")
     p.add_argument("--experts-impl", default="auto", choices=("auto", "dwdp", "grouped_mm", "eager"),
                    help="experts forward of both models (auto: DWDP's Triton kernels on CUDA)")
+    p.add_argument("--layers", default="all", choices=LAYER_CHOICES,
+                   help="fused non-expert layers of both models with DWDP's experts on CUDA (all: RMSNorm + RoPE, "
+                        "what the engine runs; norms: RMSNorm only; none: transformers' own)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for MFU (measured H200)")
     p.add_argument("--timeout", type=float, default=1800.0, help="rendezvous timeout (s)")
     p.add_argument("--quant", choices=("fp8",), default=None,
                    help="fp8: an FP8 block-scaled checkpoint (bench/fp8_prefill.py: sharded vs unsharded FP8, "
                         "agreement with the dequantized bf16 model)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def _free_port() -> int:
@@ -137,12 +163,14 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
         engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
                               device=device if args.device == "cuda" else None, token="bench",
                               progress=(rank == 0), experts=args.experts_impl)
+        apply_layers(engine.model, args.layers)
         out: dict = {"local": engine.manager.local_range}
         try:
             if rank == 0:
                 from dwdp_worker.oracle import Reference
 
                 ref = Reference(model_dir, device=device, experts=args.experts_impl)
+                apply_layers(ref.model, args.layers)
                 seqs = [torch.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()
                         for _ in range(args.batch)]
                 tokens = args.isl * args.batch
@@ -284,7 +312,7 @@ def main(argv=None) -> int:
     flops = prefill_flops(load_config(model_dir), [args.isl] * args.batch)
     peak = args.peak_tflops * 1e12
     mfu_u, mfu_s = flops["total"] / r0["unsharded_s"] / peak, flops["total"] / r0["sharded_s"] / peak
-    print(f"experts impl {r0['experts_impl']}; model FLOPs/forward {flops['total'] / 1e12:.2f} T ("
+    print(f"experts impl {r0['experts_impl']}, fused layers {args.layers}; model FLOPs/forward {flops['total'] / 1e12:.2f} T ("
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in flops.items() if k != "total") + ")")
     hdr += f" {'MFU unsh':>8} {'MFU sh':>6}"
     print(hdr)
