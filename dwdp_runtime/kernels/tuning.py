@@ -30,6 +30,10 @@ BLOCK_K = 64
 #: at 1024 (Qwen3-MoE, 16K tokens) and 2048 (DeepSeek-V3 shape, 16K) rows per expert, 8 % faster per GEMM
 #: than pointer loads; below that not measured, so the pointer path stays
 TMA_MIN_LOAD = 1024
+#: the same for GEMM 2 (``down``): measured at the DeepSeek-V3 expert shape, 4K tokens (512 rows per expert):
+#: TMA weight tiles 9 % faster than the best pointer-load config (1.57 vs 1.71 ms), while GEMM 1 there was
+#: 2 % faster on pointer loads (noise level: kept at ``TMA_MIN_LOAD``); H200, 2026-12-01, docs/KERNELS.md
+TMA_MIN_LOAD_DOWN = 512
 #: row blocks per L2 swizzle group: 8 blocks of one expert's rows sweep its B columns while they stay in L2
 GROUP_M = 8
 
@@ -74,14 +78,16 @@ def default_config(key: ShapeKey) -> GemmConfig:
     expert). Large loads: GEMM 1 takes 128 columns of gate *and* of up (two 128×128 fp32 accumulators, as
     much as 8 warps hold without spilling); GEMM 2's single accumulator affords 256 columns. Four pipeline
     stages of 64-wide K steps: (128 + 256) × 64 × 2 B = 48 KiB a stage, 192 KiB of Hopper's 227 KiB.
-    From ``TMA_MIN_LOAD`` rows per expert the weight tiles come through TMA descriptors (same operands,
-    same MMA sequence: bitwise the pointer-load result, tested)."""
+    From ``TMA_MIN_LOAD`` rows per expert (GEMM 2: ``TMA_MIN_LOAD_DOWN``) the weight tiles come through TMA
+    descriptors (same operands, same MMA sequence: bitwise the pointer-load result, tested). Re-measured at
+    32K tokens (4,096 rows per expert), both shapes: TMA won both GEMMs, 3–10 % over pointer loads."""
     if key.load <= 32:
         return GemmConfig(block_m=16 if key.load <= 16 else 32, block_n=64, num_warps=4, num_stages=4)
     if key.load <= 256:
         return GemmConfig(block_m=64, block_n=64 if key.gemm == "gate_up" else 128, num_warps=4, num_stages=4)
+    tma_from = TMA_MIN_LOAD if key.gemm == "gate_up" else TMA_MIN_LOAD_DOWN
     return GemmConfig(block_m=128, block_n=128 if key.gemm == "gate_up" else 256, num_warps=8, num_stages=4,
-                      tma=key.load >= TMA_MIN_LOAD)
+                      tma=key.load >= tma_from)
 
 
 def _row_blocks(load: int) -> tuple[int, ...]:

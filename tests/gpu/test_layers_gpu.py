@@ -58,7 +58,7 @@ def test_rms_norm_against_transformers_on_gpu(shape, cuda_device):
     print(f"{shape}: max|ours - transformers| {diff.max().item():.3g} (max|ref| {want.float().abs().max().item():.3g}),"
           f" bitwise {same:.4%}")
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert bool((diff <= want.float().abs() * 2.0 ** -7 + 1e-30).all())
+    assert bool((diff <= want.float().abs() * 2.0 ** -6 + 1e-30).all())  # y and out: two roundings
     assert same >= 0.99
 
 
