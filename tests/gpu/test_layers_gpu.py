@@ -14,8 +14,6 @@ Run: ``pytest -m gpu tests/gpu/test_layers_gpu.py -s``.
 from __future__ import annotations
 
 import os
-import pathlib
-import sys
 
 import pytest
 
@@ -24,11 +22,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                                  reason="TRITON_INTERPRET is set: these tests compile for the GPU")]
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-for p in (ROOT / "worker", ROOT):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 
