@@ -7,7 +7,8 @@ Build (``Engine.build``):
      ``manager.setup()`` (handle exchange with progress bars) → experts bound to composites;
   4. ``hooks.install_hooks``: start_forward / wait_and_bind / finish_layer around every experts module;
   5. ``experts_impl.select``: the experts forward — ``auto`` runs DWDP's Triton kernels on CUDA (they read
-     the bound composites as they are) and keeps `transformers`' own on CPU (bitwise with the oracle).
+     the bound composites as they are; plus the fused RMSNorm/RoPE of ``layers_impl``) and keeps
+     `transformers`' own on CPU (bitwise with the oracle).
 
 Forward (``Engine.forward(sequences)``): validate → pack into one row (``packing``) → model forward without KV
 cache → last-position logits of each sequence, float32 on CPU. Timings per forward:
