@@ -47,6 +47,7 @@ for _p in (ROOT / "worker", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from dwdp_runtime.contract import DEFAULT_TRANSFER, TRANSFER_MODES  # noqa: E402 - stdlib only, after the path set-up
 
 #: ``--layers`` choices: which fused non-expert layers (worker/dwdp_worker/layers_impl.py) stay installed
 LAYER_CHOICES = ("all", "norms", "none")
@@ -85,6 +86,9 @@ def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--slots", type=int, default=2, help="num_prefetch_slots")
+    p.add_argument("--transfer", choices=TRANSFER_MODES, default=DEFAULT_TRANSFER,
+                   help="how peer pages are copied (on ONE GPU copy_engine runs as SM kernels; batched is "
+                        "driven like a copy engine: HARDWARE.md)")
     p.add_argument("--num-heads", type=int, default=None, help="attention heads (default hidden/128, at least 2)")
     p.add_argument("--experts-impl", default="auto", choices=("auto", "dwdp", "grouped_mm", "eager"),
                    help="experts forward of both models (auto: DWDP's Triton kernels on CUDA)")
@@ -156,7 +160,7 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
     if args.device == "cuda":
         torch.cuda.set_device(device)
     cfg = DwdpConfig.even(dwdp_size=args.dwdp_size, num_experts=num_experts_of(model_dir),
-                          num_prefetch_slots=args.slots)
+                          num_prefetch_slots=args.slots, transfer=args.transfer)
     gen = torch.Generator().manual_seed(1)
     with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=args.dwdp_size, job="bench",
                          token="bench", timeout_s=args.timeout) as rdzv:
