@@ -1,7 +1,8 @@
 """Idempotent writes of a ``Plan`` to the API server (the only module that changes the cluster).
 
 Order (invariant 5 of ``desired``): status first (the intent: attempt numbers, phases), then
-deletes, creates, patches, events. Every step is safe to repeat: AlreadyExists on create and
+deletes, creates, patches, events; a plan with ``status_last`` (creates only) writes its status once,
+after the creates and patches, before the events. Every step is safe to repeat: AlreadyExists on create and
 NotFound on delete/patch are success (only a 409 whose Status reason is AlreadyExists: any other
 409, a 429 or a 5xx fails the pass, which is retried, and nothing is remembered as created); a
 failed status write aborts the plan (nothing else runs), so the next reconcile sees the old intent
@@ -12,10 +13,16 @@ kind not served, RBAC, quota, validation or webhook) does not fail the pass; it 
 ``ApplyResult.refusals`` for the reconciler to show (condition, Event). Pods are created only when
 every other child was accepted (a pod without its Secret, Services or ComputeDomain cannot run).
 
+Whole gangs (``Plan.whole_gangs``, desired invariant 2a): their pods are created together, without
+the scheduling gate; if any of them is refused or fails, the pods of that gang created in this call
+are deleted again at once (grace 0: they never ran) and reported in ``ApplyResult.rolled_back``, so a
+partial gang is never left schedulable. The refusal is then on record, and the next pass takes the
+gated path.
+
 Creates of long-lived children (Secret, Services, ComputeDomain) are remembered for ``REMEMBER_S``
 seconds so a resync does not hammer the API with creates that answer 409; a child deleted by hand
 comes back within that time. Pod creates are remembered per (name, attempt) for ``POD_REMEMBER_S``
-(the kopf index lags our own writes by a few events). The memory is bounded: entries expire and are
+(the pod informer lags our own writes by a few events). The memory is bounded: entries expire and are
 dropped, and at most ``MEMORY_MAX`` are kept (invariant: it never grows with pods ever created).
 """
 
@@ -86,6 +93,11 @@ class ApplyResult:
     counts: dict[str, int] = field(default_factory=lambda: {"status": 0, "deleted": 0, "created": 0,
                                                             "patched": 0, "events": 0})
     refusals: list[Refusal] = field(default_factory=list)
+    status: dict[str, Any] | None = None     # the status now on the object (as written, or as read)
+    written: dict | None = None              # the DwdpGroup as the last status write returned it
+    created_pods: list[str] = field(default_factory=list)   # pods that exist now (created, or already there)
+    rolled_back: list[str] = field(default_factory=list)    # pods of a failed whole gang, deleted again
+    error: Exception | None = None           # a create failed (transient): the rest of the plan was not applied
 
 
 class Applier:
@@ -105,30 +117,75 @@ class Applier:
             raise ApiError(f"GET DwdpGroup {ns}/{name}: {describe(e)}") from None
 
     # -- the plan ----------------------------------------------------------------------------
-    def apply(self, cr: dict[str, Any], plan: Plan) -> ApplyResult:
+    def apply(self, cr: dict[str, Any], plan: Plan, *, status_after: dict[str, Any] | None = None) -> ApplyResult:
+        """``status_after``: with ``plan.status_last``, the status to write once every create succeeded
+        (else ``plan.status`` is written, after the creates)."""
         meta = cr["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        out = ApplyResult()
-        if _changed(cr.get("status") or {}, plan.status):
-            self.write_status(ns, name, plan.status)
-            out.counts["status"] = 1
+        out = ApplyResult(status=cr.get("status") or {})
+        last = plan.status_last and status_after is not None
+        if not last:
+            self._status(out, ns, name, plan.status)
         out.counts["deleted"] = sum(self._map(lambda d: self._delete(ns, *d), plan.deletes))
-        pods = [m for m in plan.creates if m["kind"] == "Pod" and self._key(ns, m, uid) not in self.known]
         others = [m for m in plan.creates if m["kind"] != "Pod" and self._key(ns, m, uid) not in self.known]
+        pods = [m for m in plan.creates if m["kind"] == "Pod"]
+        out.created_pods = [m["metadata"]["name"] for m in pods if self._key(ns, m, uid) in self.known]
+        pods = [m for m in pods if self._key(ns, m, uid) not in self.known]
+        failed: Exception | None = None
         for batch in (others, pods):
-            results = self._map(lambda m: self._create(ns, m, uid), batch)
+            results = self._map(lambda m: _outcome(self._create, ns, m, uid), batch)
             out.counts["created"] += sum(1 for r in results if r is True)
+            out.created_pods += [m["metadata"]["name"] for m, r in zip(batch, results)
+                                 if m["kind"] == "Pod" and isinstance(r, bool)]
             out.refusals += _distinct(r for r in results if isinstance(r, Refusal))
-            if out.refusals:
+            failed = failed or next((r for r in results if isinstance(r, Exception)), None)
+            if batch is pods:
+                self._roll_back_broken_gangs(out, ns, uid, plan, batch, results)
+            if out.refusals or failed:
                 break  # pods need every other child (invariant: refused prerequisites stop the pods)
+        if failed is not None:
+            out.error = failed  # the reconciler records what exists now (its expectations), then fails the pass
+            return out
         out.counts["patched"] = sum(self._map(lambda p: self._patch_pod(ns, *p), plan.patches))
+        if last:
+            self._status(out, ns, name, status_after if not out.refusals else plan.status)
         for etype, reason, message in plan.events:
             out.counts["events"] += self.event(cr, etype, reason, message)
         return out
 
-    def write_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+    def _status(self, out: ApplyResult, ns: str, name: str, status: dict[str, Any]) -> None:
+        if _changed(out.status or {}, status):
+            out.written = self.write_status(ns, name, status)
+            out.counts["status"] += 1
+        out.status = {**(out.status or {}), **status}
+
+    def _roll_back_broken_gangs(self, out: ApplyResult, ns: str, uid: str, plan: Plan, batch: list[dict],
+                                results: list) -> None:
+        """Desired invariant 2a: a whole gang with any create refused or failed loses the pods it got."""
+        outcome = {m["metadata"]["name"]: r for m, r in zip(batch, results)}
+        for gang in plan.whole_gangs:
+            tried = [n for n in gang if n in outcome]  # the others were created by an earlier pass
+            if not any(isinstance(outcome[n], (Refusal, Exception)) for n in tried):
+                continue  # every pod of it is there
+            created = [n for n in tried if outcome[n] is True]
+            for n in created:
+                try:
+                    KINDS["Pod"].delete(self.api, ns, n, grace_seconds=0)  # it never ran: no grace needed
+                except ApiException as e:
+                    if e.status != 404:  # left behind: the next pass restarts the group (invariant 2a)
+                        log.warning("roll back Pod %s/%s: %s", ns, n, describe(e))
+                        continue
+                self.known.forget(lambda k, n=n: k[:3] == ("Pod", ns, n))
+                out.rolled_back.append(n)
+            out.created_pods = [n for n in out.created_pods if n not in gang]
+            out.counts["created"] -= len(created)
+            out.counts["deleted"] += len(created)
+
+    def write_status(self, ns: str, name: str, status: dict[str, Any]) -> dict | None:
+        """Merge-patch the status; the DwdpGroup as the server returned it (the reconciler's newest copy)."""
         try:
-            self.api.merge_patch(GROUP_VERSION, ns, PLURAL, name, {"status": status}, subresource="status")
+            return self.api.merge_patch(GROUP_VERSION, ns, PLURAL, name, {"status": status}, subresource="status",
+                                        want_body=True)
         except ApiException as e:
             raise ApiError(f"status of DwdpGroup {ns}/{name}: {describe(e)}") from None
 
@@ -198,6 +255,14 @@ class Applier:
         except ApiException as e:  # an Event is best effort: never fail a reconcile for it
             log.warning("event %s/%s not posted: %s", meta["name"], reason, describe(e))
             return 0
+
+
+def _outcome(fn, *args):
+    """``fn(*args)``, or the exception it raised (one failed create must not hide the others' outcomes)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 — re-raised by apply after the gang roll-back
+        return e
 
 
 def _distinct(refusals) -> list[Refusal]:

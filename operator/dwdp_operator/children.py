@@ -34,8 +34,8 @@ class ChildKind:
     def create(self, api: RawApi, ns: str, body: dict) -> None:
         api.create(self.api_version, ns, self.plural, body)
 
-    def delete(self, api: RawApi, ns: str, name: str) -> None:
-        api.delete(self.api_version, ns, self.plural, name)
+    def delete(self, api: RawApi, ns: str, name: str, *, grace_seconds: int | None = None) -> None:
+        api.delete(self.api_version, ns, self.plural, name, grace_seconds=grace_seconds)
 
 
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (

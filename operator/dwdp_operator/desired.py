@@ -20,11 +20,25 @@ Invariants:
   1. A new attempt's pods are created only when no pod of the group is left (pod names are reused,
      and a stale rank must never meet a new one); attempt+1 is written to status before any pod of
      it exists (apply writes status first), so a crash never creates two attempts.
-  2. ``gangComplete`` (status) is set once every pod of the attempt existed; after that a missing
-     pod is a failure, even when every pod of the group vanished at once.
+  2. ``gangComplete`` (status) is set once every pod of the attempt existed (observed, or created
+     by the pass that writes it: invariant 5); after that a missing pod is a failure, even when
+     every pod of the group vanished at once. Only the status says so, never the pods' gang label.
+     Before it, a missing or terminating pod is no failure: it is (re)created once it is gone.
+  2a. Gangs are all or nothing. A group with no pod at all is created *whole*: its pods carry no
+     scheduling gate and the label ``dwdp.io/gang=complete`` from the start (``Plan.whole_gangs``;
+     apply creates them together and, if any of them is refused or fails, deletes the ones it
+     created, so no partial gang is ever left schedulable). A group that already has some pods, or
+     any DwdpGroup with a refused child on record (``status.refusals``: a quota may admit half a
+     gang), takes the gated path: pods created gated and ``dwdp.io/gang=pending``, the gate lifted
+     by patches once every pod of the attempt exists. An operator killed in the middle of a whole
+     creation leaves pods labelled complete beside missing ones and no gangComplete: the next pass
+     creates the missing ones (gated path) and the gang completes, no restart.
   3. ``groupRestarts`` counts restarts since the group's last rollout; ``history`` keeps the last 10.
   4. An invalid spec yields a status-only plan (condition Invalid + one Event per new message).
-  5. Plans are ordered for apply: status, deletes, creates, patches, events.
+  5. Plans are ordered for apply: status, deletes, creates, patches, events. ``Plan.status_last``:
+     a plan that only creates (no delete, no attempt number changed) writes its status once, after
+     the creates, as the status the next pass will observe (the reconciler derives it with
+     ``desired_state`` over the pods it created): one status write per new group, not two.
   6. ``Plan.requeue_after`` is the time until the next transition that no API event announces
      (a backoff ending, a drain ending, a placement dead end maturing); the reconciler sleeps that
      long instead of polling. ``None``: only an event (or the long safety resync) changes anything.
@@ -57,6 +71,8 @@ class Plan:
     deletes: list[tuple[str, str]] = field(default_factory=list)     # (kind, name); NotFound is fine
     patches: list[tuple[str, dict]] = field(default_factory=list)    # (pod name, merge patch)
     events: list[PlannedEvent] = field(default_factory=list)
+    whole_gangs: list[list[str]] = field(default_factory=list)       # pod names created together (2a)
+    status_last: bool = False                                        # invariant 5
     valid: bool = True
     requeue_after: float | None = None                               # invariant 6
 
@@ -82,7 +98,7 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
 
     thash = M.template_hash(spec)
     ctx = _Ctx(name=name, ns=ns, uid=uid, spec=spec, thash=thash, now=now, health=health or {},
-               drain_seconds=drain_seconds)
+               drain_seconds=drain_seconds, whole=not old.get("refusals"))
     plan = Plan(status={})
     if not old.get("groups") and not old.get("templateHash"):
         plan.event(EventType.NORMAL, EventReason.CREATED,
@@ -141,6 +157,8 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
     sized = sizing_status(spec)
     if sized is not None:
         plan.status["sizing"] = sized
+    attempts_kept = all(st.attempt == (old_groups[st.index].attempt if st.index in old_groups else 0) for st in groups)
+    plan.status_last = (attempts_kept and not plan.deletes and any(m["kind"] == "Pod" for m in plan.creates))
     return plan
 
 
@@ -154,6 +172,7 @@ class _Ctx:
     now: float
     health: dict[str, int]
     drain_seconds: float
+    whole: bool  # invariant 2a: a group with no pod may be created whole (no refusal on record)
 
 
 def _new_group(g: int, thash: str) -> GroupStatus:
@@ -168,7 +187,8 @@ def _failures(ctx: _Ctx, st: GroupStatus, cur: list[dict]) -> list[Failure]:
     out = []
     for p in sorted(cur, key=lambda p: p["name"]):
         if p["deleting"]:
-            out.append(Failure(FailureKind.POD_DELETED, f"pod {p['name']} deleted"))
+            if st.gangComplete:  # before that it is a pod of an unfinished gang (a roll-back): re-created once gone
+                out.append(Failure(FailureKind.POD_DELETED, f"pod {p['name']} deleted"))
         elif p["phase"] in ("Failed", "Succeeded"):
             out.append(Failure(FailureKind.POD_ENDED, f"pod {p['name']} {p['phase']}"))
         elif p["restarts"] > 0:
@@ -176,7 +196,7 @@ def _failures(ctx: _Ctx, st: GroupStatus, cur: list[dict]) -> list[Failure]:
     dead_end = _placement_dead_end(ctx, cur)
     if dead_end:
         out.append(dead_end)
-    if st.gangComplete or any(p["labels"].get(L.GANG) == "complete" for p in cur):
+    if st.gangComplete:  # the status, not the pods' label: a whole gang is labelled complete before it exists
         have = {p["name"] for p in cur}
         for i in range(ctx.spec.pods_per_group):
             n = M.pod_name(ctx.name, st.index, i)
@@ -239,15 +259,20 @@ def _live_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> Gr
     if st.templateHash != ctx.thash:  # rolled (or not yet) by _roll, within the budget
         return _ready_or_pending(ctx, _observe(ctx, st, cur))
 
-    # create what is missing, then lift the gang gate once every pod of the attempt exists
+    # create what is missing (a group with no pod: whole, invariant 2a), then lift the gang gate of a
+    # gated gang once every pod of the attempt exists
     have = {p["name"] for p in gpods}
-    for i in range(spec.pods_per_group):
-        if M.pod_name(ctx.name, g, i) not in have:
-            plan.creates.append(M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=i, attempt=st.attempt,
-                                             spec=spec, thash=ctx.thash, avoid_nodes=st.avoidNodes or ()))
-    if len(cur) == spec.pods_per_group:
+    whole = ctx.whole and not gpods
+    missing = [i for i in range(spec.pods_per_group) if M.pod_name(ctx.name, g, i) not in have]
+    for i in missing:
+        plan.creates.append(M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=i, attempt=st.attempt,
+                                         spec=spec, thash=ctx.thash, avoid_nodes=st.avoidNodes or (), whole=whole))
+    if whole and missing:
+        plan.whole_gangs.append([M.pod_name(ctx.name, g, i) for i in missing])
+    live = [p for p in cur if not p["deleting"]]  # a terminating pod (a rolled-back one) does not complete a gang
+    if len(live) == spec.pods_per_group:
         st = st.model_copy(update={"gangComplete": True})  # from now on a missing pod is a failure
-        plan.patches += [(p["name"], M.lift_gate_patch()) for p in cur if p["labels"].get(L.GANG) != "complete"]
+        plan.patches += [(p["name"], M.lift_gate_patch()) for p in live if p["labels"].get(L.GANG) != "complete"]
     plan.patches += [(p["name"], M.serving_patch(True)) for p in cur if p["labels"].get(L.SERVING) != "true"]
     plan.patches += [(p["name"], M.role_patch()) for p in cur if L.LLMD_ROLE not in p["labels"]]
     st = _ready_or_pending(ctx, _observe(ctx, st, cur))

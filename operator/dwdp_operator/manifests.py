@@ -13,8 +13,10 @@ Invariants:
   * every child carries one controller ownerReference to the DwdpGroup (garbage collection);
   * the pod env is exactly docs/ENV_CONTRACT.md, then the user's template.env (DWDP_* refused by
     validation) — tests compare the names with the contract table;
-  * pods are created gated (scheduling gate ``dwdp.io/gang``) and labelled ``dwdp.io/gang=pending``;
-    ``lift_gate_patch`` ungates them once every pod of the attempt exists (gang);
+  * a gang's pods are created gated (scheduling gate ``dwdp.io/gang``) and labelled
+    ``dwdp.io/gang=pending``, and ``lift_gate_patch`` ungates them once every pod of the attempt
+    exists; or, when the whole gang is created at once (``whole=True``, desired invariant 2a),
+    without the gate and labelled ``dwdp.io/gang=complete`` from the start (no lift patches);
   * the group's NetworkPolicy admits the store port only from pods of the same DwdpGroup and group
     (same ``dwdp.io/name`` and ``dwdp.io/group``), the HTTP port from anywhere, nothing else;
   * worker pods run as non-root (uid 10001) with a read-only root filesystem, no privilege
@@ -204,10 +206,10 @@ def _probe(path: str, *, period: int, failures: int, initial: int = 0) -> dict[s
 
 
 def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec,
-               thash: str, avoid_nodes: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+               thash: str, avoid_nodes: list[str] | tuple[str, ...] = (), whole: bool = False) -> dict[str, Any]:
     group_sel = {L.NAME: name, L.GROUP: str(g)}
     labels = {**group_sel, L.POD_INDEX: str(i), L.ATTEMPT: str(attempt), L.TEMPLATE_HASH: thash,
-              L.GANG: "pending", L.SERVING: "true", "app.kubernetes.io/name": "dwdp-worker",
+              L.GANG: "complete" if whole else "pending", L.SERVING: "true", "app.kubernetes.io/name": "dwdp-worker",
               L.LLMD_ROLE: LLMD_ROLE_PREFILL}
     container = {
         "name": "worker", "image": spec.image, "command": ["dwdp-worker", "pod"],
@@ -234,7 +236,6 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
         "automountServiceAccountToken": False,  # workers never call the API server
         "tolerations": list(spec.template.tolerations),
         "nodeSelector": dict(spec.template.nodeSelector),
-        "schedulingGates": [{"name": L.GANG_GATE}],
         "affinity": {
             # the whole group in one NVLink clique (the first pod matches its own selector: free choice)
             "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
@@ -244,6 +245,8 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
                 {"labelSelector": {"matchLabels": group_sel}, "topologyKey": "kubernetes.io/hostname"}]},
         },
     }
+    if not whole:
+        pod_spec["schedulingGates"] = [{"name": L.GANG_GATE}]
     if avoid_nodes:  # after a placement dead end: not the nodes where the last attempt got stuck
         pod_spec["affinity"]["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [

@@ -4,9 +4,13 @@ Invariants:
   1. At most one reconcile per DwdpGroup runs at a time (single event loop + per-key flag);
      triggers that arrive meanwhile coalesce into exactly one more pass, so a burst of 32 pod
      events costs one or two reconciles, not 32.
-  2. Every pass starts from a fresh GET of the DwdpGroup and the kopf index of its pods; nothing
-     else is remembered between passes except the health cache and apply's create memory (both
-     bounded, both only save API calls, neither changes a decision after ``REMEMBER_S``).
+  2. Every pass starts from the newest copy of the DwdpGroup the operator has (``_KeyState.body``:
+     kopf's latest event or the answer to the operator's own last status write, whichever has the
+     higher resourceVersion; a GET when there is none, and for every pass a timer starts — resync,
+     backoff, retry — so the safety net never trusts a cache) and the pod informer's view of its
+     pods. A pass waits for the informer to show the pods the previous pass created or rolled back
+     (``expectations``, at most ``POD_REMEMBER_S``). Nothing else is remembered between passes
+     except the health cache and apply's create memory (bounded, they only save API calls).
   3. Event-driven: a pass runs on a DwdpGroup or pod event, and otherwise only when the plan asks
      (``Plan.requeue_after``: a backoff or drain ending), when a running pod's health is due, or
      on the safety resync, ``resync_seconds`` jittered by ±``RESYNC_JITTER`` so N objects never
@@ -34,9 +38,11 @@ from typing import Any, Callable, Coroutine
 from dwdp_runtime.contract import DEFAULT_HTTP_PORT
 
 from . import metrics
-from .apply import ApiError, Applier
+from .apply import POD_REMEMBER_S, ApiError, Applier
 from .desired import desired_state
+from .expectations import PodExpectation
 from .health import HealthReader
+from .observed import slim_pod
 from .refusals import describe
 from .state import EventReason, EventType
 from .status import with_refusals
@@ -70,6 +76,25 @@ class _KeyState:
     refused: int = 0              # passes in a row with a refused child (retry backoff)
     last_error: str = ""
     cr_meta: dict | None = None   # name/namespace/uid of the last DwdpGroup read (for Events)
+    body: dict | None = None      # the newest DwdpGroup seen (invariant 2); None: GET it
+    expect: PodExpectation | None = None  # pods written by the last pass, not yet seen (invariant 2)
+
+    def keep(self, body: dict | None) -> None:
+        """Keep ``body`` if it is newer than the copy held (resourceVersions compared as numbers: etcd's
+        revisions; one that is not a number is never cached, so those passes GET)."""
+        new = _revision(body)
+        if new is None:
+            return
+        old = _revision(self.body)
+        if old is None or new >= old:
+            self.body = body
+
+
+def _revision(body: dict | None) -> int | None:
+    try:
+        return int(((body or {}).get("metadata") or {})["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 @dataclass
@@ -94,6 +119,16 @@ class Reconciler:
     def spawn(self, key: Key) -> None:
         """Request a pass without waiting for it (held task, invariant 5)."""
         self._hold(self.request(key))
+
+    def observe(self, key: Key, body: dict) -> None:
+        """kopf's event body of a DwdpGroup: the newest copy, if it is (invariant 2)."""
+        self._state.setdefault(key, _KeyState()).keep(body)
+
+    def _timer_fired(self, key: Key) -> None:
+        st = self._state.get(key)
+        if st is not None:
+            st.body = None  # a timed pass (resync, backoff, retry) reads the object afresh
+        self.spawn(key)
 
     def _hold(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -143,7 +178,7 @@ class Reconciler:
         delay = resync if seconds is None else min(seconds, resync)
         if st.timer is not None:
             st.timer.cancel()
-        st.timer = asyncio.get_running_loop().call_later(max(delay, 0.05), self.spawn, key)
+        st.timer = asyncio.get_running_loop().call_later(max(delay, 0.05), self._timer_fired, key)
 
     async def _blocking(self, fn, *args, **kwargs):
         """Run a blocking client call on the reconciler's threads."""
@@ -167,26 +202,49 @@ class Reconciler:
         """One pass; returns seconds until the next pass it needs (None: only events or the resync)."""
         ns, name = key
         t0 = time.perf_counter()
-        if self.pods_of(key) is None:
+        st = self._state.get(key) or _KeyState()
+        pods = self.pods_of(key)
+        if pods is None:
             return POD_LIST_WAIT_S  # the pods' first list is not in yet: never reconcile blind
-        cr = await self._blocking(self.applier.get_group, ns, name)
+        if st.expect is not None:
+            wait = st.expect.wait(pods, now=time.monotonic())
+            if wait is not None:
+                return wait  # the informer's events for our own writes wake the next pass
+            st.expect = None
+        cr = st.body
         if cr is None:
-            self.forget(key)
-            return None
-        st = self._state.get(key)
-        if st is not None:
-            meta = cr.get("metadata") or {}
-            st.cr_meta = {"name": name, "namespace": ns, "uid": meta.get("uid", "")}
-        if (cr.get("metadata") or {}).get("deletionTimestamp"):
+            cr = await self._blocking(self.applier.get_group, ns, name)
+            if cr is None:
+                self.forget(key)
+                return None
+            st.keep(cr)
+        meta = cr.get("metadata") or {}
+        st.cr_meta = {"name": name, "namespace": ns, "uid": meta.get("uid", "")}
+        if meta.get("deletionTimestamp"):
             return None  # garbage collection removes the children (owner references)
-        pods = self.pods_of(key) or []
         port = int(((cr.get("spec") or {}).get("httpPort")) or DEFAULT_HTTP_PORT)
         health = await self._blocking(self.health.read_all, key, pods, port=port, namespace=ns)
-        plan = desired_state(cr, pods, now=time.time(), token=secrets.token_urlsafe(32), health=health,
-                             drain_seconds=self.settings.drain_seconds)
-        result = await self._blocking(self.applier.apply, cr, plan)
+        now, token = time.time(), secrets.token_urlsafe(32)
+        plan = desired_state(cr, pods, now=now, token=token, health=health, drain_seconds=self.settings.drain_seconds)
+        status_after = None
+        if plan.status_last:  # desired invariant 5: the status the next pass will observe, written once
+            seen = {p["name"] for p in pods}
+            created = [slim_pod(m) for m in plan.creates if m["kind"] == "Pod" and m["metadata"]["name"] not in seen]
+            status_after = desired_state(cr, pods + created, now=now, token=token, health=health,
+                                         drain_seconds=self.settings.drain_seconds).status
+        try:
+            result = await self._blocking(self.applier.apply, cr, plan, status_after=status_after)
+        except Exception:
+            st.body = None  # a failed apply may have written the status or not: read the object afresh
+            raise
+        st.keep(result.written)
+        st.expect = PodExpectation.after(result.created_pods, result.rolled_back, now=time.monotonic(),
+                                         wait_s=POD_REMEMBER_S)
+        if result.error is not None:
+            st.body = None
+            raise result.error
         if plan.valid:
-            await self._record_refusals(cr, plan.status, result.refusals)
+            await self._record_refusals(cr, result.status or plan.status, result.refusals, st)
         for action in ("created", "deleted", "patched"):
             if result.counts[action]:
                 metrics.CHILDREN.labels(action).inc(result.counts[action])
@@ -197,22 +255,23 @@ class Reconciler:
         if any(result.counts.values()):
             log.info("reconciled %s/%s: %s", ns, name, result.counts)
         wake = plan.requeue_after
-        if st is not None:
-            st.refused = st.refused + 1 if result.refusals else 0
-            if result.refusals:  # retried until a person fixed it: backoff up to RETRY_CAP_S
-                wake = min(self.settings.retry_seconds * 2 ** (st.refused - 1), RETRY_CAP_S)
+        st.refused = st.refused + 1 if result.refusals else 0
+        if result.refusals:  # retried until a person fixed it: backoff up to RETRY_CAP_S
+            wake = min(self.settings.retry_seconds * 2 ** (st.refused - 1), RETRY_CAP_S)
         if any(p.get("phase") == "Running" and p.get("ip") for p in pods):
             wake = self.settings.health_interval if wake is None else min(wake, self.settings.health_interval)
         return wake
 
-    async def _record_refusals(self, cr: dict, status: dict, refusals: list) -> None:
-        """Invariant 4: status.refusals + ChildrenAccepted; an Event and a log line per new cause."""
+    async def _record_refusals(self, cr: dict, status: dict, refusals: list, st: _KeyState) -> None:
+        """Invariant 4: status.refusals + ChildrenAccepted; an Event and a log line per new cause.
+        ``status``: the status on the object now (as apply left it)."""
         meta = cr["metadata"]
         new = [r.model_dump() for r in refusals]
         updated = with_refusals(status, new, now=time.time())
         if updated is None:
             return
-        await self._blocking(self.applier.write_status, meta["namespace"], meta["name"], updated)
+        st.body = None
+        st.keep(await self._blocking(self.applier.write_status, meta["namespace"], meta["name"], updated))
         before = {r.get("reason") for r in status.get("refusals") or []}
         for r in refusals:
             if r.reason not in before:

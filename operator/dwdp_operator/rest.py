@@ -56,8 +56,9 @@ class RawApi:
     def create(self, api_version: str, ns: str, plural: str, body: dict) -> None:
         self.request("POST", collection_path(api_version, ns, plural), body)
 
-    def delete(self, api_version: str, ns: str, plural: str, name: str) -> None:
-        self.request("DELETE", f"{collection_path(api_version, ns, plural)}/{name}")
+    def delete(self, api_version: str, ns: str, plural: str, name: str, *, grace_seconds: int | None = None) -> None:
+        body = None if grace_seconds is None else {"gracePeriodSeconds": grace_seconds}
+        self.request("DELETE", f"{collection_path(api_version, ns, plural)}/{name}", body)
 
     def get(self, api_version: str, ns: str, plural: str, name: str) -> dict:
         return self.request("GET", f"{collection_path(api_version, ns, plural)}/{name}", want_body=True) or {}

@@ -81,7 +81,10 @@ def test_quota_refusal_is_a_condition_and_clears_when_raised(cluster, ns):
              timeout=20, what="PodQuotaExceeded")
     cond = c.condition(ns, "q", "ChildrenAccepted")
     assert "ResourceQuota of namespace" in cond["message"] and "exceeded quota" in cond["message"]
-    assert len(c.live_pods(ns)) == 2  # what the quota admits; the gang gate keeps them unscheduled
+    # what the quota admits: the whole-gang create was rolled back (no ungated partial gang), and the retry
+    # took the gated path (gang label pending, the gate keeps them unscheduled on servers that honour it)
+    wait_for(lambda: len(c.live_pods(ns)) == 2, timeout=20, what="two gated pods")
+    assert {p.metadata.labels["dwdp.io/gang"] for p in c.live_pods(ns)} == {"pending"}
     c.core.delete_namespaced_resource_quota("gpus", ns)
     wait_for(lambda: c.condition(ns, "q", "ChildrenAccepted")["status"] == "True" and len(c.live_pods(ns)) == 4,
              timeout=40, what="pods once the quota is gone")

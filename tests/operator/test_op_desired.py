@@ -4,6 +4,7 @@ from dwdp_operator import labels as L
 from dwdp_operator.desired import desired_state
 from dwdp_operator.status import iso
 from dwdp_operator.restart import backoff_seconds, exhausted
+from dwdp_operator.observed import slim_pod
 from .dwdp_op_util import cr, pods_from, spec, with_
 
 T0 = 1_000_000.0
@@ -51,6 +52,65 @@ def test_idempotent_when_all_ready():
     assert (again.status["state"], again.status["reason"]) == ("Ready", "AllGroupsReady")
     assert again.requeue_after is None  # nothing time-based pending: only events wake the reconciler
     assert again.status == desired_state(obj, pods, now=T0 + 2).status
+
+
+def _pod_manifests(plan):
+    return {m["metadata"]["name"]: m for m in plan.creates if m["kind"] == "Pod"}
+
+
+def test_a_group_with_no_pod_is_created_whole_and_its_status_written_once():
+    plan = desired_state(cr(), [], now=T0, token="t")
+    pods = _pod_manifests(plan)
+    assert all("schedulingGates" not in m["spec"] and m["metadata"]["labels"][L.GANG] == "complete"
+               for m in pods.values())
+    assert plan.whole_gangs == [[f"r1-g{g}-p{i}" for i in range(4)] for g in range(2)]
+    assert plan.status_last and not plan.patches
+    # the reconciler's one status write: the plan over the pods it creates (what the next pass observes)
+    after = desired_state(cr(), [slim_pod(m) for m in pods.values()], now=T0, token="t")
+    assert [g["gangComplete"] for g in after.status["groups"]] == [True, True]
+    observed = pods_from(plan, phase="Pending", ready=False, gang="complete")
+    again = desired_state({**cr(), "status": after.status}, observed, now=T0 + 1)
+    assert again.status == after.status and not again.patches and not pod_creates(again)
+
+
+def test_a_refused_child_on_record_makes_gangs_gated():
+    refused = [{"kind": "Pod", "reason": "PodQuotaExceeded", "message": "exceeded quota"}]
+    plan = desired_state(cr(status={"refusals": refused}), [], now=T0)
+    assert plan.whole_gangs == []
+    assert all(m["spec"]["schedulingGates"] == [{"name": L.GANG_GATE}] and m["metadata"]["labels"][L.GANG] == "pending"
+               for m in _pod_manifests(plan).values())
+
+
+def test_an_interrupted_whole_create_is_completed_not_restarted():
+    plan = desired_state(cr(), [], now=T0)
+    # the operator died after 3 pods of group 0 and before its status write: pods say complete, status nothing
+    pods = [p for p in pods_from(plan, phase="Pending", ready=False, gang="complete") if p["name"] != "r1-g0-p3"]
+    plan2 = desired_state(cr(), pods, now=T0 + 1)
+    assert not _failure_events(plan2) and "r1-g0-p3" in pod_creates(plan2)
+    p3 = _pod_manifests(plan2)["r1-g0-p3"]
+    assert p3["spec"]["schedulingGates"] == [{"name": L.GANG_GATE}]  # the rest of a started gang: gated path
+    assert [g for g in plan2.whole_gangs if "r1-g0-p3" in g] == []
+
+
+def test_a_rolled_back_pod_still_terminating_neither_completes_the_gang_nor_fails_it():
+    plan = desired_state(cr(), [], now=T0)
+    pods = with_(pods_from(plan, phase="Pending", ready=False, gang="complete"), "r1-g0-p1", deleting=True)
+    plan2 = desired_state(cr(), pods, now=T0 + 1)
+    assert not _failure_events(plan2) and not group(plan2, 0)["gangComplete"] and group(plan2, 1)["gangComplete"]
+    assert "r1-g0-p1" not in pod_creates(plan2)  # re-created once it is gone (same name)
+    assert "r1-g0-p1" in pod_creates(desired_state(cr(), [p for p in pods if p["name"] != "r1-g0-p1"], now=T0 + 2))
+
+
+def test_a_new_attempt_writes_its_status_before_its_pods():
+    obj, pods, _ = settle(cr())
+    gone = [p for p in pods if p["name"] != "r1-g1-p2"]
+    plan = desired_state(obj, gone, now=T0 + 5)
+    obj = {**obj, "status": plan.status}
+    survivors = [p for p in pods if p["group"] == 0]
+    plan = desired_state(obj, survivors, now=T0 + 5 + backoff_seconds(0, base=10) + 1)
+    assert group(plan, 1)["attempt"] == 1 and pod_creates(plan) == [f"r1-g1-p{i}" for i in range(4)]
+    assert plan.whole_gangs == [[f"r1-g1-p{i}" for i in range(4)]]
+    assert not plan.status_last  # invariant 1: attempt+1 is on record before any pod of it exists
 
 
 def test_gang_gate_lifted_only_when_every_pod_exists():

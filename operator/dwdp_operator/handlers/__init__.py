@@ -1,6 +1,7 @@
 """Thin kopf handlers: every trigger becomes a reconcile request for one DwdpGroup; no decisions here.
 
-  * any DwdpGroup event -> reconcile that DwdpGroup (kopf watches DwdpGroups only);
+  * any DwdpGroup event -> reconcile that DwdpGroup (kopf watches DwdpGroups only); the event's
+    body is handed to the reconciler as its newest copy of the object;
   * the operator's pods come from ``pod_informer.PodInformer`` (a plain list+watch; any change of a
     pod we manage reconciles its DwdpGroup), not from kopf: kopf's per-event machinery cost grew
     with the number of objects;
@@ -105,8 +106,9 @@ async def cleanup(memo: kopf.Memo, **_):
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def on_group(type, name, namespace, memo: kopf.Memo, **_):
+async def on_group(type, name, namespace, body, memo: kopf.Memo, **_):
     if type == "DELETED":
         memo.reconciler.forget((namespace, name))
         return
+    memo.reconciler.observe((namespace, name), dict(body))  # the pass needs no GET (reconciler invariant 2)
     memo.reconciler.spawn((namespace, name))
