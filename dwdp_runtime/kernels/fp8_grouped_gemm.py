@@ -62,7 +62,7 @@ def _dot8(a, b, UPCAST: tl.constexpr):
 @triton.jit
 def _w_scale(s_row_ptrs, s_tile_ptr, kb, stride_sk, SCALAR_WS: tl.constexpr):
     """The weight scales of one K step: one scalar when the tile's columns lie in one 128-row scale block
-    (``SCALAR_WS``: BLOCK_N = 128, tiles aligned to it), else one per column. The scalar form turns the
+    (``SCALAR_WS``: BLOCK_N divides 128, tiles aligned to it), else one per column. The scalar form turns the
     promotion into one FMA per accumulator element (``acc += dot · (s_a·s_w)[:, None]``) instead of a
     multiply of the ``[BLOCK_M, BLOCK_N]`` scale product first; the values are the same products."""
     if SCALAR_WS:
@@ -253,7 +253,7 @@ def fp8_down(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, ws: torch.Ten
         aq, a_s, w, desc, ws, weights.reshape(-1), y, plan.sorted_pairs, plan.block_expert, plan.num_padded,
         plan.num_pairs, plan.max_blocks, hidden, inter,
         aq.stride(0), a_s.stride(0), *w.stride(), *ws.stride(), y.stride(0),
-        EVEN_K=inter % SCALE_BLOCK == 0, USE_TMA=desc is not None, SCALAR_WS=cfg.block_n == SCALE_BLOCK,
+        EVEN_K=inter % SCALE_BLOCK == 0, USE_TMA=desc is not None, SCALAR_WS=SCALE_BLOCK % cfg.block_n == 0,
         BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -103,7 +103,7 @@ def test_fp8_moe_refuses_wrong_grids():
 @pytest.mark.parametrize("h, i", [(384, 256), (256, 192)])
 def test_fp8_tilings_are_bitwise_equal(h, i):
     """Every tiling the tuner may pick gives the same bits: GEMM 1 in one pass or two 64-column passes per
-    activation group, GEMM 2 with one weight scale per tile (BLOCK_N = 128) or one per column (256), weight tiles
+    activation group, GEMM 2 with one weight scale per tile (BLOCK_N 64 or 128) or one per column (256), weight tiles
     through TMA descriptors or pointers, 16- to 64-row blocks (batch invariance: the K order and the promotion
     per 128-deep block never change)."""
     from dwdp_runtime.kernels.tuning import GemmConfig
@@ -123,5 +123,6 @@ def test_fp8_tilings_are_bitwise_equal(h, i):
                             out_dtype=torch.bfloat16)
 
     want = run(16, 128, False)
-    for bm, n2, tma, n1 in [(16, 256, False, 128), (64, 128, True, 128), (64, 256, True, 64), (32, 128, False, 64)]:
+    for bm, n2, tma, n1 in [(16, 256, False, 128), (64, 128, True, 128), (64, 256, True, 64), (32, 128, False, 64),
+                            (64, 64, True, 64), (16, 64, False, 128)]:
         assert torch.equal(run(bm, n2, tma, n1), want), (bm, n2, tma, n1)
