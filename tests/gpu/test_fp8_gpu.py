@@ -65,24 +65,20 @@ def fp8_checkpoints(tmp_path_factory):
 
 
 def test_gpu_fp8_sharded_equals_unsharded_fp8(fp8_checkpoints):
-    from tests.runtime.group import free_port, run_group
-    from tests.worker.programs import oracle_program
+    from tests.worker.oracle_group import run_oracle_group
 
     from dwdp_worker.fp8_checkpoint import bind_fp8_experts
     from dwdp_worker.oracle import Reference
 
     runs = [(f"{a}-fp8", str(fp8_checkpoints[a][0]), 5, 3, None) for a in ARCHS]
-    res = run_group(oracle_program, 2, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
-                    backend="auto", gpus=torch.cuda.device_count(), harness_timeout_s=600)
-    bad = {r: v for r, (st, v) in res.items() if st != "ok"}
-    assert not bad, bad
+    res = run_oracle_group(2, runs, BATCHES, backend="auto", gpus=torch.cuda.device_count(), harness_timeout_s=600)
     for a in ARCHS:
         fp8, ref_dir = fp8_checkpoints[a]
         ref = Reference(ref_dir, dtype="bfloat16", device="cuda:0", experts="auto")
         bind_fp8_experts(ref.model, fp8, "cuda:0", torch.bfloat16)
         want = [ref.logits(b) for b in BATCHES]
         del ref
-        for rank, (_, value) in sorted(res.items()):
+        for rank, value in res.items():
             got = value[f"{a}-fp8"]
             assert got["stats"]["backend"] != "host"
             for n, (g, w) in enumerate(zip(got["logits"], want)):

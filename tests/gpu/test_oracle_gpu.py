@@ -42,22 +42,18 @@ def gpu_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("d", sorted(SHARDING))
 def test_gpu_sharded_logits_match_unsharded(d, gpu_checkpoints):
-    from tests.runtime.group import free_port, run_group
-    from tests.worker.programs import oracle_program
+    from tests.worker.oracle_group import run_oracle_group
 
     from dwdp_worker.oracle import Reference
 
     k, s = SHARDING[d]
     runs = [(f"{a}-d{d}", str(gpu_checkpoints[a]), k, s, None) for a in ARCHS]
-    res = run_group(oracle_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
-                    backend="auto", gpus=torch.cuda.device_count(), harness_timeout_s=600)
-    bad = {r: v for r, (st, v) in res.items() if st != "ok"}
-    assert not bad, bad
+    res = run_oracle_group(d, runs, BATCHES, backend="auto", gpus=torch.cuda.device_count(), harness_timeout_s=600)
     for a in ARCHS:
         ref = Reference(gpu_checkpoints[a], device="cuda:0", experts="auto")
         want = [ref.logits(b) for b in BATCHES]
         del ref
-        for rank, (_, value) in sorted(res.items()):
+        for rank, value in res.items():
             got = value[f"{a}-d{d}"]
             assert got["stats"]["backend"] != "host"
             for i, (g, w) in enumerate(zip(got["logits"], want)):

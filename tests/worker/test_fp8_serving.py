@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.runtime.group import free_port, run_group
-from tests.worker.programs import memory_program, oracle_program
+from tests.runtime.group import run_group
+from tests.worker.oracle_group import run_oracle_group
+from tests.worker.programs import memory_program
 
 from dwdp_runtime import quant
 from dwdp_runtime.layout import peer_ranges
@@ -95,13 +96,10 @@ def test_fp8_sharded_logits_equal_dequantized_reference(d, fp8_models, reference
     names = list(ARCHS) + (["qwen3_moe_fused", "deepseek_v3@bfloat16"] if d == 2 else [])
     runs = [(f"{n}-d{d}", str(fp8_models[n.split("@")[0]][0]), k, s, n.split("@")[1] if "@" in n else None)
             for n in names]
-    res = run_group(oracle_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
-                    harness_timeout_s=240)
-    bad = {r: v for r, (st, v) in res.items() if st != "ok"}
-    assert not bad, bad
+    res = run_oracle_group(d, runs, BATCHES)
     ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
     for name in names:
-        for rank, (_, value) in res.items():
+        for rank, value in res.items():
             got = value[f"{name}-d{d}"]
             assert tuple(got["local"]) == ranges[rank]
             for b, (g, want) in enumerate(zip(got["logits"], references[name])):

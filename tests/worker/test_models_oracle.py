@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime.group import free_port, run_group
-from tests.worker.programs import oracle_program
+from tests.worker.oracle_group import run_oracle_group
 
 from dwdp_runtime.layout import peer_ranges
 from dwdp_worker.models import experts_sites
@@ -65,16 +64,13 @@ def test_sharded_logits_equal_unsharded_bitwise(d, checkpoints, references):
     names = list(ARCHS) + (extra if d == 2 else [])
     runs = [(f"{n}-d{d}", str(checkpoints[n.split("@")[0]]), k, s, n.split("@")[1] if "@" in n else None)
             for n in names]
-    res = run_group(oracle_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
-                    harness_timeout_s=240)
-    bad = {r: v for r, (st, v) in res.items() if st != "ok"}
-    assert not bad, bad
+    res = run_oracle_group(d, runs, BATCHES)
     ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
     for name in names:
         want, hit = references[name]
         # the batches route to experts every rank lacks, so the composite's remote part is exercised
         assert all(len(experts) == 8 for experts in hit.values()), (name, hit)
-        for rank, (_, value) in res.items():
+        for rank, value in res.items():
             got = value[f"{name}-d{d}"]
             assert tuple(got["local"]) == ranges[rank]
             assert got["restarts"] == [0] * len(BATCHES)

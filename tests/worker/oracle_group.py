@@ -1,0 +1,16 @@
+"""Host side of ``programs.oracle_program``: run it on a real local group and hand back every rank's results."""
+
+from __future__ import annotations
+
+from tests.runtime.group import free_port, run_group
+from tests.worker.programs import oracle_program
+
+
+def run_oracle_group(world: int, runs, batches, *, harness_timeout_s: float = 240.0, **kw) -> dict[int, dict]:
+    """Serve each ``(job, model_dir, k, s, dtype)`` of ``runs`` on a ``world``-rank group (one store port per
+    job), forward ``batches`` through it, assert that every rank finished, and return ``rank → {job: result}``."""
+    res = run_group(oracle_program, world, runs=runs, batches=batches, ports={r[0]: free_port() for r in runs},
+                    harness_timeout_s=harness_timeout_s, **kw)
+    bad = {r: v for r, (st, v) in res.items() if st != "ok"}
+    assert not bad, bad
+    return {rank: value for rank, (_, value) in sorted(res.items())}
