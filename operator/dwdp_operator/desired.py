@@ -54,6 +54,7 @@ from typing import Any
 
 from . import labels as L
 from . import manifests as M
+from .failures import group_failures, unschedulable_since
 from .restart import backoff_seconds, exhausted
 from .sizing import sizing_status
 from .spec import DwdpGroupSpec, parse_spec
@@ -183,48 +184,6 @@ def _delete_all(plan: Plan, gpods: list[dict]) -> None:
     plan.deletes += [("Pod", p["name"]) for p in gpods if not p["deleting"]]
 
 
-def _failures(ctx: _Ctx, st: GroupStatus, cur: list[dict]) -> list[Failure]:
-    out = []
-    for p in sorted(cur, key=lambda p: p["name"]):
-        if p["deleting"]:
-            if st.gangComplete:  # before that it is a pod of an unfinished gang (a roll-back): re-created once gone
-                out.append(Failure(FailureKind.POD_DELETED, f"pod {p['name']} deleted"))
-        elif p["phase"] in ("Failed", "Succeeded"):
-            out.append(Failure(FailureKind.POD_ENDED, f"pod {p['name']} {p['phase']}"))
-        elif p["restarts"] > 0:
-            out.append(Failure(FailureKind.CONTAINER_RESTARTED, f"pod {p['name']} container restarted ({p['restarts']}x)"))
-    dead_end = _placement_dead_end(ctx, cur)
-    if dead_end:
-        out.append(dead_end)
-    if st.gangComplete:  # the status, not the pods' label: a whole gang is labelled complete before it exists
-        have = {p["name"] for p in cur}
-        for i in range(ctx.spec.pods_per_group):
-            n = M.pod_name(ctx.name, st.index, i)
-            if n not in have:
-                out.append(Failure(FailureKind.POD_DISAPPEARED, f"pod {n} disappeared"))
-    return out
-
-
-def _stuck(ctx: _Ctx, cur: list[dict]) -> tuple[list[str], float | None]:
-    """(nodes the group's bound pods hold, since when another pod has been unschedulable) or ([], None)."""
-    bound = sorted({p["node"] for p in cur if p["node"] and not p["deleting"]})
-    stuck = [p for p in cur if not p["node"] and p.get("unschedulable_since")]
-    if not ctx.spec.restartPolicy.unschedulableSeconds or not bound or not stuck:
-        return [], None
-    return bound, min(parse_iso(p["unschedulable_since"]) or ctx.now for p in stuck)
-
-
-def _placement_dead_end(ctx: _Ctx, cur: list[dict]) -> Failure | None:
-    """A group split between bound pods and a pod no node can take (the bound ones pin the clique)."""
-    bound, since = _stuck(ctx, cur)
-    if since is None or ctx.now - since < ctx.spec.restartPolicy.unschedulableSeconds:
-        return None
-    stuck = next(p for p in cur if not p["node"] and p.get("unschedulable_since"))
-    return Failure(FailureKind.PLACEMENT_DEAD_END,
-                   f"placement dead end: pod {stuck['name']} unschedulable for {ctx.now - since:.0f}s while the "
-                   f"group's other pods hold {', '.join(bound)}; restarting away from those nodes")
-
-
 def _live_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> GroupStatus:
     """One desired group (index < numGroups)."""
     g, spec, now = st.index, ctx.spec, ctx.now
@@ -252,7 +211,7 @@ def _live_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> Gr
         plan.event(EventType.NORMAL, EventReason.GROUP_CREATED,
                    f"group {g} attempt {st.attempt}: creating {spec.pods_per_group} pods")
 
-    failures = _failures(ctx, st, cur)
+    failures = group_failures(ctx.spec, ctx.name, st, cur, now=ctx.now)
     if failures:
         return _restart(ctx, plan, st, cur, gpods, failures)
 
@@ -362,7 +321,7 @@ def _schedule_wake(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) ->
     if st.phase == GroupPhase.DRAINING and st.drainUntil:
         plan.wake_in((parse_iso(st.drainUntil) or ctx.now) - ctx.now)
     if st.phase in BUSY_PHASES:
-        _, since = _stuck(ctx, [p for p in gpods if p["attempt"] == st.attempt])
+        _, since = unschedulable_since(ctx.spec, [p for p in gpods if p["attempt"] == st.attempt], now=ctx.now)
         if since is not None:
             plan.wake_in(since + ctx.spec.restartPolicy.unschedulableSeconds - ctx.now)
 
