@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
+# How long a rank waits at a rendezvous for the slowest peer. On a fresh 2-core CI machine four ranks import
+# torch and load a checkpoint at once, and one can arrive more than a minute after rank 0 (CI failed at 60 s:
+# 'transport/fd-servers', d = 4 FP8); it stays below the tests' 240 s harness limit so that a hung peer is
+# still reported as a rendezvous timeout naming the step, not as a killed harness.
+RENDEZVOUS_TIMEOUT_S = 180.0
 
-def _rdzv(rank, world, port, job, timeout_s=60.0):
+
+def _rdzv(rank, world, port, job, timeout_s=RENDEZVOUS_TIMEOUT_S):
     from dwdp_runtime.rendezvous import StoreRendezvous
 
     return StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job=job, token="tok",
