@@ -11,7 +11,10 @@ For each N (default 50, 200, 500) on a fresh control plane (scripts/test-cluster
   3. idle: the operator's CPU (% of one core) and RSS over ``--idle-seconds`` (60) once creation is
      done and the operator has drained its event backlog (the first 5 s window under 5 % of a core). The operator runs with ``--resync-seconds 60``, so the window holds about one safety
      resync of every object (the default, 300 s, resyncs 5x less often).
-    python bench/operator_scale.py [--sizes 50,200,500] [--idle-seconds 60]
+    python bench/operator_scale.py [--sizes 50,200,500] [--groups 1] [--idle-seconds 60]
+
+``--groups G`` gives every DwdpGroup G groups (``numGroups``; the issue's own measurement used 2): the
+DwdpGroup's own children (Secret, client Service, ComputeDomain, status, Event) are then shared by 4·G pods.
 Run it alone (it takes the machine): e.g. ``flock /tmp/dwdp-k8s.lock python bench/operator_scale.py``.
 """
 
@@ -36,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(os.environ.get("K8S_TEST_BIN") or Path.home() / ".cache/k8s-test/bin")
 PORTS = {"API_PORT": "18443", "ETCD_PORT": "14379", "ETCD_PEER": "14380", "KCM_PORT": "22257", "SCHED_PORT": "22259"}
-PODS_PER_GROUP = 4      # dwdpSize 4, one GPU per pod, one group per DwdpGroup (numGroups 1)
+PODS_PER_GROUP = 4      # dwdpSize 4, one GPU per pod; numGroups groups per DwdpGroup (--groups, default 1)
 RAW_PARALLEL = 8        # the operator's apply pool size (apply.Applier parallel)
 CREATE_THREADS = 8      # clients creating the DwdpGroups
 RESYNC_S = 60           # so the idle window holds about one safety resync per object
@@ -45,27 +48,28 @@ SETTLED_CPU = 0.05      # fraction of a core
 SETTLE_MAX_S = 300
 
 
-def group_body(i: int) -> dict:
+def group_body(i: int, groups: int) -> dict:
     return {"apiVersion": "dwdp.io/v1alpha1", "kind": "DwdpGroup", "metadata": {"name": f"s{i}"},
-            "spec": {"numGroups": 1, "dwdpSize": PODS_PER_GROUP, "image": "dwdp:bench",
+            "spec": {"numGroups": groups, "dwdpSize": PODS_PER_GROUP, "image": "dwdp:bench",
                      "experts": {"numExperts": 16, "numExpertsPerWorker": 4, "numPrefetchExperts": 4},
                      "model": {"synthetic": "qwen3_moe"}}}
 
 
-def raw_pod_manifests(n: int, ns: str) -> list[dict]:
-    """The operator's own pod manifests for n groups, relabelled so the operator never indexes them."""
+def raw_pod_manifests(n: int, ns: str, groups: int) -> list[dict]:
+    """The operator's own pod manifests for n DwdpGroups, relabelled so the operator never indexes them."""
     from dwdp_operator import manifests as M
     from dwdp_operator.spec import DwdpGroupSpec
 
     out = []
     for i in range(n):
-        body = group_body(i)
+        body = group_body(i, groups)
         spec = DwdpGroupSpec.model_validate(body["spec"])
-        for p in range(PODS_PER_GROUP):
-            m = M.worker_pod(name=f"s{i}", ns=ns, uid="raw", g=0, i=p, attempt=0, spec=spec, thash="raw")
-            m["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "bench-raw"
-            m["metadata"].pop("ownerReferences")
-            out.append(m)
+        for g in range(groups):
+            for p in range(PODS_PER_GROUP):
+                m = M.worker_pod(name=f"s{i}", ns=ns, uid="raw", g=g, i=p, attempt=0, spec=spec, thash="raw")
+                m["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "bench-raw"
+                m["metadata"].pop("ownerReferences")
+                out.append(m)
     return out
 
 
@@ -77,13 +81,13 @@ def kubectl(kubeconfig: str, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
-def raw_rates(kubeconfig: str, core, n: int, tmp: Path) -> tuple[float, float]:
+def raw_rates(kubeconfig: str, core, n: int, groups: int, tmp: Path) -> tuple[float, float]:
     """(pods/s, one kubectl), (pods/s, RAW_PARALLEL kubectls) for the same n groups' pods."""
     rates = []
     for tag, procs in (("seq", 1), ("par", RAW_PARALLEL)):
         ns = f"raw-{tag}"
         core.create_namespace({"metadata": {"name": ns}})
-        pods = raw_pod_manifests(n, ns)
+        pods = raw_pod_manifests(n, ns, groups)
         files = []
         for k in range(procs):
             f = tmp / f"raw-{tag}-{k}.yaml"
@@ -153,7 +157,7 @@ def cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def one_size(n: int, idle_s: float, tmp: Path) -> dict:
+def one_size(n: int, groups: int, idle_s: float, tmp: Path) -> dict:
     env = dict(os.environ, BIN=str(BIN), STATE=str(tmp / f"state-{n}"), **PORTS,
                PRE_APPLY=f"{ROOT / 'crds/dwdpgroup.yaml'} {ROOT / 'tests/k8s/crds/computedomain.yaml'}")
     up = subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "up"], env=env, capture_output=True, text=True)
@@ -170,7 +174,7 @@ def one_size(n: int, idle_s: float, tmp: Path) -> dict:
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     op = None
     try:
-        raw_seq, raw_par = raw_rates(kubeconfig, core, n, tmp)
+        raw_seq, raw_par = raw_rates(kubeconfig, core, n, groups, tmp)
         ns = "scale"
         core.create_namespace({"metadata": {"name": ns}})
         exe = Path(sys.executable).parent / "dwdp-operator"
@@ -183,12 +187,12 @@ def one_size(n: int, idle_s: float, tmp: Path) -> dict:
         proc = psutil.Process(op.pid)
         time.sleep(4)  # kopf started and watching
         counter = PodCounter(api, ns)
-        want = n * PODS_PER_GROUP
+        want = n * groups * PODS_PER_GROUP
         req0 = request_counts(kubeconfig)
         cpu0, t0 = cpu_s(proc), time.perf_counter()
         with ThreadPoolExecutor(CREATE_THREADS) as pool:
             list(pool.map(lambda i: custom.create_namespaced_custom_object("dwdp.io", "v1alpha1", ns, "dwdpgroups",
-                                                                           group_body(i)), range(n)))
+                                                                           group_body(i, groups)), range(n)))
         applied = time.perf_counter() - t0
         while counter.count < want and time.perf_counter() - t0 < 1800:
             time.sleep(0.05)
@@ -209,7 +213,7 @@ def one_size(n: int, idle_s: float, tmp: Path) -> dict:
             rss_peak = max(rss_peak, proc.memory_info().rss)
             time.sleep(1)
         idle_pct = 100 * (cpu_s(proc) - cpu1) / (time.perf_counter() - t1)
-        return {"n": n, "pods": want, "pods_seen": counter.count, "apply_s": round(applied, 2),
+        return {"n": n, "groups_per_dwdpgroup": groups, "pods": want, "pods_seen": counter.count, "apply_s": round(applied, 2),
                 "all_pods_s": round(all_pods, 2), "pods_per_s": round(want / all_pods, 1),
                 "raw_kubectl_pods_per_s": round(raw_seq, 1), f"raw_kubectl_x{RAW_PARALLEL}_pods_per_s": round(raw_par, 1),
                 "ratio_vs_kubectl": round(want / all_pods / raw_seq, 2),
@@ -232,6 +236,7 @@ def one_size(n: int, idle_s: float, tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="50,200,500", help="DwdpGroup counts, comma-separated (default 50,200,500)")
+    ap.add_argument("--groups", type=int, default=1, help="numGroups of every DwdpGroup (default 1)")
     ap.add_argument("--idle-seconds", type=float, default=60.0, help="idle CPU/RSS window (default 60)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the operator logs (the folder is printed)")
     args = ap.parse_args()
@@ -241,14 +246,14 @@ def main() -> int:
     rows = []
     try:
         for n in [int(x) for x in args.sizes.split(",")]:
-            row = one_size(n, args.idle_seconds, tmp)
+            row = one_size(n, args.groups, args.idle_seconds, tmp)
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
         if not args.keep_logs:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"\noperator scale on the test API server (kube-apiserver 1.20 + etcd, {psutil.cpu_count()} cores, "
-          f"{PODS_PER_GROUP} pods per DwdpGroup, --resync-seconds {RESYNC_S})")
+          f"{args.groups} × {PODS_PER_GROUP} pods per DwdpGroup, --resync-seconds {RESYNC_S})")
     print(f"{'N':>5} {'pods':>6} {'all pods s':>10} {'pods/s':>7} {'kubectl/s':>9} {'x8/s':>7} {'ratio':>6} "
           f"{'ratio x8':>8} {'idle %core':>10} {'RSS MiB':>8}")
     for r in rows:
