@@ -100,7 +100,13 @@ def test_node_deleted_group_moves_to_a_whole_clique(cluster, ns):
     # lost the node (3 nodes left for 4 pods), the operator must notice the dead end and move the group
     c.create_group(ns, group_body("nd", numGroups=2,
                                   restartPolicy={"maxRestarts": 3, "backoffSeconds": 1, "unschedulableSeconds": 3}))
-    converged(c, ns, "nd", 2, attempts=[0, 0])
+    st0 = converged(c, ns, "nd", 2)
+    # the first placement may already hit a dead end (with 3 s allowed, a pod the scheduler retries late on a
+    # loaded machine counts as stuck — seen once in CI): allowed, named as such; what follows counts from here
+    for g in st0["groups"]:
+        assert all(h["reason"].startswith("placement dead end") for h in g.get("history") or []), g["history"]
+    attempt0 = [g["attempt"] for g in st0["groups"]]
+    history0 = [len(g.get("history") or []) for g in st0["groups"]]
     victim = c.core.read_namespaced_pod("nd-g1-p2", ns)
     node = victim.spec.node_name
     g0_before = c.live_pods(ns, "dwdp.io/group=0")
@@ -117,15 +123,15 @@ def test_node_deleted_group_moves_to_a_whole_clique(cluster, ns):
         if not g0_hit:  # group 0 had no pod on the lost node: untouched
             assert {p.metadata.uid for p in c.live_pods(ns, "dwdp.io/group=0")} == \
                 {p.metadata.uid for p in g0_before}
-            assert st["groups"][0]["attempt"] == 0
+            assert st["groups"][0]["attempt"] == attempt0[0]
         g1 = c.live_pods(ns, "dwdp.io/group=1")
         assert node not in {p.spec.node_name for p in g1}
         cliques = {c.core.read_node(p.spec.node_name).metadata.labels["nvidia.com/gpu.clique"] for p in g1}
         assert len(cliques) == 1 and len({p.spec.node_name for p in g1}) == PER
-        hist = [h["reason"] for h in st["groups"][1]["history"]]
-        assert "deleted" in hist[0] or "disappeared" in hist[0], hist  # the node loss: one restart
+        hist = [h["reason"] for h in st["groups"][1]["history"]][history0[1]:]
+        assert hist and ("deleted" in hist[0] or "disappeared" in hist[0]), hist  # the node loss: one restart
         # at most one more: a placement dead end in the damaged clique, named as such
-        assert st["groups"][1]["attempt"] == len(hist) and len(hist) in (1, 2), hist
+        assert st["groups"][1]["attempt"] == attempt0[1] + len(hist) and len(hist) in (1, 2), hist
         assert all(h.startswith("placement dead end") for h in hist[1:]), hist
         _alive(c.operator)
         print(f"\nFIGURE node-delete: group(s) re-placed on a whole clique in {t:.1f}s (group 0 hit: {g0_hit}; "
