@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dwdp-operator: missing dependency ({e}); install with: pip install 'dwdp-k8s[operator]'",
               file=sys.stderr)
         return 1
+    from .gc_tuning import tune_gc
+    tune_gc()
     settings = Settings(resync_seconds=args.resync_seconds, drain_seconds=args.drain_seconds,
                         health_interval=args.health_interval, namespaces=tuple(args.namespace),
                         literal_namespaces=bool(args.namespace) and not any(map(is_pattern, args.namespace)))

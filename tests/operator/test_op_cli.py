@@ -1,11 +1,22 @@
 """cli.py: kopf stopped by a transient API error (404 while a restarted API server syncs its CRDs,
 5xx, 429, connection errors) is restarted in-process, a bounded number of times; anything else
-exits 1 with a message."""
+exits 1 with a message. Startup tunes the garbage collector (gc_tuning)."""
+
+import gc
 
 import kopf
 import pytest
 
-from dwdp_operator import cli
+from dwdp_operator import cli, gc_tuning
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc():
+    """cli.main tunes this process's collector: give the rest of the test session the defaults back."""
+    saved = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*saved)
 
 
 class _Err(Exception):
@@ -58,3 +69,12 @@ def test_each_kopf_restart_gets_a_fresh_memo(monkeypatch):
     calls = _fake_run(monkeypatch, [_Err(404)])
     assert cli.main(["--resync-seconds", "60"]) == 0
     assert calls[0]["memo"] is not calls[1]["memo"] and calls[1]["memo"].settings.resync_seconds == 60
+
+
+def test_startup_freezes_the_heap_and_raises_the_gc_thresholds(monkeypatch):
+    _fake_run(monkeypatch, [])
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    assert cli.main([]) == 0
+    assert gc.get_threshold() == (gc_tuning.GEN0_THRESHOLD, gc_tuning.GEN1_THRESHOLD, gc_tuning.GEN2_THRESHOLD)
+    assert gc.get_freeze_count() > 10_000  # kopf's, kubernetes' and pydantic's objects, out of every collection
