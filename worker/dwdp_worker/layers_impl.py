@@ -31,6 +31,7 @@ Invariants of the kernels (batch invariance, roundings) are in their module docs
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import logging
@@ -99,8 +100,10 @@ def _same_code(fn: Any, canonical: str) -> bool:
         return False
 
 
+@functools.cache
 def norm_is_canonical(cls: type) -> bool:
-    """``cls`` is a known RMSNorm class whose forward is the T5/Llama math."""
+    """``cls`` is a known RMSNorm class whose forward is the T5/Llama math (decided once per class: a model
+    holds a few norms per layer, all of the same class, and the check reads and parses the source)."""
     return cls.__name__ in NORM_CLASSES and _same_code(cls.forward, _CANONICAL_NORM)
 
 
