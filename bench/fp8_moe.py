@@ -8,8 +8,13 @@ Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8) and token count T, with unifor
   * ``fp8 GEMMs``        — our two block-scaled Triton GEMMs alone (``fp8_gate_up`` incl. its act·mul and e4m3
                            epilogue, ``fp8_down`` incl. the routing weight), routing plan and input quantization
                            outside the timing;
-  * ``bf16 block`` / ``fp8 block`` — whole routed-experts forwards: ``kernels.fused_experts`` on the
-                           dequantized bf16 weights vs ``fp8_moe_forward`` (quantize + align + 2 GEMMs + reduce);
+  * ``cute GEMMs``        — the CuTe DSL warp-specialised block-scaled GEMMs (``fp8_cute``, sm_90) on the same
+                           operands in plan-row order (gather, act·quant and reduce outside the timing), one
+                           row per ``--cute-configs`` entry; skipped with the reason where CuTe DSL is missing;
+  * ``bf16 block`` / ``fp8 block`` / ``cute block`` — whole routed-experts forwards: ``kernels.fused_experts`` on
+                           the dequantized bf16 weights vs ``triton_fp8_moe_forward`` (quantize + align + 2 GEMMs +
+                           reduce) vs ``cute_fp8_moe_forward`` (quantize + align + gather + 2 GEMMs + act·quant +
+                           reduce);
   * accuracy of the fp8 block against the bf16 block on the dequantized weights (max |Δ| / max |ref|, and the
     fraction of tokens whose arg-max hidden unit agrees — a cheap proxy; the model-level top-1 agreement is
     measured by ``bench/prefill.py --quant fp8``).
@@ -48,7 +53,59 @@ def _experts(h, i, e, dev, seed):
     return w1, s1, w2, s2, d1, d2
 
 
-def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tune_tokens=(16384,)):
+def parse_cute_config(text: str):
+    """``N[:m|n][:S][:C]`` → ``CuteGemmConfig(tile_n=N, raster_along_m=…, swizzle=S, cluster_n=C)``
+    (e.g. ``128:n:1:2``)."""
+    from dwdp_runtime.kernels.fp8_cute import CuteGemmConfig
+
+    parts = text.split(":")
+    return CuteGemmConfig(tile_n=int(parts[0]), raster_along_m=len(parts) > 1 and parts[1] == "m",
+                          swizzle=int(parts[2]) if len(parts) > 2 else 1,
+                          cluster_n=int(parts[3]) if len(parts) > 3 else 2)
+
+
+def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops, t_bf16, t_bblock, ref):
+    """The CuTe path at one shape: GEMMs per config (plan-row operands prepared outside the timing), the block."""
+    import torch
+
+    from dwdp_runtime.kernels import fp8_cute
+    from dwdp_runtime.kernels.fp8_plan_rows import act_quant_plan_rows, gather_plan_rows
+    from dwdp_runtime.kernels.fp8_quant import quantize_groups
+    from dwdp_runtime.kernels.routing import align_routing
+
+    why = fp8_cute.unavailable()
+    if why:
+        print(f"[{name}] T={t}: CuTe path skipped: {why}", flush=True)
+        return dict(cute_skipped=why)
+    i = w2.shape[2]
+    plan = align_routing(ids, w1.shape[0], fp8_cute.TILE_M)
+    xq, xsc = quantize_groups(x)
+    a, sa = gather_plan_rows(xq, xsc, plan)
+    out = {}
+    for text in cute_configs:
+        cfg = parse_cute_config(text)
+        gu = fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert, torch.bfloat16, cfg)
+        h, hs = act_quant_plan_rows(gu, plan, i)
+        t1 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert, torch.bfloat16, cfg))
+        t2 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert, torch.bfloat16, cfg))
+        out[text] = dict(gate_up_ms=t1, down_ms=t2, tflops=flops / (t1 + t2) / 1e9, over_bf16=t_bf16 / (t1 + t2))
+        print(f"[{name}] T={t}: cute {text}: GEMMs {t1 + t2:.3f} ms ({out[text]['tflops']:.0f} TFLOP/s) = "
+              f"{out[text]['over_bf16']:.2f}x bf16 (gate_up {t1:.3f}, down {t2:.3f})", flush=True)
+    best = min(out, key=lambda c: out[c]["gate_up_ms"] + out[c]["down_ms"])
+    c1 = parse_cute_config(best)
+    got = fp8_cute.cute_fp8_moe_forward(x, ids, w, w1, s1, w2, s2, cfg1=c1, cfg2=c1)
+    t_block = bench(lambda: fp8_cute.cute_fp8_moe_forward(x, ids, w, w1, s1, w2, s2, cfg1=c1, cfg2=c1))
+    err = (got.float() - ref.float()).abs()
+    r = dict(cute_configs=out, cute_best=best, cute_gemms_ms=out[best]["gate_up_ms"] + out[best]["down_ms"],
+             cute_tflops=out[best]["tflops"], cute_over_bf16_tflops=out[best]["over_bf16"], cute_block_ms=t_block,
+             cute_block_over_bf16_block=t_block / t_bblock, cute_rel_max_err=float(err.max() / ref.float().abs().max()))
+    print(f"[{name}] T={t}: cute block {t_block:.3f} ms = {r['cute_block_over_bf16_block']:.3f} of bf16 block | "
+          f"rel err {r['cute_rel_max_err']:.4f}", flush=True)
+    return r
+
+
+def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tune_tokens=(16384,),
+              cute_configs=()):
     import torch
     import triton.testing
 
@@ -93,9 +150,9 @@ def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tun
         # whole blocks
         bw = ExpertWeights(gate_up=d1, down=d2)
         ref = fused_experts(x, ids, w, bw)
-        got = fp8_moe.fp8_moe_forward(x, ids, w, w1, s1, w2, s2)
+        got = fp8_moe.triton_fp8_moe_forward(x, ids, w, w1, s1, w2, s2)
         t_bblock = bench(lambda: fused_experts(x, ids, w, bw))
-        t_fblock = bench(lambda: fp8_moe.fp8_moe_forward(x, ids, w, w1, s1, w2, s2))
+        t_fblock = bench(lambda: fp8_moe.triton_fp8_moe_forward(x, ids, w, w1, s1, w2, s2))
         err = (got.float() - ref.float()).abs()
         agree = float((got.float().argmax(-1) == ref.float().argmax(-1)).float().mean())
         r = dict(shape=name, tokens=t, hidden=h, inter=i, experts=e, top_k=k,
@@ -106,6 +163,13 @@ def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tun
                  max_abs_err=float(err.max()), rel_max_err=float(err.max() / ref.float().abs().max()),
                  mean_abs_err=float(err.mean()), argmax_agreement=agree,
                  cfg_gate_up=str(c1), cfg_down=str(c2))
+        if cute_configs:
+            try:
+                r.update(cute_rows(name, t, x, ids, w, w1, s1, w2, s2, bench=bench, cute_configs=cute_configs,
+                                   flops=flops, t_bf16=t_bf16, t_bblock=t_bblock, ref=ref))
+            except Exception as exc:  # noqa: BLE001 - the Triton numbers above still stand
+                r["cute_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"[{name}] T={t}: CuTe path failed: {r['cute_error']}", flush=True)
         rows.append(r)
         print(f"[{name}] T={t}: bf16 grouped_mm {t_bf16:.3f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | fp8 GEMMs "
               f"{t_g1 + t_g2:.3f} ms ({r['fp8_tflops']:.0f} TFLOP/s) = {r['fp8_over_bf16_tflops']:.2f}x | block bf16 "
@@ -132,12 +196,24 @@ def gpu_check(dev="cuda"):
     q, s = quantize_groups(x.to(dev))
     qr, sr = quantize_groups_reference(x)
     quant_equal = bool(torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s.cpu(), sr))
-    got = fp8_moe.fp8_moe_forward(*(t.to(dev) for t in (x, ids, w, w1, s1, w2, s2))).cpu()
+    got = fp8_moe.triton_fp8_moe_forward(*(t.to(dev) for t in (x, ids, w, w1, s1, w2, s2))).cpu()
     want = fp8_moe_reference(x, ids, w, w1, s1, w2, s2)
     rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
     print(f"gpu check: activation quantization bitwise = {quant_equal}; fp8 block vs torch block math: rel max "
           f"err {rel:.2e}", flush=True)
-    return dict(quant_bitwise=quant_equal, block_rel_err=rel)
+    out = dict(quant_bitwise=quant_equal, block_rel_err=rel)
+    from dwdp_runtime.kernels import fp8_cute
+
+    why = fp8_cute.unavailable() if dev != "cpu" else "CPU"
+    if why is None:
+        cute = fp8_cute.cute_fp8_moe_forward(*(t.to(dev) for t in (x, ids, w, w1, s1, w2, s2))).cpu()
+        out["cute_block_rel_err"] = float((cute.float() - want.float()).abs().max() / want.float().abs().max())
+        out["cute_vs_triton_rel"] = float((cute.float() - got.float()).abs().max() / got.float().abs().max())
+        print(f"gpu check: cute block vs torch block math: rel max err {out['cute_block_rel_err']:.2e}; vs the "
+              f"Triton block {out['cute_vs_triton_rel']:.2e}", flush=True)
+    else:
+        out["cute_skipped"] = why
+    return out
 
 
 def main(argv=None):
@@ -148,6 +224,8 @@ def main(argv=None):
     p.add_argument("--tune-tokens", nargs="+", type=int, default=[16384],
                    help="token counts whose load bucket gets tuned tiles (others use the default table)")
     p.add_argument("--rep-ms", type=int, default=50)
+    p.add_argument("--cute-configs", nargs="*", default=["128:n:1:2"],
+                   help="CuTe GEMM configs to time, N[:m|n][:swizzle][:cluster_n] (none: skip the CuTe path)")
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU self-test of this script (TRITON_INTERPRET=1, tiny shape)")
     a = p.parse_args(argv)
@@ -162,7 +240,8 @@ def main(argv=None):
         return 2
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": gpu_check(), "rows": []}
     for name in a.shapes:
-        out["rows"] += run_shape(name, a.tokens, tune=not a.no_tune, rep_ms=a.rep_ms, tune_tokens=a.tune_tokens)
+        out["rows"] += run_shape(name, a.tokens, tune=not a.no_tune, rep_ms=a.rep_ms, tune_tokens=a.tune_tokens,
+                                 cute_configs=a.cute_configs)
         if a.json:  # after every shape: a run cut short keeps what it measured
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)

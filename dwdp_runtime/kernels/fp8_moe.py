@@ -11,6 +11,11 @@ GEMM 1's epilogue for the intermediate). Routing plan and top-k reduction are th
 HBM traffic versus the bf16 block: weights and the ``[rows, I]`` intermediate are 1 byte per element instead of
 2; the input is read once in bf16 and once in e4m3 (``[T, H]``, small next to the weights at prefill sizes).
 
+Backend (``DWDP_FP8_BACKEND``, read per call): ``auto`` (default) runs the CuTe DSL kernels (``fp8_cute``:
+warp-specialised, sm_90) where they can run and these Triton kernels elsewhere; ``triton`` / ``cute`` force
+one (``cute`` where it cannot run is an error naming why). The choice depends on the machine and the weights
+only, never on the batch, so a process serves every batch with the same numerics.
+
 Tiles: ``default_configs`` (below) or ``tune_fp8`` at warm-up (cached per shape key; never inside a forward).
 BLOCK_K = 128 always (the scale block); each GEMM 1 program produces one 128-column activation group (in one
 or two passes: ``fp8_grouped_gemm``).
@@ -18,6 +23,8 @@ or two passes: ``fp8_grouped_gemm``).
 
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass
 
 import torch
@@ -122,10 +129,52 @@ def _run(xq, xs, ids, topk_weights, w1, s1, w2, s2, cfg1, cfg2, *, has_gate, act
     return reduce_topk(y, ids, w1.shape[0], out_dtype=out_dtype)
 
 
+class Fp8Backend(str, enum.Enum):
+    AUTO = "auto"
+    TRITON = "triton"
+    CUTE = "cute"
+
+
+#: environment variable choosing the backend (module docstring)
+BACKEND_ENV = "DWDP_FP8_BACKEND"
+
+
+def chosen_backend(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Backend:
+    """TRITON or CUTE for these weights on this machine (``BACKEND_ENV``; module docstring)."""
+    raw = os.environ.get(BACKEND_ENV, Fp8Backend.AUTO.value).strip().lower() or Fp8Backend.AUTO.value
+    try:
+        wanted = Fp8Backend(raw)
+    except ValueError:
+        raise ValueError(f"{BACKEND_ENV}={raw!r}: expected one of {[b.value for b in Fp8Backend]}") from None
+    if wanted is Fp8Backend.CUTE and w1.device.type != "cuda":
+        raise RuntimeError(f"{BACKEND_ENV}=cute but the weights are on {w1.device} (the CuTe kernels run on sm_90 GPUs)")
+    if wanted is Fp8Backend.TRITON or w1.device.type != "cuda":
+        return Fp8Backend.TRITON
+    from . import fp8_cute
+
+    why = fp8_cute.unusable(w1, w2)
+    if why and wanted is Fp8Backend.CUTE:
+        raise RuntimeError(f"{BACKEND_ENV}=cute but the CuTe FP8 kernels cannot run: {why}")
+    return Fp8Backend.TRITON if why else Fp8Backend.CUTE
+
+
 def fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
                     has_gate: bool = True, activation: str = "silu") -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (see module docstring)."""
+    if chosen_backend(w1, w2) is Fp8Backend.CUTE:
+        from .fp8_cute import cute_fp8_moe_forward
+
+        return cute_fp8_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, has_gate=has_gate,
+                                    activation=activation)
+    return triton_fp8_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, has_gate=has_gate,
+                                  activation=activation)
+
+
+def triton_fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                           w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
+                           has_gate: bool = True, activation: str = "silu") -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` on the Triton kernels."""
     out_dtype = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     xq, xs = quantize_groups(hidden_states)
     cfg1, cfg2 = configs_for(hidden_states.shape[0], topk_ids.shape[1], w1, w2)

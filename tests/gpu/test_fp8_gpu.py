@@ -45,7 +45,7 @@ def test_fp8_kernels_on_gpu_match_block_math():
     q, s = quantize_groups(x.cuda())
     qr, sr = quantize_groups_reference(x)
     assert torch.equal(s.cpu(), sr) and torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
-    got = fp8_moe.fp8_moe_forward(*(a.cuda() for a in (x, ids, w, w1, s1, w2, s2))).cpu()
+    got = fp8_moe.triton_fp8_moe_forward(*(a.cuda() for a in (x, ids, w, w1, s1, w2, s2))).cpu()
     want = fp8_moe_reference(x, ids, w, w1, s1, w2, s2)
     assert float((got.float() - want.float()).abs().max()) <= 2 ** -6 * float(want.abs().max())
 

@@ -31,7 +31,9 @@ def _block_gemm(aq, a_s, wq, ws, col_srow):
     return out
 
 
-def fp8_moe_reference(x, ids, weights, w1, s1, w2, s2, act=F.silu, out_dtype=torch.bfloat16):
+def fp8_moe_reference(x, ids, weights, w1, s1, w2, s2, act=F.silu, out_dtype=torch.bfloat16, plan_rows=False):
+    """The Triton path's numerics; ``plan_rows``: the CuTe path's (``fp8_cute``) — both GEMM outputs rounded to
+    bf16 before the activation / the routing weight, the weighted sum in fp32 from those rows."""
     t, top_k = ids.shape
     e, n1, h = w1.shape
     inter = w2.shape[2]
@@ -46,10 +48,15 @@ def fp8_moe_reference(x, ids, weights, w1, s1, w2, s2, act=F.silu, out_dtype=tor
                 continue
             g = _block_gemm(xq[tok:tok + 1], xs[tok:tok + 1], w1[ex, :inter], s1[ex], cols // B)
             u = _block_gemm(xq[tok:tok + 1], xs[tok:tok + 1], w1[ex, inter:], s1[ex], up_srow + cols // B)
+            if plan_rows:
+                g, u = g.to(torch.bfloat16).float(), u.to(torch.bfloat16).float()
             a = act(g) * u
             aq, a_s = quantize_groups_reference(a)
             d = _block_gemm(aq, a_s, w2[ex], s2[ex], torch.arange(h) // B)
-            y[tok, j] = (d[0] * weights[tok, j].float()).to(out_dtype).float()  # GEMM 2 stores y in out_dtype
+            if plan_rows:
+                y[tok, j] = d[0].to(torch.bfloat16).float() * weights[tok, j].float()
+            else:
+                y[tok, j] = (d[0] * weights[tok, j].float()).to(out_dtype).float()  # GEMM 2 stores y in out_dtype
     out = y[:, 0].clone()
     for j in range(1, top_k):
         out += y[:, j]

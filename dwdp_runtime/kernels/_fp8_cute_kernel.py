@@ -1,0 +1,354 @@
+"""CuTe DSL kernel behind ``fp8_cute``: the warp-specialised block-scaled FP8 grouped GEMM for sm_90.
+
+Imported only by ``fp8_cute`` when the CuTe path is chosen (``nvidia-cutlass-dsl`` at module level; no
+``from __future__ import annotations``: CuTe DSL reads the argument types from the annotations).
+Structure adapted from CUTLASS's CuTe DSL example ``hopper/dense_gemm_fp8_2xacc.py`` (BSD-3-Clause,
+NVIDIA) — the persistent, warp-specialised FP8 GEMM with a promoted accumulator — with three changes:
+grouped rows (each 128-row block of A belongs to one expert, read from ``block_expert``; idle blocks
+skipped by producer and consumers alike), B indexed by that expert, and the promotion multiplied by the
+128×128 block scales: ``acc += part · (s_a[row, kb] · s_b[e, nb, kb])`` once per 128-deep K step.
+
+Why this shape on the hardware (H200, sm_90a):
+  * one producer warp issues the TMA loads of A and B into an ``ab_stage``-deep mbarrier ring (as many
+    stages as the 227 KiB of shared memory hold beside the epilogue buffers); it needs few registers
+    (``LOAD_REGISTERS``), the two math warpgroups take the rest (``MMA_REGISTERS``);
+  * two math warpgroups of 64 rows each share one 128 × BLOCK_N tile; each K step issues four
+    ``wgmma m64nNk32`` into a scratch accumulator, waits for them, and promotes into the fp32 accumulator.
+    A warpgroup's own promotion still waits for its MMA (the product needs the scale), but the other
+    warpgroup's MMA runs on the tensor cores meanwhile, and the producer keeps the ring full — the overlap
+    Triton's software pipelining does not give on sm_90; the step's scales are loaded one step ahead;
+  * clusters of two CTAs along N (``cluster_n``) share their row block's A tile by TMA multicast;
+  * the epilogue goes through shared memory and TMA stores of 128 × 32 sub-tiles (the example's).
+
+Invariants: K and N are multiples of 128 (the scale block; the checkpoints' expert shapes all are), the
+rows of A are the routing plan's padded rows (a multiple of 128 per expert), A's padding rows are finite
+(zeros), ``s_a`` is M-major (``[K/128, M]`` in memory) so a warp's row scales are one coalesced load.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+#: rows of a tile: two math warpgroups × the 64 rows of one wgmma
+TILE_M = 128
+#: the scale block along K (and N): one promotion per 128-deep K step = four k32 wgmma instructions
+SCALE_BLOCK = 128
+#: registers per thread of the producer warpgroup after ``setmaxnreg`` (it only issues TMA copies)
+LOAD_REGISTERS = 40
+#: registers per thread of the math warpgroups: 2 × 64 fp32 accumulators (scratch and promoted) at
+#: BLOCK_N = 128, plus fragments and addresses; 128·40 + 256·232 ≤ 65,536 registers of the SM
+MMA_REGISTERS = 232
+#: shared memory the ring may use: the SM's 227 KiB minus the mbarriers
+SMEM_CAPACITY = utils.get_smem_capacity_in_bytes("sm_90")
+#: TMA store buffers of the epilogue
+EPI_STAGES = 4
+
+
+class BlockScaledGroupedGemm:
+    """``D[m, n] = Σ_kb s_a[m, kb] · s_b[e(m), n // 128, kb] · Σ_{k in kb} A[m, k] · B[e(m)][n, k]``.
+
+    A ``[M, K]`` e4m3, s_a ``(M, K/128)`` fp32 M-major, B ``(N, K, E)`` e4m3 (the ``[E, N, K]`` weights),
+    s_b ``(N/128, K/128, E)`` fp32, D ``[M, N]`` 16-bit (bf16/fp16: the epilogue's ``stmatrix`` is 16-bit),
+    ``block_expert [M/128]`` int32 (-1: idle).
+    """
+
+    def __init__(self, k_tiles: int, tile_n: int = 128, raster_along_m: bool = False, swizzle_size: int = 1,
+                 cluster_n: int = 2):
+        if tile_n not in (64, 128):
+            raise ValueError(f"BLOCK_N must be 64 or 128 (one scale block), got {tile_n}")
+        self.tile_shape_mnk = (TILE_M, tile_n, SCALE_BLOCK)
+        #: K / 128 (a compile-time constant)
+        self.k_tiles = k_tiles
+        if cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
+        #: CTAs of a cluster along N: they share one row block, so its A tile is multicast to both (each loads
+        #: half) — the same expert, so idle blocks are skipped by the whole cluster alike
+        self.cluster_n = cluster_n
+
+        self.raster_along_m = raster_along_m
+        self.swizzle_size = swizzle_size
+        self.acc_dtype = cutlass.Float32
+        self.atom_layout_mnk = (2, 1, 1)
+        self.num_mma_warp_groups = 2
+        self.threads_per_warp_group = 128
+        self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_warp_group
+        self.load_warp_id = 0
+        self.epi_store_warp_id = 4
+        self.num_mma_threads = self.num_mma_warp_groups * self.threads_per_warp_group
+        self.epilog_sync_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+        self.buffer_align_bytes = 1024
+
+    def _make_mma(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
+
+    def _setup(self):
+        # two copies of the same MMA: one that zeroes its accumulator (a K step's first k32), one that adds
+        # (the other three) — set once, so no MMA state is mutated inside the traced loops
+        self.tiled_mma = self._make_mma()
+        self.tiled_mma_acc = self._make_mma()
+
+        mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        if mma_k * 4 != SCALE_BLOCK:
+            raise ValueError(f"expected a k{SCALE_BLOCK // 4} fp8 wgmma, got k{mma_k}")
+        self.epi_tile = (TILE_M, 32)
+        ab_bytes = (TILE_M + self.tile_shape_mnk[1]) * SCALE_BLOCK  # e4m3: 1 byte per element
+        epi_bytes = cute.size(self.epi_tile) * self.c_dtype.width // 8 * EPI_STAGES
+        self.ab_stage = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
+        self.a_smem_layout_staged = self._staged(self.a_layout, self.a_dtype, (TILE_M, SCALE_BLOCK))
+        self.b_smem_layout_staged = self._staged(self.b_layout, self.b_dtype, (self.tile_shape_mnk[1], SCALE_BLOCK))
+        c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.c_layout, self.c_dtype, self.epi_tile[1]), self.c_dtype)
+        self.epi_smem_layout_staged = cute.tile_to_shape(c_atom, cute.append(self.epi_tile, EPI_STAGES),
+                                                         order=(0, 1, 2))
+
+    def _staged(self, layout, dtype, shape):
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(layout, dtype, SCALE_BLOCK), dtype)
+        return cute.tile_to_shape(atom, cute.append(shape, self.ab_stage), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, sa: cute.Tensor, b: cute.Tensor, sb: cute.Tensor, d: cute.Tensor,
+                 block_expert: cute.Tensor, max_active_clusters: cutlass.Constexpr, stream: cuda.CUstream):
+        self.a_dtype = a.element_type
+        self.b_dtype = b.element_type
+        self.c_dtype = d.element_type
+        self.a_layout = utils.LayoutEnum.from_tensor(a)
+        self.b_layout = utils.LayoutEnum.from_tensor(b)
+        self.c_layout = utils.LayoutEnum.from_tensor(d)
+        self._setup()
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        g2s_a = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else g2s
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s_a, a, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (TILE_M, SCALE_BLOCK),
+            num_multicast=self.cluster_n)
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, b, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (self.tile_shape_mnk[1], SCALE_BLOCK))
+        tma_atom_d, tma_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d,
+            cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
+        gd = cute.zipped_divide(d, tiler=cute.slice_(self.tile_shape_mnk, (None, None, 0)))
+        sched_params = utils.PersistentTileSchedulerParams(
+            gd[(0, (None, None, None))].shape, (1, self.cluster_n, 1), self.swizzle_size, self.raster_along_m)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, max_active_clusters)
+
+        @cute.struct
+        class SharedStorage:
+            ring: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout_staged)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
+                                  self.buffer_align_bytes]
+            sD: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_atom_a, tma_a, sa, tma_atom_b, tma_b, sb, tma_atom_d, tma_d, block_expert, self.tiled_mma,
+                    self.tiled_mma_acc, self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
+                    sched_params).launch(grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, self.cluster_n, 1),
+                                         min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, mSA: cute.Tensor, tma_atom_b: cute.CopyAtom,
+               mB: cute.Tensor, mSB: cute.Tensor, tma_atom_d: cute.CopyAtom, mD: cute.Tensor,
+               mBlockExpert: cute.Tensor, tiled_mma: cute.TiledMma, tiled_mma_acc: cute.TiledMma,
+               a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout, epi_smem_layout_staged: cute.ComposedLayout,
+               sched_params: utils.PersistentTileSchedulerParams):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
+
+        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tma_bytes = cute.size_in_bytes(self.a_dtype, a_smem_layout) + cute.size_in_bytes(self.b_dtype, b_smem_layout)
+        cluster_mn = (1, self.cluster_n)
+        cta_layout_mnk = cute.make_layout((1, self.cluster_n, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1) if self.cluster_n > 1 else 0
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        # a stage is free once every math warp of *both* CTAs released it (each CTA's TMA writes both A halves)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ring.data_ptr(), num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.cluster_n * self.num_mma_warp_groups * 4),
+            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)), defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sD = storage.sD.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+        # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestE) / (bM, bN, RestM, RestN, RestL)
+        gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
+        gD = cute.local_tile(mD, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+        one = cute.make_layout(1)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_atom_b, 0, one, cute.group_modes(sB, 0, 2),
+                                                      cute.group_modes(gB, 0, 2))
+
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
+        mma_thread_layout = cute.make_layout(self.num_mma_warp_groups, stride=self.threads_per_warp_group)
+        thr_mma = tiled_mma.get_slice(mma_thread_layout(warp_group_idx - 1))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCgD = thr_mma.partition_C(gD)
+        acc_shape = tCgD.shape[:3]
+        if cutlass.const_expr(cute.size(acc_shape, mode=[0]) != self.tile_shape_mnk[1] // 2
+                              or cute.size(acc_shape) != cute.size(acc_shape, mode=[0])):
+            raise ValueError(f"unexpected wgmma C fragment {acc_shape}: the promotion's row selection assumes "
+                             "((2, 2, N/8), 1, 1)")
+        accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        accum_temp = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        # the row (within the tile) of every accumulator element of *this thread*: ``thr_mma`` above is the
+        # warpgroup's slice (what its wgmma operands need); the C fragment's coordinates need the thread's own
+        tCcD = tiled_mma.get_slice(tidx - self.threads_per_warp_group).partition_C(
+            cute.make_identity_tensor((TILE_M, self.tile_shape_mnk[1])))
+        pipeline_init_wait(cluster_shape_mn=cluster_mn)
+
+        is_producer = warp_group_idx == 0
+        if is_producer:
+            cute.arch.setmaxregister_decrease(LOAD_REGISTERS)
+        if warp_idx == self.load_warp_id:
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                              cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            while work.is_valid_tile:
+                m_blk, n_blk, _ = work.tile_idx
+                expert = mBlockExpert[m_blk]
+                if expert >= 0:
+                    tAgA_m = tAgA[(None, m_blk, None, 0)]
+                    tBgB_n = tBgB[(None, n_blk, None, expert)]
+                    state.reset_count()
+                    for _k in range(self.k_tiles):
+                        ring.producer_acquire(state)
+                        bar = ring.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, tAgA_m[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=a_mcast_mask)
+                        cute.copy(tma_atom_b, tBgB_n[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        ring.producer_commit(state)
+                        state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ring.producer_tail(state)
+
+        if not is_producer:
+            cute.arch.setmaxregister_increase(MMA_REGISTERS)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            tiled_mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            mmas = (tiled_mma, tiled_mma_acc)
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                              cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype,
+                                                              elem_ty_acc=self.acc_dtype)
+            copy_atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                                              self.c_dtype)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+            thr_copy_r2s = tiled_copy_r2s.get_slice(tidx - self.threads_per_warp_group)
+            tRS_sD = thr_copy_r2s.partition_D(sD)
+            tRS_rAcc = tiled_copy_r2s.retile(accumulators)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
+            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+            size_tRS_rD = cute.size(tRS_rD)
+            store_ring = pipeline.PipelineTmaStore.create(
+                num_stages=EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+            # this thread's two accumulator rows (the wgmma C fragment holds rows r and r + 8 of its warp)
+            row_lo = tCcD[0][0]
+            row_hi = tCcD[2][0]
+            tiles_done = cutlass.Int32(0)
+            while work.is_valid_tile:
+                m_blk, n_blk, _ = work.tile_idx
+                expert = mBlockExpert[m_blk]
+                if expert >= 0:
+                    accumulators.fill(0.0)
+                    m0 = m_blk * TILE_M
+                    read_state.reset_count()
+                    release_state.reset_count()
+                    nb = n_blk * self.tile_shape_mnk[1] // SCALE_BLOCK
+                    rows = (m0 + row_lo, m0 + row_hi)
+                    # A warpgroup's promotion needs its own MMA's result; the other warpgroup's MMA runs meanwhile.
+                    # Measured on H200 and not kept: taking turns between the warpgroups through named barriers
+                    # (20-30 % slower), each step's MMA as two column halves promoted one after the other (no
+                    # gain), two full-width scratch accumulators in flight (ptxas serialises every wgmma: C7514).
+                    # Step k's scales are loaded during step k - 1 (loop-carried): loaded and used in the same
+                    # step, their L2 round trip stalled every MMA issue (up to 25 % of the time, measured).
+                    a_lo = mSA[(rows[0], 0)]
+                    a_hi = mSA[(rows[1], 0)]
+                    w_s = mSB[(nb, 0, expert)]
+                    for k_tile in range(self.k_tiles):
+                        sc = (a_lo * w_s, a_hi * w_s)
+                        k_next = k_tile + 1 - (k_tile + 1) // self.k_tiles
+                        a_lo = mSA[(rows[0], k_next)]
+                        a_hi = mSA[(rows[1], k_next)]
+                        w_s = mSB[(nb, k_next, expert)]
+                        _issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
+                        read_state.advance()
+                        _retire(ring, release_state, accumulators, accum_temp, sc)
+                        release_state.advance()
+
+                    gD_tile = gD[(None, None, m_blk, n_blk, 0)]
+                    tCgD_epi = cute.zipped_divide(gD_tile, self.epi_tile)
+                    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_d, 0, one, cute.group_modes(sD, 0, 2), tCgD_epi)
+                    epi_tile_num = cute.size(tCgD_epi, mode=[1])
+                    epi_shape = tCgD_epi.shape[1]
+                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                        for v in cutlass.range_constexpr(size_tRS_rD):
+                            tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                        tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+                        buf = (tiles_done * epi_tile_num + epi_idx) % EPI_STAGES
+                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.epilog_sync_barrier.arrive_and_wait()
+                        if warp_idx == self.epi_store_warp_id:
+                            cute.copy(tma_atom_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
+                            store_ring.producer_commit()
+                            store_ring.producer_acquire()
+                        self.epilog_sync_barrier.arrive_and_wait()
+                    tiles_done += 1
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            store_ring.producer_tail()
+
+
+# _issue / _retire run at trace time inside the kernel (plain Python, not preprocessed: their loops unroll)
+def _issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
+    """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
+    caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body)."""
+    ring.consumer_wait(read_state)
+    cute.nvgpu.warpgroup.fence()
+    for kb in range(num_k_blocks):
+        coord = (None, None, kb, read_state.index)
+        cute.gemm(mmas[min(kb, 1)], scratch, tCrA[coord], tCrB[coord], scratch)
+    cute.nvgpu.warpgroup.commit_group()
+
+
+def _retire(ring, release_state, accumulators, scratch, scales):
+    """Wait for the step's wgmma, free its stage (the caller advances ``release_state``), and promote: ``acc += scratch · scale(row)``. C fragment ((2, 2, N/8), 1, 1): elements 4j + {0, 1}
+    lie on the thread's row r, 4j + {2, 3} on row r + 8."""
+    cute.nvgpu.warpgroup.wait_group(0)
+    ring.consumer_release(release_state)
+    for i in range(cute.size(accumulators)):
+        accumulators[i] = accumulators[i] + scratch[i] * scales[(i // 2) % 2]

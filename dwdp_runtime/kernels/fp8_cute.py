@@ -1,0 +1,191 @@
+"""The CuTe DSL FP8 MoE path for sm_90: warp-specialised block-scaled grouped GEMMs (``_fp8_cute_kernel``).
+
+``cute_fp8_moe_forward`` has ``fp8_moe.fp8_moe_forward``'s contract (same operands: e4m3 weights with 128×128
+fp32 block scales as the composites bind them, activations quantized per token and 128-column group), in six
+launches without host synchronisation:
+
+  quantize (``fp8_quant``) → plan (``routing``, 128-row blocks) → gather into plan rows (``fp8_plan_rows``) →
+  GEMM 1 (CuTe, ``[rows, 2I]`` bf16) → act·mul + quantize (``fp8_plan_rows``) → GEMM 2 (CuTe, ``[rows, H]``
+  bf16) → routing-weighted fixed-order reduce (``fp8_plan_rows``).
+
+Why a second path beside the Triton one: the block-scaled product must be promoted into fp32 every 128-deep
+K step, and Triton on sm_90 waits for each step's MMA before the promotion inside a program; the CuTe kernel
+runs a producer warp and two math warpgroups per SM, so one warpgroup's promotion overlaps the other's MMA.
+Numerics: each K step's product is the same e4m3 MMA and fp32 promotion ``acc += part · (s_a · s_w)``; GEMM
+outputs are rounded to bf16 (the Triton path keeps GEMM 1's output in fp32 registers and applies the routing
+weight before rounding), so some e4m3 roundings of the intermediate move: the paths agree within 2^-4 of the
+output's max and 2^-7 of its mean magnitude (tests/gpu/test_fp8_cute_gpu.py), not bitwise. The path itself is
+deterministic and batch invariant (no split-K, no atomics, fixed-order reduce).
+
+Requirements (``unavailable()`` names the one that fails): ``nvidia-cutlass-dsl`` and ``cuda-python``
+importable, an sm_90 GPU, H and I multiples of 128, weight rows 16-byte aligned. Compiled once per
+(output dtype, tile, K) per process (≈ 0.5 s, at warm-up); rows, N, E and strides are dynamic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, plan_rows_buffer, reduce_plan_rows
+from .fp8_quant import quantize_groups
+from .routing import align_routing
+
+#: rows per GEMM tile (two math warpgroups × 64): the routing plan is padded to it
+TILE_M = 128
+#: the scale block (weight_block_size [128, 128])
+SCALE_BLOCK = 128
+#: compute capability the kernel is written for (wgmma, TMA, setmaxnreg)
+SM90 = (9, 0)
+
+
+@dataclass(frozen=True)
+class CuteGemmConfig:
+    """The kernel's tile width, the persistent scheduler's raster order (along N keeps one row block's A tiles
+    in L2 while every column tile of its expert passes; along M keeps one weight tile) and the cluster width
+    along N (2: two CTAs on adjacent column tiles of one row block share its A tile by TMA multicast, halving
+    A's L2 → SM traffic; used where the column tiles pair up, else 1)."""
+
+    tile_n: int = 128
+    raster_along_m: bool = False
+    swizzle: int = 1
+    cluster_n: int = 2
+
+
+def unusable(w1: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """Why these expert weights cannot take the CuTe path here (None when they can)."""
+    why = unavailable(w1.device)
+    if why:
+        return why
+    for name, w in (("gate_up", w1), ("down", w2)):
+        if w.shape[1] % SCALE_BLOCK or w.shape[2] % SCALE_BLOCK:
+            return f"{name} weights {tuple(w.shape)} are not multiples of {SCALE_BLOCK}"
+        if w.stride(2) != 1 or (w.stride(0) * w.element_size()) % TMA_ALIGN or w.data_ptr() % TMA_ALIGN:
+            return f"{name} weights are not K-contiguous with 16-byte aligned experts (TMA)"
+    return None
+
+
+def unavailable(device=None) -> str | None:
+    """Why the CuTe path cannot run here, or None when it can."""
+    for module, package in (("cutlass", "nvidia-cutlass-dsl"), ("cuda.bindings", "cuda-python")):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"{package} is not installed"
+        except (ImportError, ValueError):
+            return f"{package} is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cc = torch.cuda.get_device_capability(device)
+    if cc != SM90:
+        return f"the CuTe FP8 kernel targets sm_90 (wgmma/TMA), this device is sm_{cc[0]}{cc[1]}"
+    return None
+
+
+@functools.cache
+def _kernel_module():
+    from . import _fp8_cute_kernel
+
+    return _fp8_cute_kernel
+
+
+#: TMA operands (A, B, D) need 16-byte aligned bases; scales and the block map are read element-wise
+TMA_ALIGN = 16
+
+
+def _cute_tensor(t: torch.Tensor, leading_dim: int, align: int | None = None):
+    """A CuTe view of ``t`` with a dynamic layout (e4m3 goes through DLPack as uint8 and is retyped)."""
+    import cutlass
+    from cutlass.cute.runtime import from_dlpack
+
+    fp8 = t.dtype == torch.float8_e4m3fn
+    ct = from_dlpack(t.view(torch.uint8) if fp8 else t, assumed_align=align or t.element_size())
+    if fp8:
+        ct.element_type = cutlass.Float8E4M3FN
+    return ct.mark_layout_dynamic(leading_dim=leading_dim)
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def gemm_arguments(a, sa, w, ws, d, block_expert) -> tuple:
+    """The kernel's operands as CuTe views: A ``(rows, K, 1)``, s_a ``(rows, K/128)`` M-major, B ``(N, K, E)``,
+    s_b ``(N/128, K/128, E)``, D ``(rows, N, 1)``, the block map ``(rows/128,)`` — views, no copies."""
+    return (_cute_tensor(_with_batch_mode(a), 1, TMA_ALIGN), _cute_tensor(sa.t(), 0),
+            _cute_tensor(w.permute(1, 2, 0), 1, TMA_ALIGN), _cute_tensor(ws.permute(1, 2, 0), 1),
+            _cute_tensor(_with_batch_mode(d), 1, TMA_ALIGN), _cute_tensor(block_expert, 0))
+
+
+def _with_batch_mode(t: torch.Tensor) -> torch.Tensor:
+    """``[R, C]`` → ``(R, C, 1)`` with the batch stride R·C: TMA descriptors need every stride past the first
+    to be a multiple of 16 bytes, which ``unsqueeze``'s stride of 1 is not."""
+    r, c = t.shape
+    return t.as_strided((r, c, 1), (t.stride(0), 1, r * t.stride(0)))
+
+
+def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                              block_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                              cfg: CuteGemmConfig = CuteGemmConfig()) -> torch.Tensor:
+    """``d [rows, N]`` = the block-scaled product of plan rows ``a [rows, K]`` (scales ``sa [K/128, rows]``) with
+    expert ``block_expert[r // 128]``'s ``w [E, N, K]`` (scales ``ws [E, N/128, K/128]``); idle blocks unwritten."""
+    import cuda.bindings.driver as cuda
+
+    rows, k = a.shape
+    e, n, k2 = w.shape
+    if k2 != k or rows % TILE_M or k % SCALE_BLOCK or n % SCALE_BLOCK:
+        raise ValueError(f"CuTe FP8 GEMM needs K, N multiples of {SCALE_BLOCK} and rows of {TILE_M}: a {tuple(a.shape)}, "
+                         f"w {tuple(w.shape)}")
+    if w.stride(2) != 1 or a.stride(1) != 1:
+        raise ValueError("CuTe FP8 GEMM needs K-contiguous operands")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"CuTe FP8 GEMM writes bf16 or fp16 (a 16-bit stmatrix epilogue), not {out_dtype}")
+    if (n // cfg.tile_n) % cfg.cluster_n:
+        cfg = dataclasses.replace(cfg, cluster_n=1)  # an odd number of column tiles cannot pair up
+    d = plan_rows_buffer(rows, n, out_dtype, a.device)
+    args = gemm_arguments(a, sa, w, ws, d, block_expert)
+    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    key = (out_dtype, cfg, k // SCALE_BLOCK, a.device.index)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        import cutlass.cute as cute
+
+        kernel = _kernel_module().BlockScaledGroupedGemm(k // SCALE_BLOCK, cfg.tile_n, cfg.raster_along_m, cfg.swizzle,
+                                                         cfg.cluster_n)
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        compiled = _COMPILED[key] = cute.compile(kernel, *args, sms // cfg.cluster_n, stream)
+    compiled(*args, stream)
+    return d
+
+
+def plan_rows_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, gemm1, gemm2, *,
+                          has_gate: bool = True, activation: str = "silu") -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` through plan-row GEMMs: ``gemm(a, sa, w, ws, block_expert)`` →
+    ``[rows, N]`` bf16 is the block-scaled grouped GEMM's contract (``block_scaled_grouped_gemm`` on the GPU;
+    the CPU tests pass the torch block math); ``gemm1`` runs gate_up, ``gemm2`` down; the passes around them
+    are ``fp8_plan_rows``'s."""
+    out_dtype = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    inter = w2.shape[2]
+    xq, xs = quantize_groups(hidden_states)
+    plan = align_routing(topk_ids, w1.shape[0], TILE_M)
+    a, sa = gather_plan_rows(xq, xs, plan)
+    gate_up = gemm1(a, sa, w1, s1, plan.block_expert)
+    h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=has_gate, activation=activation)
+    y = gemm2(h, hs, w2, s2, plan.block_expert)
+    out = reduce_plan_rows(y, plan, topk_weights, out_dtype=out_dtype)
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+def cute_fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
+                         has_gate: bool = True, activation: str = "silu",
+                         cfg1: CuteGemmConfig = CuteGemmConfig(), cfg2: CuteGemmConfig = CuteGemmConfig()
+                         ) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` on the CuTe GEMMs (module docstring)."""
+    gemm1 = functools.partial(block_scaled_grouped_gemm, out_dtype=torch.bfloat16, cfg=cfg1)
+    gemm2 = functools.partial(block_scaled_grouped_gemm, out_dtype=torch.bfloat16, cfg=cfg2)
+    return plan_rows_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, gemm1, gemm2,
+                                 has_gate=has_gate, activation=activation)

@@ -1,0 +1,156 @@
+"""Plan-row passes of the CuTe FP8 MoE path (``fp8_cute``): the Triton kernels around its two TMA GEMMs.
+
+TMA loads whole row blocks, so the CuTe GEMMs read A in the routing plan's row order (``routing``: each
+expert's rows padded to 128) instead of gathering token rows in their A-load as the Triton GEMMs do:
+
+  * ``gather_plan_rows(xq, xs, plan)`` → ``a [rows, H]`` e4m3 and ``sa [⌈H/128⌉, rows]`` fp32: plan row r holds
+    token ``pair(r) // k``'s quantized activations and scales; padding rows hold zeros (finite, and scale 0, so
+    they add nothing). The scales are stored M-major, the layout the GEMM's per-row scale loads coalesce in;
+  * ``act_quant_plan_rows(gate_up, plan, inter)`` → ``h [rows, I]`` e4m3 and ``hs [⌈I/128⌉, rows]``:
+    ``act(gate) · up`` in fp32 from GEMM 1's output, quantized per row and 128-column group with the rule of
+    ``fp8_quant`` (amax / 448, RNE, saturating) — GEMM 2's A;
+  * ``reduce_plan_rows(y, plan, topk_weights)`` → ``[T, H]``: ``Σ_j w[t, j] · y[row(t, j)]`` in fp32 in the fixed
+    order j = 0 … k-1 (batch invariant; a pair the plan dropped — expert id outside ``[0, E)`` — counts as 0).
+    ``row(p)`` is the inverse of ``plan.sorted_pairs`` (``plan_row_of_pair``).
+
+Rows at or past ``plan.num_padded`` are idle (no GEMM tile reads or writes them): every kernel skips them,
+and no host synchronisation is needed (grids are sized by the plan's host-side bound).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ACTIVATIONS, interpreting
+from ._cast import cast_out
+from .fp8_quant import GROUP, group_scale, scaled, to_e4m3
+from .grouped_gemm import _act
+from .routing import RoutingPlan
+
+#: plan rows per program of the row passes (64 rows × 128 columns: 8 KiB of e4m3, 32 KiB of fp32 per tile)
+BLOCK_ROWS = 64
+#: pairs per program of the inverse map
+BLOCK_PAIRS = 1024
+#: columns / tokens per program of the reduction (as ``reduce``: 2 KiB bf16 per row, k rows in flight)
+REDUCE_BLOCK_H = 1024
+REDUCE_BLOCK_T = 4
+
+
+@triton.jit
+def _gather_kernel(xq_ptr, xs_ptr, sorted_ptr, num_padded_ptr, a_ptr, sa_ptr, num_pairs, top_k, K,
+                   stride_x, stride_xs, stride_a, stride_sa, BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr):
+    r0 = tl.program_id(0) * BLOCK_ROWS
+    if r0 >= tl.load(num_padded_ptr):
+        return
+    g = tl.program_id(1)
+    rows = r0 + tl.arange(0, BLOCK_ROWS)
+    pairs = tl.load(sorted_ptr + rows)
+    live = pairs < num_pairs
+    tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    ok = live[:, None] & (cols[None, :] < K)
+    x = tl.load(xq_ptr + tokens[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    tl.store(a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :], x, mask=cols[None, :] < K)
+    s = tl.load(xs_ptr + tokens * stride_xs + g, mask=live, other=0.0)
+    tl.store(sa_ptr + g * stride_sa + rows, s)
+
+
+@triton.jit
+def _act_quant_kernel(gu_ptr, h_ptr, hs_ptr, num_padded_ptr, inter, stride_gu, stride_h, stride_hs,
+                      HAS_GATE: tl.constexpr, ACT: tl.constexpr, BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    r0 = tl.program_id(0) * BLOCK_ROWS
+    if r0 >= tl.load(num_padded_ptr):
+        return
+    g = tl.program_id(1)
+    rows = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    ok = cols[None, :] < inter
+    base = gu_ptr + rows[:, None] * stride_gu + cols[None, :]
+    act = _act(tl.load(base, mask=ok, other=0.0).to(tl.float32), ACT)
+    if HAS_GATE:
+        act = act * tl.load(base + inter, mask=ok, other=0.0).to(tl.float32)
+    s = group_scale(tl.max(tl.abs(act), axis=1))
+    tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], to_e4m3(scaled(act, s[:, None]), EMULATE), mask=ok)
+    tl.store(hs_ptr + g * stride_hs + rows, s)
+
+
+@triton.jit
+def _inverse_kernel(sorted_ptr, num_padded_ptr, pos_ptr, num_pairs, max_rows, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_use = (rows < max_rows) & (rows < tl.load(num_padded_ptr))
+    pairs = tl.load(sorted_ptr + rows, mask=in_use, other=num_pairs)
+    tl.store(pos_ptr + pairs, rows, mask=pairs < num_pairs)
+
+
+@triton.jit
+def _reduce_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, num_tokens, H, stride_y, stride_o,
+                   TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EXACT_BF16: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = tokens < num_tokens
+    ok = t_ok[:, None] & (cols[None, :] < H)
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = tokens.to(tl.int64) * TOP_K + j
+        row = tl.load(pos_ptr + pair, mask=t_ok, other=-1)
+        live = row >= 0
+        w = tl.load(w_ptr + pair, mask=live, other=0.0).to(tl.float32)
+        v = tl.load(y_ptr + row.to(tl.int64)[:, None] * stride_y + cols[None, :], mask=ok & live[:, None], other=0.0)
+        acc += v.to(tl.float32) * w[:, None]
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_o + cols[None, :],
+             cast_out(acc, out_ptr.dtype.element_ty, EXACT_BF16), mask=ok)
+
+
+def plan_rows_buffer(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A ``[rows, cols]`` row-major buffer (row stride = cols, 16-byte aligned rows when cols·size is)."""
+    return torch.empty(rows, cols, dtype=dtype, device=device)
+
+
+def gather_plan_rows(xq: torch.Tensor, xs: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a [rows, K] e4m3, sa [⌈K/128⌉, rows] fp32)`` in plan-row order (module docstring)."""
+    rows, k = plan.sorted_pairs.numel(), xq.shape[1]
+    groups = triton.cdiv(k, GROUP)
+    a = plan_rows_buffer(rows, k, torch.float8_e4m3fn, xq.device)
+    sa = torch.empty(groups, rows, dtype=torch.float32, device=xq.device)
+    _gather_kernel[(triton.cdiv(rows, BLOCK_ROWS), groups)](
+        xq, xs, plan.sorted_pairs, plan.num_padded, a, sa, plan.num_pairs, plan.top_k, k,
+        xq.stride(0), xs.stride(0), a.stride(0), sa.stride(0), BLOCK_ROWS=BLOCK_ROWS, GROUP=GROUP)
+    return a, sa
+
+
+def act_quant_plan_rows(gate_up: torch.Tensor, plan: RoutingPlan, inter: int, *, has_gate: bool = True,
+                        activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h [rows, I] e4m3, hs [⌈I/128⌉, rows] fp32)`` from GEMM 1's ``[rows, 2I]`` (``[rows, I]`` without a gate)."""
+    rows = gate_up.shape[0]
+    groups = triton.cdiv(inter, GROUP)
+    h = plan_rows_buffer(rows, inter, torch.float8_e4m3fn, gate_up.device)
+    hs = torch.empty(groups, rows, dtype=torch.float32, device=gate_up.device)
+    _act_quant_kernel[(triton.cdiv(rows, BLOCK_ROWS), groups)](
+        gate_up, h, hs, plan.num_padded, inter, gate_up.stride(0), h.stride(0), hs.stride(0),
+        HAS_GATE=has_gate, ACT=ACTIVATIONS[activation], BLOCK_ROWS=BLOCK_ROWS, GROUP=GROUP, EMULATE=interpreting())
+    return h, hs
+
+
+def plan_row_of_pair(plan: RoutingPlan) -> torch.Tensor:
+    """``pos [T·k]`` int32: the plan row of every (token, k) pair, -1 for a pair the plan dropped."""
+    pos = torch.full((plan.num_pairs,), -1, dtype=torch.int32, device=plan.sorted_pairs.device)
+    rows = plan.sorted_pairs.numel()
+    _inverse_kernel[(triton.cdiv(rows, BLOCK_PAIRS),)](plan.sorted_pairs, plan.num_padded, pos, plan.num_pairs, rows,
+                                                      BLOCK=BLOCK_PAIRS)
+    return pos
+
+
+def reduce_plan_rows(y: torch.Tensor, plan: RoutingPlan, topk_weights: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """``[T, H]`` = fixed-order fp32 ``Σ_j w[t, j] · y[row(t, j)]`` (module docstring)."""
+    num_tokens, top_k = topk_weights.shape
+    hidden = y.shape[1]
+    pos = plan_row_of_pair(plan)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype or y.dtype, device=y.device)
+    weights = topk_weights.contiguous()
+    grid = (triton.cdiv(num_tokens, REDUCE_BLOCK_T), triton.cdiv(hidden, REDUCE_BLOCK_H))
+    _reduce_kernel[grid](y, pos, weights, out, num_tokens, hidden, y.stride(0), out.stride(0), TOP_K=top_k,
+                         BLOCK_T=REDUCE_BLOCK_T, BLOCK_H=REDUCE_BLOCK_H, EXACT_BF16=interpreting(), num_warps=4)
+    return out

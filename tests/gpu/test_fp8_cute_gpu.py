@@ -1,0 +1,104 @@
+"""The CuTe DSL FP8 path on an sm_90 GPU (``pytest -m gpu``; skipped with the reason where CuTe DSL is missing).
+
+  * the warp-specialised block-scaled grouped GEMM equals the torch block math on plan rows — every live row
+    against its expert's dequantized weights, within bf16 output rounding — for both tile widths and raster
+    orders, with uneven experts (idle and padding rows) and an expert with no rows;
+  * the whole CuTe MoE block equals the torch block math of its numerics (``fp8_moe_reference(plan_rows=True)``:
+    GEMM outputs rounded to bf16) and agrees with the Triton block (fp32 intermediate) to e4m3 requantization;
+  * repeated launches give the same bits (no split-K, no atomics: deterministic).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: bf16 output rounding (2^-8 relative) plus fp32 summation-order differences
+BF16_REL = 2 ** -7
+
+
+@pytest.fixture(scope="module")
+def fp8_cute():
+    from dwdp_runtime.kernels import fp8_cute
+
+    why = fp8_cute.unavailable()
+    if why:
+        pytest.skip(f"CuTe FP8 path unavailable: {why}")
+    return fp8_cute
+
+
+def _block_math(a, sa, w, ws, block_expert, num_padded):
+    """fp32 reference of the kernel's contract on every live row (dequantize, multiply)."""
+    from dwdp_runtime.quant import fp8_block
+
+    rows = int(num_padded)
+    af = a[:rows].float().view(rows, -1, 128) * sa[:, :rows].t()[:, :, None]
+    out = torch.zeros(rows, w.shape[1], dtype=torch.float32, device=a.device)
+    for blk in range(rows // 128):
+        e = int(block_expert[blk])
+        wd = fp8_block.dequantize(w[e:e + 1], ws[e:e + 1], torch.float32)[0]
+        out[blk * 128:(blk + 1) * 128] = af[blk * 128:(blk + 1) * 128].reshape(128, -1) @ wd.t()
+    return out
+
+
+@pytest.mark.parametrize("cfg", [(128, False, 2), (128, False, 1), (128, True, 2), (64, False, 2)],
+                         ids=["n128-cluster2", "n128-cluster1", "n128-rasterM", "n64"])
+def test_cute_grouped_gemm_matches_block_math(fp8_cute, cfg):
+    from dwdp_runtime.kernels.fp8_plan_rows import gather_plan_rows
+    from dwdp_runtime.kernels.fp8_quant import quantize_groups
+    from dwdp_runtime.kernels.routing import align_routing
+    from dwdp_runtime.quant import fp8_block
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    e, n, k, t, top_k = 5, 512, 640, 300, 2
+    w, ws = fp8_block.quantize(torch.randn(e, n, k, device="cuda", generator=g) * k ** -0.5)
+    x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e - 1, (t, top_k), device="cuda", generator=g)  # expert e-1 gets no rows
+    ids[:7] = 0  # uneven
+    plan = align_routing(ids, e, fp8_cute.TILE_M)
+    a, sa = gather_plan_rows(*quantize_groups(x), plan)
+    tile_n, along_m, cluster_n = cfg
+    c = fp8_cute.CuteGemmConfig(tile_n=tile_n, raster_along_m=along_m, cluster_n=cluster_n)
+    d = fp8_cute.block_scaled_grouped_gemm(a, sa, w, ws, plan.block_expert, torch.bfloat16, c)
+    rows = int(plan.num_padded)
+    want = _block_math(a, sa, w, ws, plan.block_expert, rows)
+    err = float((d[:rows].float() - want).abs().max())
+    assert err <= BF16_REL * float(want.abs().max()), err
+    again = fp8_cute.block_scaled_grouped_gemm(a, sa, w, ws, plan.block_expert, torch.bfloat16, c)
+    assert torch.equal(again[:rows], d[:rows])
+
+
+def test_cute_block_matches_block_math_and_triton(fp8_cute):
+    from dwdp_runtime.kernels import fp8_moe
+    from dwdp_runtime.quant import fp8_block
+
+    from tests.kernels.fp8_reference import fp8_moe_reference
+
+    g = torch.Generator().manual_seed(1)
+    e, h, i, t, k = 6, 512, 384, 37, 2
+    w1, s1 = fp8_block.quantize(torch.randn(e, 2 * i, h, generator=g) * h ** -0.5, row_segments=(i, i))
+    w2, s2 = fp8_block.quantize(torch.randn(e, h, i, generator=g) * i ** -0.5)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    args = [a.cuda() for a in (x, ids, w, w1, s1, w2, s2)]
+    got = fp8_cute.cute_fp8_moe_forward(*args).cpu()
+    want = fp8_moe_reference(x, ids, w, w1, s1, w2, s2, plan_rows=True)
+    err = (got.float() - want.float()).abs()
+    assert float(err.max()) <= 2 ** -6 * float(want.float().abs().max())
+    assert float(err.mean()) <= 2 ** -10 * float(want.float().abs().mean())
+    # the Triton path keeps GEMM 1's output in fp32 registers: the bf16 rounding here moves some e4m3 roundings
+    triton_out = fp8_moe.triton_fp8_moe_forward(*args).cpu()
+    diff = (got.float() - triton_out.float()).abs()
+    assert float(diff.max()) <= 2 ** -4 * float(triton_out.float().abs().max())
+    assert float(diff.mean()) <= 2 ** -7 * float(triton_out.float().abs().mean())
