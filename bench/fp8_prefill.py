@@ -6,7 +6,7 @@
      CUDA the experts run the FP8 Triton GEMMs over the composites);
   3. rank 0 also holds (a) the dequantized bf16 model with `transformers`' own experts (the reference) and
      (b) the same bf16 model with the FP8 experts bound unsharded as plain tensors (``bind_fp8_experts``: the
-     same kernels, no DWDP);
+     same kernels — experts and the fused non-expert layers — no DWDP);
   4. agreement: ``--prompts`` random prompts of ``--prompt-len`` tokens, packed ``--pack`` per forward: top-1
      agreement of the last-position logits, sharded FP8 vs the bf16 reference, and the max |Δ logprob|
      (log-softmax over the vocabulary, all entries); then both against the same dequantized weights in
@@ -151,7 +151,10 @@ def run_rank(rank, args, fp8, ref_dir, port):
                 out["top1_bf16_vs_fp32"], out["max_abs_dlogprob_bf16_vs_fp32"] = floor["bf16"]
                 out["top1_fp8_vs_fp32"], out["max_abs_dlogprob_fp8_vs_fp32"] = floor["fp8"]
                 out["agreement_s"] = time.perf_counter() - t0
-                unsharded = Reference(ref_dir, dtype="bfloat16", device=device)
+                # the engine's non-expert layers too (experts "auto": DWDP's fused RMSNorm/RoPE on CUDA), so the
+                # two differ only by DWDP — without it the unsharded model ran transformers' norms (other bits,
+                # slower: measured 2026-12-01, sharded "faster" by 15-27 %, max |dlogit| 0.055)
+                unsharded = Reference(ref_dir, dtype="bfloat16", device=device, experts="auto")
                 bind_fp8_experts(unsharded.model, fp8, device, _t.bfloat16)
                 gen = _t.Generator().manual_seed(1)
                 seq = [_t.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()]

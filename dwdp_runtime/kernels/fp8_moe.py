@@ -24,6 +24,7 @@ or two passes: ``fp8_grouped_gemm``).
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from .fp8_grouped_gemm import SCALE_BLOCK, fp8_down, fp8_gate_up
 from .fp8_quant import quantize_groups
 from .reduce import reduce_topk
 from .routing import align_routing
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,19 @@ def chosen_backend(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Backend:
     why = fp8_cute.unusable(w1, w2)
     if why and wanted is Fp8Backend.CUTE:
         raise RuntimeError(f"{BACKEND_ENV}=cute but the CuTe FP8 kernels cannot run: {why}")
-    return Fp8Backend.TRITON if why else Fp8Backend.CUTE
+    chosen = Fp8Backend.TRITON if why else Fp8Backend.CUTE
+    _log_choice(chosen, why)
+    return chosen
+
+
+_LOGGED: set[tuple[Fp8Backend, str | None]] = set()
+
+
+def _log_choice(chosen: Fp8Backend, why: str | None) -> None:
+    """One INFO line per distinct choice and reason in a process (not one per forward)."""
+    if (chosen, why) not in _LOGGED:
+        _LOGGED.add((chosen, why))
+        log.info("FP8 experts run on the %s kernels%s", chosen.value, f" ({why})" if why else "")
 
 
 def fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
