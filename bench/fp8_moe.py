@@ -9,12 +9,14 @@ Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8) and token count T, with unifor
                            epilogue, ``fp8_down`` incl. the routing weight), routing plan and input quantization
                            outside the timing;
   * ``cute GEMMs``        — the CuTe DSL warp-specialised block-scaled GEMMs (``fp8_cute``, sm_90) on the same
-                           operands in plan-row order (gather, act·quant and reduce outside the timing), one
-                           row per ``--cute-configs`` entry; skipped with the reason where CuTe DSL is missing;
+                           operands in plan-row order (gather and reduce outside the timing): GEMM 1 fused with
+                           act·mul and its e4m3 epilogue (as the Triton GEMM 1 is; the bf16-out GEMM 1 beside
+                           it), GEMM 2; one row per ``--cute-configs`` entry; skipped with the reason where CuTe
+                           DSL is missing;
   * ``bf16 block`` / ``fp8 block`` / ``cute block`` — whole routed-experts forwards: ``kernels.fused_experts`` on
                            the dequantized bf16 weights vs ``triton_fp8_moe_forward`` (quantize + align + 2 GEMMs +
-                           reduce) vs ``cute_fp8_moe_forward`` (quantize + align + gather + 2 GEMMs + act·quant +
-                           reduce);
+                           reduce) vs ``cute_fp8_moe_forward`` (quantize + align + gather + fused GEMM 1 + GEMM 2
+                           + reduce);
   * accuracy of the fp8 block against the bf16 block on the dequantized weights (max |Δ| / max |ref|, and the
     fraction of tokens whose arg-max hidden unit agrees — a cheap proxy; the model-level top-1 agreement is
     measured by ``bench/prefill.py --quant fp8``).
@@ -86,11 +88,16 @@ def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops,
         cfg = parse_cute_config(text)
         gu = fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert, torch.bfloat16, cfg)
         h, hs = act_quant_plan_rows(gu, plan, i)
-        t1 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert, torch.bfloat16, cfg))
+        # GEMM 1 as the Triton one is timed: with its act·mul and e4m3 epilogue (the fused gate_up)
+        t1 = bench(lambda: fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i, cfg))
+        t1_plain = bench(lambda: fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert, torch.bfloat16,
+                                                                    cfg))
         t2 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert, torch.bfloat16, cfg))
-        out[text] = dict(gate_up_ms=t1, down_ms=t2, tflops=flops / (t1 + t2) / 1e9, over_bf16=t_bf16 / (t1 + t2))
+        out[text] = dict(gate_up_ms=t1, gate_up_plain_ms=t1_plain, down_ms=t2, tflops=flops / (t1 + t2) / 1e9,
+                         over_bf16=t_bf16 / (t1 + t2))
         print(f"[{name}] T={t}: cute {text}: GEMMs {t1 + t2:.3f} ms ({out[text]['tflops']:.0f} TFLOP/s) = "
-              f"{out[text]['over_bf16']:.2f}x bf16 (gate_up {t1:.3f}, down {t2:.3f})", flush=True)
+              f"{out[text]['over_bf16']:.2f}x bf16 (fused gate_up {t1:.3f} [bf16-out gate_up {t1_plain:.3f}], down "
+              f"{t2:.3f})", flush=True)
     best = min(out, key=lambda c: out[c]["gate_up_ms"] + out[c]["down_ms"])
     c1 = parse_cute_config(best)
     got = fp8_cute.cute_fp8_moe_forward(x, ids, w, w1, s1, w2, s2, cfg1=c1, cfg2=c1)

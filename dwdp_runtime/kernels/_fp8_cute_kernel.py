@@ -44,6 +44,8 @@ LOAD_REGISTERS = 40
 MMA_REGISTERS = 232
 #: shared memory the ring may use: the SM's 227 KiB minus the mbarriers
 SMEM_CAPACITY = utils.get_smem_capacity_in_bytes("sm_90")
+#: e4m3 saturation: an activation group's scale is its amax / 448 (``fp8_quant``)
+E4M3_MAX = 448.0
 #: TMA store buffers of the epilogue
 EPI_STAGES = 4
 
@@ -57,7 +59,7 @@ class BlockScaledGroupedGemm:
     """
 
     def __init__(self, k_tiles: int, tile_n: int = 128, raster_along_m: bool = False, swizzle_size: int = 1,
-                 cluster_n: int = 2):
+                 cluster_n: int = 2, act_inter: int = 0):
         if tile_n not in (64, 128):
             raise ValueError(f"BLOCK_N must be 64 or 128 (one scale block), got {tile_n}")
         self.tile_shape_mnk = (TILE_M, tile_n, SCALE_BLOCK)
@@ -68,6 +70,14 @@ class BlockScaledGroupedGemm:
         #: CTAs of a cluster along N: they share one row block, so its A tile is multicast to both (each loads
         #: half) — the same expert, so idle blocks are skipped by the whole cluster alike
         self.cluster_n = cluster_n
+        #: > 0: GEMM 1 fused with act·mul and the e4m3 requantisation — the weights are gate_up ``[E, 2I, H]``
+        #: with I = act_inter, a CTA's column tile is one 128-column activation group: its gate rows and its up
+        #: rows (I further) load into two B buffers of a stage, two accumulators hold them, and the epilogue
+        #: writes ``silu(gate) · up`` quantized per row and group (e4m3 + one fp32 scale per row) — no
+        #: ``[rows, 2I]`` intermediate in HBM
+        self.act_inter = act_inter
+        if act_inter and (act_inter % SCALE_BLOCK or tile_n != SCALE_BLOCK):
+            raise ValueError(f"the fused gate_up needs I a multiple of {SCALE_BLOCK} and BLOCK_N = {SCALE_BLOCK}")
 
         self.raster_along_m = raster_along_m
         self.swizzle_size = swizzle_size
@@ -98,7 +108,8 @@ class BlockScaledGroupedGemm:
         if mma_k * 4 != SCALE_BLOCK:
             raise ValueError(f"expected a k{SCALE_BLOCK // 4} fp8 wgmma, got k{mma_k}")
         self.epi_tile = (TILE_M, 32)
-        ab_bytes = (TILE_M + self.tile_shape_mnk[1]) * SCALE_BLOCK  # e4m3: 1 byte per element
+        b_tiles = 2 if self.act_inter else 1
+        ab_bytes = (TILE_M + b_tiles * self.tile_shape_mnk[1]) * SCALE_BLOCK  # e4m3: 1 byte per element
         epi_bytes = cute.size(self.epi_tile) * self.c_dtype.width // 8 * EPI_STAGES
         self.ab_stage = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
         self.a_smem_layout_staged = self._staged(self.a_layout, self.a_dtype, (TILE_M, SCALE_BLOCK))
@@ -115,7 +126,8 @@ class BlockScaledGroupedGemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, sa: cute.Tensor, b: cute.Tensor, sb: cute.Tensor, d: cute.Tensor,
-                 block_expert: cute.Tensor, max_active_clusters: cutlass.Constexpr, stream: cuda.CUstream):
+                 d_scales: cute.Tensor, block_expert: cute.Tensor, max_active_clusters: cutlass.Constexpr,
+                 stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = d.element_type
@@ -145,18 +157,21 @@ class BlockScaledGroupedGemm:
                                   self.buffer_align_bytes]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
                                   self.buffer_align_bytes]
+            sB2: cute.struct.Align[cute.struct.MemRange[
+                self.b_dtype, cute.cosize(self.b_smem_layout_staged) if self.act_inter else 16], self.buffer_align_bytes]
             sD: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
                                   self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_atom_a, tma_a, sa, tma_atom_b, tma_b, sb, tma_atom_d, tma_d, block_expert, self.tiled_mma,
+        self.kernel(tma_atom_a, tma_a, sa, tma_atom_b, tma_b, sb, tma_atom_d, tma_d, d_scales, block_expert,
+                    self.tiled_mma,
                     self.tiled_mma_acc, self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
                     sched_params).launch(grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, self.cluster_n, 1),
                                          min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, mSA: cute.Tensor, tma_atom_b: cute.CopyAtom,
-               mB: cute.Tensor, mSB: cute.Tensor, tma_atom_d: cute.CopyAtom, mD: cute.Tensor,
+               mB: cute.Tensor, mSB: cute.Tensor, tma_atom_d: cute.CopyAtom, mD: cute.Tensor, mDS: cute.Tensor,
                mBlockExpert: cute.Tensor, tiled_mma: cute.TiledMma, tiled_mma_acc: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout, epi_smem_layout_staged: cute.ComposedLayout,
@@ -170,7 +185,8 @@ class BlockScaledGroupedGemm:
 
         a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
         b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
-        tma_bytes = cute.size_in_bytes(self.a_dtype, a_smem_layout) + cute.size_in_bytes(self.b_dtype, b_smem_layout)
+        tma_bytes = cute.size_in_bytes(self.a_dtype, a_smem_layout) + (2 if self.act_inter else 1) * cute.size_in_bytes(
+            self.b_dtype, b_smem_layout)
         cluster_mn = (1, self.cluster_n)
         cta_layout_mnk = cute.make_layout((1, self.cluster_n, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -189,6 +205,9 @@ class BlockScaledGroupedGemm:
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        # the up tiles of the fused gate_up (unused, 16 bytes, otherwise)
+        sB2 = storage.sB2.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner) \
+            if self.act_inter else sB
         sD = storage.sD.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
         # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestE) / (bM, bN, RestM, RestN, RestL)
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
@@ -200,12 +219,16 @@ class BlockScaledGroupedGemm:
             cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_atom_b, 0, one, cute.group_modes(sB, 0, 2),
                                                       cute.group_modes(gB, 0, 2))
+        tBsB2, _ = cute.nvgpu.cpasync.tma_partition(tma_atom_b, 0, one, cute.group_modes(sB2, 0, 2),
+                                                    cute.group_modes(gB, 0, 2))
+        up_tiles = self.act_inter // SCALE_BLOCK  # the up half's first column tile (and scale row)
 
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
         mma_thread_layout = cute.make_layout(self.num_mma_warp_groups, stride=self.threads_per_warp_group)
         thr_mma = tiled_mma.get_slice(mma_thread_layout(warp_group_idx - 1))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCrB2 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB2))
         tCgD = thr_mma.partition_C(gD)
         acc_shape = tCgD.shape[:3]
         if cutlass.const_expr(cute.size(acc_shape, mode=[0]) != self.tile_shape_mnk[1] // 2
@@ -214,6 +237,7 @@ class BlockScaledGroupedGemm:
                              "((2, 2, N/8), 1, 1)")
         accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         accum_temp = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        accumulators2 = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if self.act_inter else accumulators
         # the row (within the tile) of every accumulator element of *this thread*: ``thr_mma`` above is the
         # warpgroup's slice (what its wgmma operands need); the C fragment's coordinates need the thread's own
         tCcD = tiled_mma.get_slice(tidx - self.threads_per_warp_group).partition_C(
@@ -241,6 +265,9 @@ class BlockScaledGroupedGemm:
                         cute.copy(tma_atom_a, tAgA_m[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar,
                                   mcast_mask=a_mcast_mask)
                         cute.copy(tma_atom_b, tBgB_n[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        if cutlass.const_expr(self.act_inter > 0):
+                            cute.copy(tma_atom_b, tBgB[(None, n_blk + up_tiles, None, expert)][(None, state.count)],
+                                      tBsB2[(None, state.index)], tma_bar_ptr=bar)
                         ring.producer_commit(state)
                         state.advance()
                 sched.advance_to_next_work()
@@ -296,16 +323,48 @@ class BlockScaledGroupedGemm:
                     a_lo = mSA[(rows[0], 0)]
                     a_hi = mSA[(rows[1], 0)]
                     w_s = mSB[(nb, 0, expert)]
+                    w_u = mSB[(nb + up_tiles, 0, expert)] if self.act_inter else w_s
+                    if cutlass.const_expr(self.act_inter > 0):
+                        accumulators2.fill(0.0)
                     for k_tile in range(self.k_tiles):
                         sc = (a_lo * w_s, a_hi * w_s)
+                        sc_u = (a_lo * w_u, a_hi * w_u)
                         k_next = k_tile + 1 - (k_tile + 1) // self.k_tiles
                         a_lo = mSA[(rows[0], k_next)]
                         a_hi = mSA[(rows[1], k_next)]
                         w_s = mSB[(nb, k_next, expert)]
-                        _issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
-                        read_state.advance()
-                        _retire(ring, release_state, accumulators, accum_temp, sc)
+                        if cutlass.const_expr(self.act_inter > 0):
+                            w_u = mSB[(nb + up_tiles, k_next, expert)]
+                            # gate, then up, through the one scratch accumulator (registers: 3 × 64 fp32)
+                            _issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            _promote(accumulators, accum_temp, sc)
+                            _mma(read_state, mmas, tCrA, tCrB2, accum_temp, num_k_blocks)
+                            read_state.advance()
+                            _retire(ring, release_state, accumulators2, accum_temp, sc_u)
+                        else:
+                            _issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
+                            read_state.advance()
+                            _retire(ring, release_state, accumulators, accum_temp, sc)
                         release_state.advance()
+
+                    if cutlass.const_expr(self.act_inter > 0):
+                        # silu(gate) · up, then the e4m3 quantisation of the row's 128-column group: a row's
+                        # columns lie in the 4 lanes of a quad (the C fragment), so its amax is a 2-step butterfly
+                        amax_lo, amax_hi = _act_mul_amax(accumulators, accumulators2)
+                        for off in cutlass.range_constexpr(2):
+                            amax_lo = cute.arch.fmax(amax_lo, cute.arch.shuffle_sync_bfly(amax_lo, 1 << off))
+                            amax_hi = cute.arch.fmax(amax_hi, cute.arch.shuffle_sync_bfly(amax_hi, 1 << off))
+                        s_lo = amax_lo / E4M3_MAX
+                        s_hi = amax_hi / E4M3_MAX
+                        if amax_lo == 0.0:
+                            s_lo = cutlass.Float32(1.0)
+                        if amax_hi == 0.0:
+                            s_hi = cutlass.Float32(1.0)
+                        _divide_rows(accumulators, s_lo, s_hi)
+                        if tidx % 4 == 0:
+                            mDS[(rows[0], n_blk)] = s_lo
+                            mDS[(rows[1], n_blk)] = s_hi
 
                     gD_tile = gD[(None, None, m_blk, n_blk, 0)]
                     tCgD_epi = cute.zipped_divide(gD_tile, self.epi_tile)
@@ -334,10 +393,8 @@ class BlockScaledGroupedGemm:
 
 
 # _issue / _retire run at trace time inside the kernel (plain Python, not preprocessed: their loops unroll)
-def _issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
-    """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
-    caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body)."""
-    ring.consumer_wait(read_state)
+def _mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
+    """Issue the four wgmma of the current stage into ``scratch`` (zeroed by the first) as one commit group."""
     cute.nvgpu.warpgroup.fence()
     for kb in range(num_k_blocks):
         coord = (None, None, kb, read_state.index)
@@ -345,10 +402,39 @@ def _issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
     cute.nvgpu.warpgroup.commit_group()
 
 
-def _retire(ring, release_state, accumulators, scratch, scales):
-    """Wait for the step's wgmma, free its stage (the caller advances ``release_state``), and promote: ``acc += scratch · scale(row)``. C fragment ((2, 2, N/8), 1, 1): elements 4j + {0, 1}
-    lie on the thread's row r, 4j + {2, 3} on row r + 8."""
-    cute.nvgpu.warpgroup.wait_group(0)
-    ring.consumer_release(release_state)
+def _promote(accumulators, scratch, scales):
+    """``acc += scratch · scale(row)``. C fragment ((2, 2, N/8), 1, 1): elements 4j + {0, 1} lie on the
+    thread's row r, 4j + {2, 3} on row r + 8."""
     for i in range(cute.size(accumulators)):
         accumulators[i] = accumulators[i] + scratch[i] * scales[(i // 2) % 2]
+
+
+def _act_mul_amax(gate, up):
+    """``gate ← silu(gate) · up`` element-wise (fp32); returns the thread's |·| max on its two rows."""
+    amax = [cutlass.Float32(0.0), cutlass.Float32(0.0)]
+    for i in range(cute.size(gate)):
+        g = gate[i]
+        h = g / (1.0 + cute.arch.exp(-g)) * up[i]
+        gate[i] = h
+        amax[(i // 2) % 2] = cute.arch.fmax(amax[(i // 2) % 2], cute.arch.fmax(h, -h))
+    return amax[0], amax[1]
+
+
+def _divide_rows(acc, s_lo, s_hi):
+    """``acc / scale(row)`` (correctly rounded division, as ``fp8_quant``) before the e4m3 conversion."""
+    for i in range(cute.size(acc)):
+        acc[i] = acc[i] / (s_lo if (i // 2) % 2 == 0 else s_hi)
+
+
+def _issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
+    """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
+    caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body)."""
+    ring.consumer_wait(read_state)
+    _mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks)
+
+
+def _retire(ring, release_state, accumulators, scratch, scales):
+    """Wait for the step's wgmma, free its stage (the caller advances ``release_state``), and promote."""
+    cute.nvgpu.warpgroup.wait_group(0)
+    ring.consumer_release(release_state)
+    _promote(accumulators, scratch, scales)

@@ -40,6 +40,8 @@ from .routing import align_routing
 TILE_M = 128
 #: the scale block (weight_block_size [128, 128])
 SCALE_BLOCK = 128
+#: the fused gate_up's column tile: one 128-column activation group (its gate and up rows in one CTA)
+TILE_N_FUSED = 128
 #: compute capability the kernel is written for (wgmma, TMA, setmaxnreg)
 SM90 = (9, 0)
 
@@ -93,6 +95,8 @@ def _kernel_module():
     return _fp8_cute_kernel
 
 
+#: activations the fused gate_up epilogue implements (others take GEMM 1 + ``act_quant_plan_rows``)
+FUSED_ACTIVATIONS = ("silu", "swish")
 #: TMA operands (A, B, D) need 16-byte aligned bases; scales and the block map are read element-wise
 TMA_ALIGN = 16
 
@@ -112,12 +116,14 @@ def _cute_tensor(t: torch.Tensor, leading_dim: int, align: int | None = None):
 _COMPILED: dict[tuple, object] = {}
 
 
-def gemm_arguments(a, sa, w, ws, d, block_expert) -> tuple:
+def gemm_arguments(a, sa, w, ws, d, d_scales, block_expert) -> tuple:
     """The kernel's operands as CuTe views: A ``(rows, K, 1)``, s_a ``(rows, K/128)`` M-major, B ``(N, K, E)``,
-    s_b ``(N/128, K/128, E)``, D ``(rows, N, 1)``, the block map ``(rows/128,)`` — views, no copies."""
+    s_b ``(N/128, K/128, E)``, D ``(rows, N, 1)``, D's row scales ``(rows, N/128)`` M-major (the fused gate_up's
+    output; the plain GEMM ignores it), the block map ``(rows/128,)`` — views, no copies."""
     return (_cute_tensor(_with_batch_mode(a), 1, TMA_ALIGN), _cute_tensor(sa.t(), 0),
             _cute_tensor(w.permute(1, 2, 0), 1, TMA_ALIGN), _cute_tensor(ws.permute(1, 2, 0), 1),
-            _cute_tensor(_with_batch_mode(d), 1, TMA_ALIGN), _cute_tensor(block_expert, 0))
+            _cute_tensor(_with_batch_mode(d), 1, TMA_ALIGN), _cute_tensor(d_scales.t(), 0),
+            _cute_tensor(block_expert, 0))
 
 
 def _with_batch_mode(t: torch.Tensor) -> torch.Tensor:
@@ -127,54 +133,83 @@ def _with_batch_mode(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((r, c, 1), (t.stride(0), 1, r * t.stride(0)))
 
 
-def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                              block_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                              cfg: CuteGemmConfig = CuteGemmConfig()) -> torch.Tensor:
-    """``d [rows, N]`` = the block-scaled product of plan rows ``a [rows, K]`` (scales ``sa [K/128, rows]``) with
-    expert ``block_expert[r // 128]``'s ``w [E, N, K]`` (scales ``ws [E, N/128, K/128]``); idle blocks unwritten."""
+def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_inter: int) -> None:
     import cuda.bindings.driver as cuda
 
-    rows, k = a.shape
-    e, n, k2 = w.shape
-    if k2 != k or rows % TILE_M or k % SCALE_BLOCK or n % SCALE_BLOCK:
-        raise ValueError(f"CuTe FP8 GEMM needs K, N multiples of {SCALE_BLOCK} and rows of {TILE_M}: a {tuple(a.shape)}, "
-                         f"w {tuple(w.shape)}")
-    if w.stride(2) != 1 or a.stride(1) != 1:
-        raise ValueError("CuTe FP8 GEMM needs K-contiguous operands")
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"CuTe FP8 GEMM writes bf16 or fp16 (a 16-bit stmatrix epilogue), not {out_dtype}")
-    if (n // cfg.tile_n) % cfg.cluster_n:
-        cfg = dataclasses.replace(cfg, cluster_n=1)  # an odd number of column tiles cannot pair up
-    d = plan_rows_buffer(rows, n, out_dtype, a.device)
-    args = gemm_arguments(a, sa, w, ws, d, block_expert)
+    k = a.shape[1]
+    args = gemm_arguments(a, sa, w, ws, d, d_scales, block_expert)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    key = (out_dtype, cfg, k // SCALE_BLOCK, a.device.index)
+    key = (d.dtype, cfg, k // SCALE_BLOCK, act_inter, a.device.index)
     compiled = _COMPILED.get(key)
     if compiled is None:
         import cutlass.cute as cute
 
         kernel = _kernel_module().BlockScaledGroupedGemm(k // SCALE_BLOCK, cfg.tile_n, cfg.raster_along_m, cfg.swizzle,
-                                                         cfg.cluster_n)
+                                                         cfg.cluster_n, act_inter)
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
         compiled = _COMPILED[key] = cute.compile(kernel, *args, sms // cfg.cluster_n, stream)
     compiled(*args, stream)
+
+
+def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
+    rows, k = a.shape
+    if w.shape[2] != k or rows % TILE_M or k % SCALE_BLOCK or n_out % SCALE_BLOCK:
+        raise ValueError(f"CuTe FP8 GEMM needs K, N multiples of {SCALE_BLOCK} and rows of {TILE_M}: a {tuple(a.shape)}, "
+                         f"w {tuple(w.shape)}")
+    if w.stride(2) != 1 or a.stride(1) != 1:
+        raise ValueError("CuTe FP8 GEMM needs K-contiguous operands")
+    if (n_out // cfg.tile_n) % cfg.cluster_n:
+        cfg = dataclasses.replace(cfg, cluster_n=1)  # an odd number of column tiles cannot pair up
+    return cfg
+
+
+def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                              block_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                              cfg: CuteGemmConfig = CuteGemmConfig()) -> torch.Tensor:
+    """``d [rows, N]`` = the block-scaled product of plan rows ``a [rows, K]`` (scales ``sa [K/128, rows]``) with
+    expert ``block_expert[r // 128]``'s ``w [E, N, K]`` (scales ``ws [E, N/128, K/128]``); idle blocks unwritten."""
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"CuTe FP8 GEMM writes bf16 or fp16 (a 16-bit stmatrix epilogue), not {out_dtype}")
+    cfg = _check_operands(a, w, w.shape[1], cfg)
+    d = plan_rows_buffer(a.shape[0], w.shape[1], out_dtype, a.device)
+    _launch(a, sa, w, ws, d, sa, block_expert, cfg, 0)
     return d
+
+
+def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+                      block_expert: torch.Tensor, inter: int, cfg: CuteGemmConfig = CuteGemmConfig()
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM 1 fused with SiLU·mul and the e4m3 requantisation: ``(h [rows, I] e4m3, hs [I/128, rows] fp32)``
+    from plan rows ``a`` and gate_up ``w1 [E, 2I, H]`` — what ``act_quant_plan_rows`` makes of the unfused
+    GEMM's output, without the ``[rows, 2I]`` intermediate (and its bf16 rounding)."""
+    if w1.shape[1] != 2 * inter:
+        raise ValueError(f"gate_up weights {tuple(w1.shape)} are not [E, 2·{inter}, H]")
+    cfg = _check_operands(a, w1, inter, dataclasses.replace(cfg, tile_n=TILE_N_FUSED))
+    rows = a.shape[0]
+    h = plan_rows_buffer(rows, inter, torch.float8_e4m3fn, a.device)
+    hs = torch.empty(inter // SCALE_BLOCK, rows, dtype=torch.float32, device=a.device)
+    _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter)
+    return h, hs
 
 
 def plan_rows_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, gemm1, gemm2, *,
-                          has_gate: bool = True, activation: str = "silu") -> torch.Tensor:
+                          has_gate: bool = True, activation: str = "silu", fused_gemm1=None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` through plan-row GEMMs: ``gemm(a, sa, w, ws, block_expert)`` →
     ``[rows, N]`` bf16 is the block-scaled grouped GEMM's contract (``block_scaled_grouped_gemm`` on the GPU;
     the CPU tests pass the torch block math); ``gemm1`` runs gate_up, ``gemm2`` down; the passes around them
-    are ``fp8_plan_rows``'s."""
+    are ``fp8_plan_rows``'s. ``fused_gemm1(a, sa, w1, s1, block_expert, inter)`` → ``(h, hs)``, where given,
+    replaces gemm1 + act·quant for SiLU-gated experts."""
     out_dtype = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     inter = w2.shape[2]
     xq, xs = quantize_groups(hidden_states)
     plan = align_routing(topk_ids, w1.shape[0], TILE_M)
     a, sa = gather_plan_rows(xq, xs, plan)
-    gate_up = gemm1(a, sa, w1, s1, plan.block_expert)
-    h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=has_gate, activation=activation)
+    if fused_gemm1 is not None and has_gate and activation in FUSED_ACTIVATIONS:
+        h, hs = fused_gemm1(a, sa, w1, s1, plan.block_expert, inter)
+    else:
+        gate_up = gemm1(a, sa, w1, s1, plan.block_expert)
+        h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=has_gate, activation=activation)
     y = gemm2(h, hs, w2, s2, plan.block_expert)
     out = reduce_plan_rows(y, plan, topk_weights, out_dtype=out_dtype)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
@@ -183,10 +218,11 @@ def plan_rows_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, t
 def cute_fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
                          has_gate: bool = True, activation: str = "silu",
-                         cfg1: CuteGemmConfig = CuteGemmConfig(), cfg2: CuteGemmConfig = CuteGemmConfig()
-                         ) -> torch.Tensor:
+                         cfg1: CuteGemmConfig = CuteGemmConfig(), cfg2: CuteGemmConfig = CuteGemmConfig(),
+                         fuse_act: bool = True) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` on the CuTe GEMMs (module docstring)."""
     gemm1 = functools.partial(block_scaled_grouped_gemm, out_dtype=torch.bfloat16, cfg=cfg1)
     gemm2 = functools.partial(block_scaled_grouped_gemm, out_dtype=torch.bfloat16, cfg=cfg2)
+    fused = functools.partial(gate_up_act_quant, cfg=cfg1) if fuse_act else None
     return plan_rows_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, gemm1, gemm2,
-                                 has_gate=has_gate, activation=activation)
+                                 has_gate=has_gate, activation=activation, fused_gemm1=fused)

@@ -31,9 +31,11 @@ def _block_gemm(aq, a_s, wq, ws, col_srow):
     return out
 
 
-def fp8_moe_reference(x, ids, weights, w1, s1, w2, s2, act=F.silu, out_dtype=torch.bfloat16, plan_rows=False):
-    """The Triton path's numerics; ``plan_rows``: the CuTe path's (``fp8_cute``) — both GEMM outputs rounded to
-    bf16 before the activation / the routing weight, the weighted sum in fp32 from those rows."""
+def fp8_moe_reference(x, ids, weights, w1, s1, w2, s2, act=F.silu, out_dtype=torch.bfloat16, plan_rows=False,
+                      fused_act=False):
+    """The Triton path's numerics; ``plan_rows``: the CuTe path's (``fp8_cute``) — GEMM 2's output rounded to
+    bf16 before the routing weight, the weighted sum in fp32 from those rows, and GEMM 1's output rounded to
+    bf16 before the activation unless ``fused_act`` (the fused gate_up keeps it in fp32, as Triton does)."""
     t, top_k = ids.shape
     e, n1, h = w1.shape
     inter = w2.shape[2]
@@ -48,7 +50,7 @@ def fp8_moe_reference(x, ids, weights, w1, s1, w2, s2, act=F.silu, out_dtype=tor
                 continue
             g = _block_gemm(xq[tok:tok + 1], xs[tok:tok + 1], w1[ex, :inter], s1[ex], cols // B)
             u = _block_gemm(xq[tok:tok + 1], xs[tok:tok + 1], w1[ex, inter:], s1[ex], up_srow + cols // B)
-            if plan_rows:
+            if plan_rows and not fused_act:
                 g, u = g.to(torch.bfloat16).float(), u.to(torch.bfloat16).float()
             a = act(g) * u
             aq, a_s = quantize_groups_reference(a)

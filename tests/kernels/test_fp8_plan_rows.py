@@ -76,9 +76,9 @@ def test_reduce_sums_each_tokens_weighted_rows_in_fixed_order():
     assert torch.equal(out, want.to(torch.bfloat16))
 
 
-def block_math_gemm(a, sa, w, ws, block_expert):
+def block_math_gemm(a, sa, w, ws, block_expert, out_dtype=torch.bfloat16):
     """The block-scaled grouped GEMM's contract in torch (float32, bf16 out): live blocks only."""
-    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.bfloat16)
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=out_dtype)
     for blk in range(block_expert.numel()):
         e = int(block_expert[blk])
         if e < 0:
@@ -89,12 +89,21 @@ def block_math_gemm(a, sa, w, ws, block_expert):
             ks = slice(kb * 128, (kb + 1) * 128)
             part = a[rows, ks].float() @ w[e][:, ks].float().t()
             acc += part * (sa[kb, rows][:, None] * ws[e][:, kb].repeat_interleave(128)[None, :])
-        out[rows] = acc.to(torch.bfloat16)
+        out[rows] = acc.to(out_dtype)
     return out
 
 
+def block_math_fused_gate_up(a, sa, w1, s1, block_expert, inter):
+    """The fused gate_up's contract: the fp32 block math, SiLU·mul, the ``fp8_quant`` rule per row and group."""
+    gu = block_math_gemm(a, sa, w1, s1, block_expert, torch.float32)
+    gate, up = gu[:, :inter], gu[:, inter:]
+    q, s = quantize_groups_reference(gate * torch.sigmoid(gate) * up)
+    return q, s.t().contiguous()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gemm1+act_quant", "fused_gate_up"])
 @pytest.mark.parametrize("t, h, i", [(13, 256, 128), (40, 384, 256)])
-def test_plan_row_composition_matches_the_block_math(t, h, i):
+def test_plan_row_composition_matches_the_block_math(t, h, i, fused):
     e, k = 5, 2
     g = torch.Generator().manual_seed(t)
     w1, s1 = fp8_block.quantize(torch.randn(e, 2 * i, h, generator=g) / h ** 0.5, row_segments=(i, i))
@@ -102,8 +111,9 @@ def test_plan_row_composition_matches_the_block_math(t, h, i):
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     ids = torch.randint(0, e, (t, k), generator=g)
     w = torch.rand(t, k, generator=g)
-    got = fp8_cute.plan_rows_moe_forward(x, ids, w, w1, s1, w2, s2, block_math_gemm, block_math_gemm)
-    want = fp8_moe_reference(x, ids, w, w1, s1, w2, s2, act=F.silu, plan_rows=True)
+    got = fp8_cute.plan_rows_moe_forward(x, ids, w, w1, s1, w2, s2, block_math_gemm, block_math_gemm,
+                                         fused_gemm1=block_math_fused_gate_up if fused else None)
+    want = fp8_moe_reference(x, ids, w, w1, s1, w2, s2, act=F.silu, plan_rows=True, fused_act=fused)
     # same math; only fp32 summation order differs (matmul blocking), which can move a rare e4m3 rounding
     err = (got.float() - want.float()).abs()
     assert float(err.max()) <= 2 ** -6 * float(want.float().abs().max())
