@@ -29,7 +29,9 @@ RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin dwd
 COPY --from=build /wheels /tmp/wheels
 # torch comes from the base image (pip keeps it: it satisfies the requirement). nixl (KV handoff,
 # docs/KV_TRANSFER.md): the meta package, which picks nixl-cu12/-cu13 by the CUDA it finds at import.
-RUN pip install --no-cache-dir "$(ls /tmp/wheels/*.whl)[worker]" "nixl>=1.5.1" && rm -rf /tmp/wheels
+# cuda: cuda-python for the CUDA memory backend; sm-gather: nvidia-cutlass-dsl (~100 MB) for the CuTe DSL
+# kernels — the FP8 experts' default on H100/H200 (docs/MODELS.md) and the opt-in sm_gather transfer.
+RUN pip install --no-cache-dir "$(ls /tmp/wheels/*.whl)[worker,cuda,sm-gather]" "nixl>=1.5.1" && rm -rf /tmp/wheels
 USER 10001:10001
 WORKDIR /home/dwdp
 EXPOSE 8000 29500

@@ -109,6 +109,7 @@ class TuningEnv(StrEnum):
     SM_GATHER_CTAS = "DWDP_SM_GATHER_CTAS"      # grid of transfer sm_gather (dwdp_runtime.sm_gather)
     LOG_LEVEL = "DWDP_LOG_LEVEL"                # rank processes' log level (default WARNING)
     TEST_COPY_DELAY_S = "DWDP_TEST_COPY_DELAY_S"  # fault-injection test hook: slow copy thread
+    FP8_BACKEND = "DWDP_FP8_BACKEND"            # FP8 experts kernels on CUDA: auto | triton | cute (kernels.fp8_moe)
 
 
 class Transfer(StrEnum):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract import TuningEnv
 from . import tuning
 from .fp8_grouped_gemm import SCALE_BLOCK, fp8_down, fp8_gate_up
 from .fp8_quant import quantize_groups
@@ -138,8 +139,8 @@ class Fp8Backend(str, enum.Enum):
     CUTE = "cute"
 
 
-#: environment variable choosing the backend (module docstring)
-BACKEND_ENV = "DWDP_FP8_BACKEND"
+#: environment variable choosing the backend (module docstring; listed with the other tuning variables)
+BACKEND_ENV = str(TuningEnv.FP8_BACKEND)
 
 
 def chosen_backend(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Backend:

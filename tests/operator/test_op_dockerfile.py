@@ -63,5 +63,6 @@ def test_copied_paths_exist_and_extras_are_declared():
         if op == "COPY" and not rest.startswith("--from"):
             for src in rest.split()[:-1]:
                 assert (ROOT / src).exists() or src == "README.md", src
-        for extra in re.findall(r"\.whl\)\[(\w+)\]", rest):
-            assert extra in extras
+        for listed in re.findall(r"\.whl\)\[([\w,-]+)\]", rest):
+            for extra in listed.split(","):
+                assert extra in extras, extra
