@@ -18,7 +18,9 @@ Why this shape on the hardware (H200, sm_90a):
     warpgroup's MMA runs on the tensor cores meanwhile, and the producer keeps the ring full — the overlap
     Triton's software pipelining does not give on sm_90; the step's scales are loaded one step ahead;
   * clusters of two CTAs along N (``cluster_n``) share their row block's A tile by TMA multicast;
-  * the epilogue goes through shared memory and TMA stores of 128 × 32 sub-tiles (the example's).
+  * the epilogue goes through shared memory and TMA stores of 128 × 32 sub-tiles (the example's);
+  * ``act_inter > 0`` fuses GEMM 1's SiLU·mul and e4m3 requantisation (see ``__init__``): its epilogue also
+    writes one fp32 scale per row and 128-column group (``d_scales``, M-major like ``s_a``).
 
 Invariants: K and N are multiples of 128 (the scale block; the checkpoints' expert shapes all are), the
 rows of A are the routing plan's padded rows (a multiple of 128 per expert), A's padding rows are finite

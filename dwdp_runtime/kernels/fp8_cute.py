@@ -1,26 +1,29 @@
 """The CuTe DSL FP8 MoE path for sm_90: warp-specialised block-scaled grouped GEMMs (``_fp8_cute_kernel``).
 
 ``cute_fp8_moe_forward`` has ``fp8_moe.fp8_moe_forward``'s contract (same operands: e4m3 weights with 128×128
-fp32 block scales as the composites bind them, activations quantized per token and 128-column group), in six
-launches without host synchronisation:
+fp32 block scales as the composites bind them, activations quantized per token and 128-column group), in a
+fixed sequence of launches without host synchronisation:
 
   quantize (``fp8_quant``) → plan (``routing``, 128-row blocks) → gather into plan rows (``fp8_plan_rows``) →
-  GEMM 1 (CuTe, ``[rows, 2I]`` bf16) → act·mul + quantize (``fp8_plan_rows``) → GEMM 2 (CuTe, ``[rows, H]``
-  bf16) → routing-weighted fixed-order reduce (``fp8_plan_rows``).
+  GEMM 1 fused with SiLU·mul and the e4m3 requantisation (``gate_up_act_quant``; other activations: GEMM 1
+  with bf16 ``[rows, 2I]`` out + ``act_quant_plan_rows``) → GEMM 2 (``[rows, H]`` bf16) → routing-weighted
+  fixed-order reduce (``fp8_plan_rows``).
 
 Why a second path beside the Triton one: the block-scaled product must be promoted into fp32 every 128-deep
 K step, and Triton on sm_90 waits for each step's MMA before the promotion inside a program; the CuTe kernel
 runs a producer warp and two math warpgroups per SM, so one warpgroup's promotion overlaps the other's MMA.
-Numerics: each K step's product is the same e4m3 MMA and fp32 promotion ``acc += part · (s_a · s_w)``; GEMM
-outputs are rounded to bf16 (the Triton path keeps GEMM 1's output in fp32 registers and applies the routing
-weight before rounding), so some e4m3 roundings of the intermediate move: measured on H200 the paths differ
-by 1.1 % of the output's mean magnitude on average and 1.1 % of its max at most (tests/gpu/test_fp8_cute_gpu.py
-bounds them), not bitwise; model-level top-1 agreement with the bf16 model is unchanged (docs/MODELS.md). The path itself is
-deterministic and batch invariant (no split-K, no atomics, fixed-order reduce).
+Numerics: each K step's product is the same e4m3 MMA and fp32 promotion ``acc += part · (s_a · s_w)``; the
+fused GEMM 1 requantises from fp32 as the Triton one does; GEMM 2's output is rounded to bf16 before the
+routing weight (the Triton path weights first). Measured on H200 the paths differ by 0.29 % of the output's
+mean magnitude (1.1 % with the unfused GEMM 1, whose bf16 intermediate moves e4m3 roundings);
+tests/gpu/test_fp8_cute_gpu.py bounds both; model-level top-1 agreement is unchanged within its noise
+(docs/MODELS.md). The path itself is deterministic and batch invariant (no split-K, no atomics, fixed-order
+reduce).
 
-Requirements (``unavailable()`` names the one that fails): ``nvidia-cutlass-dsl`` and ``cuda-python``
-importable, an sm_90 GPU, H and I multiples of 128, weight rows 16-byte aligned. Compiled once per
-(output dtype, tile, K) per process (≈ 0.5 s, at warm-up); rows, N, E and strides are dynamic.
+Requirements (``unavailable()`` / ``unusable()`` name the one that fails): ``nvidia-cutlass-dsl`` and
+``cuda-python`` importable, an sm_90 GPU, H and I multiples of 128, K-contiguous experts on 16-byte
+boundaries (TMA). Compiled once per (output dtype, tile, K, fused) per process (0.5-1 s at the first
+forward); rows, N, E and strides are dynamic.
 """
 
 from __future__ import annotations
