@@ -24,18 +24,15 @@ import triton
 import triton.language as tl
 
 from . import ACTIVATIONS, interpreting
-from ._cast import cast_out
 from .fp8_quant import GROUP, group_scale, scaled, to_e4m3
 from .grouped_gemm import _act
+from .reduce import reduce_weighted_rows
 from .routing import RoutingPlan
 
 #: plan rows per program of the row passes (64 rows × 128 columns: 8 KiB of e4m3, 32 KiB of fp32 per tile)
 BLOCK_ROWS = 64
 #: pairs per program of the inverse map
 BLOCK_PAIRS = 1024
-#: columns / tokens per program of the reduction (as ``reduce``: 2 KiB bf16 per row, k rows in flight)
-REDUCE_BLOCK_H = 1024
-REDUCE_BLOCK_T = 4
 
 
 @triton.jit
@@ -85,25 +82,6 @@ def _inverse_kernel(sorted_ptr, num_padded_ptr, pos_ptr, num_pairs, max_rows, BL
     tl.store(pos_ptr + pairs, rows, mask=pairs < num_pairs)
 
 
-@triton.jit
-def _reduce_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, num_tokens, H, stride_y, stride_o,
-                   TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EXACT_BF16: tl.constexpr):
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t_ok = tokens < num_tokens
-    ok = t_ok[:, None] & (cols[None, :] < H)
-    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = tokens.to(tl.int64) * TOP_K + j
-        row = tl.load(pos_ptr + pair, mask=t_ok, other=-1)
-        live = row >= 0
-        w = tl.load(w_ptr + pair, mask=live, other=0.0).to(tl.float32)
-        v = tl.load(y_ptr + row.to(tl.int64)[:, None] * stride_y + cols[None, :], mask=ok & live[:, None], other=0.0)
-        acc += v.to(tl.float32) * w[:, None]
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_o + cols[None, :],
-             cast_out(acc, out_ptr.dtype.element_ty, EXACT_BF16), mask=ok)
-
-
 def plan_rows_buffer(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A ``[rows, cols]`` row-major buffer (row stride = cols, 16-byte aligned rows when cols·size is)."""
     return torch.empty(rows, cols, dtype=dtype, device=device)
@@ -144,13 +122,5 @@ def plan_row_of_pair(plan: RoutingPlan) -> torch.Tensor:
 
 
 def reduce_plan_rows(y: torch.Tensor, plan: RoutingPlan, topk_weights: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    """``[T, H]`` = fixed-order fp32 ``Σ_j w[t, j] · y[row(t, j)]`` (module docstring)."""
-    num_tokens, top_k = topk_weights.shape
-    hidden = y.shape[1]
-    pos = plan_row_of_pair(plan)
-    out = torch.empty(num_tokens, hidden, dtype=out_dtype or y.dtype, device=y.device)
-    weights = topk_weights.contiguous()
-    grid = (triton.cdiv(num_tokens, REDUCE_BLOCK_T), triton.cdiv(hidden, REDUCE_BLOCK_H))
-    _reduce_kernel[grid](y, pos, weights, out, num_tokens, hidden, y.stride(0), out.stride(0), TOP_K=top_k,
-                         BLOCK_T=REDUCE_BLOCK_T, BLOCK_H=REDUCE_BLOCK_H, EXACT_BF16=interpreting(), num_warps=4)
-    return out
+    """``[T, H]`` = fixed-order fp32 ``Σ_j w[t, j] · y[row(t, j)]`` (module docstring; ``reduce``'s program)."""
+    return reduce_weighted_rows(y, plan_row_of_pair(plan), topk_weights, out_dtype=out_dtype)

@@ -26,8 +26,11 @@ BLOCK_T = 4
 
 
 @triton.jit
-def _reduce_kernel(y_ptr, ids_ptr, out_ptr, num_tokens, H, num_experts, stride_y, stride_o,
-                   TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EXACT_BF16: tl.constexpr):
+def _reduce_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, num_tokens, H, num_experts, stride_y, stride_o,
+                   TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EXACT_BF16: tl.constexpr,
+                   PLAN_ROWS: tl.constexpr):
+    # PLAN_ROWS: ``ids_ptr`` holds each pair's row of ``y`` (-1: dropped) and ``w_ptr`` its routing weight,
+    # applied here (``reduce_plan_rows``); else pair p's row is p and the weight was applied upstream
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = tokens < num_tokens
@@ -36,9 +39,17 @@ def _reduce_kernel(y_ptr, ids_ptr, out_ptr, num_tokens, H, num_experts, stride_y
     for j in tl.static_range(TOP_K):
         pair = tokens.to(tl.int64) * TOP_K + j
         e = tl.load(ids_ptr + pair, mask=t_ok, other=-1)
-        live = (e >= 0) & (e < num_experts)
-        v = tl.load(y_ptr + pair[:, None] * stride_y + cols[None, :], mask=ok & live[:, None], other=0.0)
-        acc += v.to(tl.float32)
+        if PLAN_ROWS:
+            live = e >= 0
+            row = e.to(tl.int64)
+        else:
+            live = (e >= 0) & (e < num_experts)
+            row = pair
+        v = tl.load(y_ptr + row[:, None] * stride_y + cols[None, :], mask=ok & live[:, None], other=0.0)
+        if PLAN_ROWS:
+            acc += v.to(tl.float32) * tl.load(w_ptr + pair, mask=live, other=0.0).to(tl.float32)[:, None]
+        else:
+            acc += v.to(tl.float32)
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_o + cols[None, :], cast_out(acc, out_ptr.dtype.element_ty, EXACT_BF16),
              mask=ok)
 
@@ -50,6 +61,22 @@ def reduce_topk(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_d
     out = torch.empty(num_tokens, hidden, dtype=out_dtype or y.dtype, device=y.device)
     ids = topk_ids.contiguous()
     grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(hidden, BLOCK_H))
-    _reduce_kernel[grid](y, ids, out, num_tokens, hidden, num_experts, y.stride(0), out.stride(0),
-                         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, EXACT_BF16=interpreting(), num_warps=4)
+    _reduce_kernel[grid](y, ids, ids, out, num_tokens, hidden, num_experts, y.stride(0), out.stride(0),
+                         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, EXACT_BF16=interpreting(), PLAN_ROWS=False,
+                         num_warps=4)
+    return out
+
+
+def reduce_weighted_rows(y: torch.Tensor, row_of_pair: torch.Tensor, topk_weights: torch.Tensor,
+                         out_dtype=None) -> torch.Tensor:
+    """``[T, H]`` = fixed-order fp32 ``Σ_j w[t, j] · y[row_of_pair[t·k + j]]`` (row -1: the pair counts as 0) —
+    the same program with the rows looked up and the routing weight applied (``fp8_plan_rows``)."""
+    num_tokens, top_k = topk_weights.shape
+    hidden = y.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype or y.dtype, device=y.device)
+    weights = topk_weights.contiguous()
+    grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(hidden, BLOCK_H))
+    _reduce_kernel[grid](y, row_of_pair, weights, out, num_tokens, hidden, 0, y.stride(0), out.stride(0),
+                         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, EXACT_BF16=interpreting(), PLAN_ROWS=True,
+                         num_warps=4)
     return out

@@ -117,17 +117,10 @@ def test_cute_fused_gate_up_matches_block_math(fp8_cute):
 
 def test_cute_block_matches_block_math_and_triton(fp8_cute):
     from dwdp_runtime.kernels import fp8_moe
-    from dwdp_runtime.quant import fp8_block
 
-    from tests.kernels.fp8_reference import fp8_moe_reference
+    from tests.kernels.fp8_reference import fp8_moe_reference, small_fp8_block_case
 
-    g = torch.Generator().manual_seed(1)
-    e, h, i, t, k = 6, 512, 384, 37, 2
-    w1, s1 = fp8_block.quantize(torch.randn(e, 2 * i, h, generator=g) * h ** -0.5, row_segments=(i, i))
-    w2, s2 = fp8_block.quantize(torch.randn(e, h, i, generator=g) * i ** -0.5)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    ids = torch.randint(0, e, (t, k), generator=g)
-    w = torch.rand(t, k, generator=g)
+    x, ids, w, w1, s1, w2, s2 = small_fp8_block_case()
     args = [a.cuda() for a in (x, ids, w, w1, s1, w2, s2)]
     got = fp8_cute.cute_fp8_moe_forward(*args, fuse_act=False).cpu()
     want = fp8_moe_reference(x, ids, w, w1, s1, w2, s2, plan_rows=True)

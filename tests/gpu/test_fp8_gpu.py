@@ -31,17 +31,10 @@ BATCHES = [[[5, 17, 42, 3, 99, 7, 8]], [[1, 2, 3], list(range(10, 250)), [200]],
 def test_fp8_kernels_on_gpu_match_block_math():
     from dwdp_runtime.kernels import fp8_moe
     from dwdp_runtime.kernels.fp8_quant import quantize_groups, quantize_groups_reference
-    from dwdp_runtime.quant import fp8_block
 
-    from tests.kernels.fp8_reference import fp8_moe_reference
+    from tests.kernels.fp8_reference import fp8_moe_reference, small_fp8_block_case
 
-    g = torch.Generator().manual_seed(1)
-    e, h, i, t, k = 6, 512, 384, 37, 2
-    w1, s1 = fp8_block.quantize(torch.randn(e, 2 * i, h, generator=g) * h ** -0.5, row_segments=(i, i))
-    w2, s2 = fp8_block.quantize(torch.randn(e, h, i, generator=g) * i ** -0.5)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    ids = torch.randint(0, e, (t, k), generator=g)
-    w = torch.rand(t, k, generator=g)
+    x, ids, w, w1, s1, w2, s2 = small_fp8_block_case()
     q, s = quantize_groups(x.cuda())
     qr, sr = quantize_groups_reference(x)
     assert torch.equal(s.cpu(), sr) and torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))

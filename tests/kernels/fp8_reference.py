@@ -77,3 +77,16 @@ def dequantized_moe_reference(x, ids, weights, w1, s1, w2, s2, act=F.silu):
             gu = d1[ex] @ xf[tok]
             out[tok] += weights[tok, j].float() * (d2[ex] @ (act(gu[:inter]) * gu[inter:]))
     return out
+
+
+def small_fp8_block_case(seed: int = 1):
+    """``(x, ids, weights, w1, s1, w2, s2)`` on CPU: 37 tokens, 6 experts, H 512, I 384, top-2 — the GPU tests'
+    small block (``tests/gpu``), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    e, h, i, t, k = 6, 512, 384, 37, 2
+    w1, s1 = fp8_block.quantize(torch.randn(e, 2 * i, h, generator=g) * h ** -0.5, row_segments=(i, i))
+    w2, s2 = fp8_block.quantize(torch.randn(e, h, i, generator=g) * i ** -0.5)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    return x, ids, w, w1, s1, w2, s2
