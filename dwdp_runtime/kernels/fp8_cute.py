@@ -76,16 +76,25 @@ def unusable(w1: torch.Tensor, w2: torch.Tensor) -> str | None:
 
 
 def unavailable(device=None) -> str | None:
-    """Why the CuTe path cannot run here, or None when it can."""
+    """Why the CuTe path cannot run here, or None when it can (decided once per process and device: the
+    experts forward asks on every layer of every forward)."""
+    if not torch.cuda.is_available():
+        return _machine_reason(-1)
+    index = torch.device(device).index if device is not None and torch.device(device).type == "cuda" else None
+    return _machine_reason(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _machine_reason(index: int) -> str | None:
     for module, package in (("cutlass", "nvidia-cutlass-dsl"), ("cuda.bindings", "cuda-python")):
         try:
             if importlib.util.find_spec(module) is None:
                 return f"{package} is not installed"
         except (ImportError, ValueError):
             return f"{package} is not installed"
-    if not torch.cuda.is_available():
+    if index < 0:
         return "no CUDA device"
-    cc = torch.cuda.get_device_capability(device)
+    cc = torch.cuda.get_device_capability(index)
     if cc != SM90:
         return f"the CuTe FP8 kernel targets sm_90 (wgmma/TMA), this device is sm_{cc[0]}{cc[1]}"
     return None
