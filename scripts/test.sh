@@ -11,7 +11,9 @@ PY=${PYTHON:-python3}
 echo "== python deps"
 # torch: the CPU build of 2.13.0 (on disk on CI machines); never upgrade an installed torch
 $PY -c 'import torch' 2>/dev/null || $PY -m pip install -q torch==2.13.0
-$PY -m pip install -q -e '.[worker,operator,test,mpi,kv]' mpich
+# sm-gather = nvidia-cutlass-dsl: tests/kernels/test_fp8_cute_compile.py compiles the CuTe DSL kernels for
+# sm_90a without a GPU (and runs ptxas on them)
+$PY -m pip install -q -e '.[worker,operator,test,mpi,kv,sm-gather]' mpich
 
 if [ -x scripts/k8s-install.sh ]; then
   echo "== kubernetes control plane binaries (built once, cached in ~/.cache/k8s-test)"

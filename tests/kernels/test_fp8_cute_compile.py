@@ -1,0 +1,55 @@
+"""The CuTe DSL FP8 kernels compile for sm_90a on a machine without a GPU (CI): the plain block-scaled grouped
+GEMM (clusters of 1 and 2, 64- and 128-column tiles) and the fused gate_up — with no register spills.
+
+CuTe DSL lowers to PTX and runs ptxas in-process; ``CUTE_DSL_ARCH`` names the target where no GPU can be
+asked. Their numbers (results, speed) are checked on H200: tests/gpu/test_fp8_cute_gpu.py, bench/fp8_moe.py.
+Skipped where nvidia-cutlass-dsl is not installed (``pip install -e '.[sm-gather]'``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU machine compiles for its own GPU: tests/gpu/test_fp8_cute_gpu.py", allow_module_level=True)
+# CuTe DSL reads the target when it is imported: name sm_90a before the import (no GPU to ask here)
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+fp8_cute = pytest.importorskip("dwdp_runtime.kernels.fp8_cute")
+
+
+def _compile(act_inter: int, tile_n: int, cluster_n: int, capfd):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    e, hidden, rows = 4, 512, 512
+    n = 2 * act_inter if act_inter else 384
+    a = torch.zeros(rows, hidden, dtype=torch.float8_e4m3fn)
+    sa = torch.zeros(hidden // 128, rows)
+    w = torch.zeros(e, n, hidden, dtype=torch.float8_e4m3fn)
+    ws = torch.zeros(e, n // 128, hidden // 128)
+    if act_inter:
+        d, ds = torch.zeros(rows, act_inter, dtype=torch.float8_e4m3fn), torch.zeros(act_inter // 128, rows)
+    else:
+        d, ds = torch.zeros(rows, n, dtype=torch.bfloat16), sa
+    args = fp8_cute.gemm_arguments(a, sa, w, ws, d, ds, torch.zeros(rows // 128, dtype=torch.int32))
+    kernel = fp8_cute._kernel_module().BlockScaledGroupedGemm(hidden // 128, tile_n, False, 1, cluster_n, act_inter)
+    compiled = cute.compile(kernel, *args, 132 // cluster_n, make_fake_stream(), options="--remarks{ptx}")
+    assert compiled is not None
+    return capfd.readouterr()
+
+
+@pytest.mark.parametrize("act_inter, tile_n, cluster_n", [(0, 128, 1), (0, 128, 2), (0, 64, 2), (256, 128, 2)],
+                         ids=["plain-c1", "plain-c2", "plain-n64", "fused-gate-up"])
+def test_cute_fp8_kernels_compile_for_sm90_without_spills(act_inter, tile_n, cluster_n, capfd):
+    out = _compile(act_inter, tile_n, cluster_n, capfd)
+    text = out.out + out.err
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert spills, "ptxas reported no resource usage"
+    assert all(s == ("0", "0") for s in spills), spills
+    # every wgmma stays asynchronous (a serialised pipeline is reported as C7514/C7515/…)
+    assert "wgmma.mma_async instructions are serialized" not in text
