@@ -35,6 +35,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
+from ._fp8_cute_steps import act_mul_amax, divide_rows, issue, mma, promote, retire
+
 #: rows of a tile: two math warpgroups × the 64 rows of one wgmma
 TILE_M = 128
 #: the scale block along K (and N): one promotion per 128-deep K step = four k32 wgmma instructions
@@ -330,7 +332,7 @@ class BlockScaledGroupedGemm:
                         accumulators2.fill(0.0)
                     for k_tile in range(self.k_tiles):
                         sc = (a_lo * w_s, a_hi * w_s)
-                        sc_u = (a_lo * w_u, a_hi * w_u)
+                        sc_u = (a_lo * w_u, a_hi * w_u) if self.act_inter else sc
                         k_next = k_tile + 1 - (k_tile + 1) // self.k_tiles
                         a_lo = mSA[(rows[0], k_next)]
                         a_hi = mSA[(rows[1], k_next)]
@@ -338,22 +340,22 @@ class BlockScaledGroupedGemm:
                         if cutlass.const_expr(self.act_inter > 0):
                             w_u = mSB[(nb + up_tiles, k_next, expert)]
                             # gate, then up, through the one scratch accumulator (registers: 3 × 64 fp32)
-                            _issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
+                            issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
                             cute.nvgpu.warpgroup.wait_group(0)
-                            _promote(accumulators, accum_temp, sc)
-                            _mma(read_state, mmas, tCrA, tCrB2, accum_temp, num_k_blocks)
+                            promote(accumulators, accum_temp, sc)
+                            mma(read_state, mmas, tCrA, tCrB2, accum_temp, num_k_blocks)
                             read_state.advance()
-                            _retire(ring, release_state, accumulators2, accum_temp, sc_u)
+                            retire(ring, release_state, accumulators2, accum_temp, sc_u)
                         else:
-                            _issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
+                            issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
                             read_state.advance()
-                            _retire(ring, release_state, accumulators, accum_temp, sc)
+                            retire(ring, release_state, accumulators, accum_temp, sc)
                         release_state.advance()
 
                     if cutlass.const_expr(self.act_inter > 0):
                         # silu(gate) · up, then the e4m3 quantisation of the row's 128-column group: a row's
                         # columns lie in the 4 lanes of a quad (the C fragment), so its amax is a 2-step butterfly
-                        amax_lo, amax_hi = _act_mul_amax(accumulators, accumulators2)
+                        amax_lo, amax_hi = act_mul_amax(accumulators, accumulators2)
                         for off in cutlass.range_constexpr(2):
                             amax_lo = cute.arch.fmax(amax_lo, cute.arch.shuffle_sync_bfly(amax_lo, 1 << off))
                             amax_hi = cute.arch.fmax(amax_hi, cute.arch.shuffle_sync_bfly(amax_hi, 1 << off))
@@ -363,7 +365,7 @@ class BlockScaledGroupedGemm:
                             s_lo = cutlass.Float32(1.0)
                         if amax_hi == 0.0:
                             s_hi = cutlass.Float32(1.0)
-                        _divide_rows(accumulators, s_lo, s_hi)
+                        divide_rows(accumulators, s_lo, s_hi)
                         if tidx % 4 == 0:
                             mDS[(rows[0], n_blk)] = s_lo
                             mDS[(rows[1], n_blk)] = s_hi
@@ -392,51 +394,3 @@ class BlockScaledGroupedGemm:
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_ring.producer_tail()
-
-
-# _issue / _retire run at trace time inside the kernel (plain Python, not preprocessed: their loops unroll)
-def _mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
-    """Issue the four wgmma of the current stage into ``scratch`` (zeroed by the first) as one commit group."""
-    cute.nvgpu.warpgroup.fence()
-    for kb in range(num_k_blocks):
-        coord = (None, None, kb, read_state.index)
-        cute.gemm(mmas[min(kb, 1)], scratch, tCrA[coord], tCrB[coord], scratch)
-    cute.nvgpu.warpgroup.commit_group()
-
-
-def _promote(accumulators, scratch, scales):
-    """``acc += scratch · scale(row)``. C fragment ((2, 2, N/8), 1, 1): elements 4j + {0, 1} lie on the
-    thread's row r, 4j + {2, 3} on row r + 8."""
-    for i in range(cute.size(accumulators)):
-        accumulators[i] = accumulators[i] + scratch[i] * scales[(i // 2) % 2]
-
-
-def _act_mul_amax(gate, up):
-    """``gate ← silu(gate) · up`` element-wise (fp32); returns the thread's |·| max on its two rows."""
-    amax = [cutlass.Float32(0.0), cutlass.Float32(0.0)]
-    for i in range(cute.size(gate)):
-        g = gate[i]
-        h = g / (1.0 + cute.arch.exp(-g)) * up[i]
-        gate[i] = h
-        amax[(i // 2) % 2] = cute.arch.fmax(amax[(i // 2) % 2], cute.arch.fmax(h, -h))
-    return amax[0], amax[1]
-
-
-def _divide_rows(acc, s_lo, s_hi):
-    """``acc / scale(row)`` (correctly rounded division, as ``fp8_quant``) before the e4m3 conversion."""
-    for i in range(cute.size(acc)):
-        acc[i] = acc[i] / (s_lo if (i // 2) % 2 == 0 else s_hi)
-
-
-def _issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
-    """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
-    caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body)."""
-    ring.consumer_wait(read_state)
-    _mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks)
-
-
-def _retire(ring, release_state, accumulators, scratch, scales):
-    """Wait for the step's wgmma, free its stage (the caller advances ``release_state``), and promote."""
-    cute.nvgpu.warpgroup.wait_group(0)
-    ring.consumer_release(release_state)
-    _promote(accumulators, scratch, scales)

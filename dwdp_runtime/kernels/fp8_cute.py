@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, plan_rows_buffer, reduce_plan_rows
+from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, reduce_plan_rows
 from .fp8_quant import quantize_groups
 from .routing import align_routing
 
@@ -183,7 +183,7 @@ def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"CuTe FP8 GEMM writes bf16 or fp16 (a 16-bit stmatrix epilogue), not {out_dtype}")
     cfg = _check_operands(a, w, w.shape[1], cfg)
-    d = plan_rows_buffer(a.shape[0], w.shape[1], out_dtype, a.device)
+    d = torch.empty(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
     _launch(a, sa, w, ws, d, sa, block_expert, cfg, 0)
     return d
 
@@ -198,7 +198,7 @@ def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: t
         raise ValueError(f"gate_up weights {tuple(w1.shape)} are not [E, 2·{inter}, H]")
     cfg = _check_operands(a, w1, inter, dataclasses.replace(cfg, tile_n=TILE_N_FUSED))
     rows = a.shape[0]
-    h = plan_rows_buffer(rows, inter, torch.float8_e4m3fn, a.device)
+    h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=a.device)
     hs = torch.empty(inter // SCALE_BLOCK, rows, dtype=torch.float32, device=a.device)
     _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter)
     return h, hs

@@ -82,16 +82,11 @@ def _inverse_kernel(sorted_ptr, num_padded_ptr, pos_ptr, num_pairs, max_rows, BL
     tl.store(pos_ptr + pairs, rows, mask=pairs < num_pairs)
 
 
-def plan_rows_buffer(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A ``[rows, cols]`` row-major buffer (row stride = cols, 16-byte aligned rows when cols·size is)."""
-    return torch.empty(rows, cols, dtype=dtype, device=device)
-
-
 def gather_plan_rows(xq: torch.Tensor, xs: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a [rows, K] e4m3, sa [⌈K/128⌉, rows] fp32)`` in plan-row order (module docstring)."""
     rows, k = plan.sorted_pairs.numel(), xq.shape[1]
     groups = triton.cdiv(k, GROUP)
-    a = plan_rows_buffer(rows, k, torch.float8_e4m3fn, xq.device)
+    a = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=xq.device)
     sa = torch.empty(groups, rows, dtype=torch.float32, device=xq.device)
     _gather_kernel[(triton.cdiv(rows, BLOCK_ROWS), groups)](
         xq, xs, plan.sorted_pairs, plan.num_padded, a, sa, plan.num_pairs, plan.top_k, k,
@@ -104,7 +99,7 @@ def act_quant_plan_rows(gate_up: torch.Tensor, plan: RoutingPlan, inter: int, *,
     """``(h [rows, I] e4m3, hs [⌈I/128⌉, rows] fp32)`` from GEMM 1's ``[rows, 2I]`` (``[rows, I]`` without a gate)."""
     rows = gate_up.shape[0]
     groups = triton.cdiv(inter, GROUP)
-    h = plan_rows_buffer(rows, inter, torch.float8_e4m3fn, gate_up.device)
+    h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     hs = torch.empty(groups, rows, dtype=torch.float32, device=gate_up.device)
     _act_quant_kernel[(triton.cdiv(rows, BLOCK_ROWS), groups)](
         gate_up, h, hs, plan.num_padded, inter, gate_up.stride(0), h.stride(0), hs.stride(0),

@@ -1,0 +1,57 @@
+"""The mainloop and epilogue steps of ``_fp8_cute_kernel``, on one warpgroup's registers.
+
+Plain Python run at trace time inside the kernel: CuTe DSL's preprocessor does not rewrite these functions, so
+their ``for`` loops unroll and they hold no staged control flow. They take pipeline states but never advance
+them — the kernel body does, because the tracer threads state only through rebinds it can see there.
+The C fragment of an m64nNk32 ``wgmma`` is ((2, 2, N/8), 1, 1): elements 4j + {0, 1} lie on the thread's row
+r, 4j + {2, 3} on row r + 8 — hence ``scales[(i // 2) % 2]``.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+
+def mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
+    """Issue the four wgmma of the current stage into ``scratch`` (zeroed by the first) as one commit group."""
+    cute.nvgpu.warpgroup.fence()
+    for kb in range(num_k_blocks):
+        coord = (None, None, kb, read_state.index)
+        cute.gemm(mmas[min(kb, 1)], scratch, tCrA[coord], tCrB[coord], scratch)
+    cute.nvgpu.warpgroup.commit_group()
+
+
+def promote(accumulators, scratch, scales):
+    """``acc += scratch · scale(row)`` (row of element i: module docstring)."""
+    for i in range(cute.size(accumulators)):
+        accumulators[i] = accumulators[i] + scratch[i] * scales[(i // 2) % 2]
+
+
+def act_mul_amax(gate, up):
+    """``gate ← silu(gate) · up`` element-wise (fp32); returns the thread's |·| max on its two rows."""
+    amax = [cutlass.Float32(0.0), cutlass.Float32(0.0)]
+    for i in range(cute.size(gate)):
+        g = gate[i]
+        h = g / (1.0 + cute.arch.exp(-g)) * up[i]
+        gate[i] = h
+        amax[(i // 2) % 2] = cute.arch.fmax(amax[(i // 2) % 2], cute.arch.fmax(h, -h))
+    return amax[0], amax[1]
+
+
+def divide_rows(acc, s_lo, s_hi):
+    """``acc / scale(row)`` (correctly rounded division, as ``fp8_quant``) before the e4m3 conversion."""
+    for i in range(cute.size(acc)):
+        acc[i] = acc[i] / (s_lo if (i // 2) % 2 == 0 else s_hi)
+
+
+def issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
+    """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
+    caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body)."""
+    ring.consumer_wait(read_state)
+    mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks)
+
+
+def retire(ring, release_state, accumulators, scratch, scales):
+    """Wait for the step's wgmma, free its stage (the caller advances ``release_state``), and promote."""
+    cute.nvgpu.warpgroup.wait_group(0)
+    ring.consumer_release(release_state)
+    promote(accumulators, scratch, scales)
