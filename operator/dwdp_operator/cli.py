@@ -6,7 +6,8 @@ A transient API error that stops kopf (a kube-apiserver restarting answers 404 f
 until its CRD handlers are synced, and kopf's watcher treats that 404 as fatal; found by
 tests/k8s/test_k8s_faults.py) restarts kopf in-process after ``RESTART_DELAY_S``, at most
 ``MAX_RESTARTS`` times in a row within ``RESTART_WINDOW_S``: state is rebuilt from the API server
-(level-triggered), so this is the same as a pod restart without the CrashLoopBackOff delay.
+(level-triggered), so this is the same as a pod restart without the CrashLoopBackOff delay. That
+restart needs ``kopf.run`` to return: ``kopf_fixes`` mends the kopf defect that could hang its stop.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     from .gc_tuning import tune_gc
+    from .kopf_fixes import install as fix_kopf_stream_stopper
     tune_gc()
+    fix_kopf_stream_stopper()  # else a stop during an API server restart can hang kopf.run (kopf_fixes)
     settings = Settings(resync_seconds=args.resync_seconds, drain_seconds=args.drain_seconds,
                         health_interval=args.health_interval, namespaces=tuple(args.namespace),
                         literal_namespaces=bool(args.namespace) and not any(map(is_pattern, args.namespace)))
