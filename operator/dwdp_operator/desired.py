@@ -105,7 +105,9 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
         plan.event(EventType.NORMAL, EventReason.CREATED,
                    f"creating {spec.numGroups} group(s) of {spec.pods_per_group} pod(s) x {spec.gpusPerPod} GPU(s)")
     plan.creates += [M.token_secret(name=name, ns=ns, uid=uid, token=token),
-                     M.client_service(name=name, ns=ns, uid=uid, spec=spec)]
+                     M.client_service(name=name, ns=ns, uid=uid, spec=spec),
+                     M.rank_service(name=name, ns=ns, uid=uid, spec=spec),
+                     M.network_policy(name=name, ns=ns, uid=uid, spec=spec)]
     if spec.imex.mode == "ComputeDomain":
         plan.creates.append(M.compute_domain(name=name, ns=ns, uid=uid))
     if spec.inferencePool is not None:
@@ -136,9 +138,6 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
 
     groups = _roll(ctx, plan, groups, by_group)
     for st in groups:
-        if st.index < spec.numGroups or st.phase == GroupPhase.DRAINING:
-            plan.creates.append(M.group_service(name=name, ns=ns, uid=uid, g=st.index, spec=spec))
-            plan.creates.append(M.network_policy(name=name, ns=ns, uid=uid, g=st.index, spec=spec))
         _schedule_wake(ctx, plan, st, by_group.get(st.index, []))
 
     agg = aggregate(groups, num_groups=spec.numGroups)
@@ -277,8 +276,6 @@ def _surplus_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict], *,
     if not gpods:
         if known:
             plan.event(EventType.NORMAL, EventReason.SCALE_DOWN, f"group {g} removed")
-        plan.deletes.append(("Service", M.group_service_name(ctx.name, g)))
-        plan.deletes.append(("NetworkPolicy", M.network_policy_name(ctx.name, g)))
         return None
     if st.phase != GroupPhase.DRAINING:
         st = st.model_copy(update={"phase": GroupPhase.DRAINING, "drainUntil": iso(ctx.now + ctx.drain_seconds),

@@ -13,8 +13,9 @@ MANAGED_BY = Label.MANAGED_BY
 COMPONENT = Label.COMPONENT
 LLMD_ROLE = Label.LLMD_ROLE
 MANAGER = "dwdp-operator"
+WORKER_COMPONENT = "worker"  # the COMPONENT label of worker pods, and only of them
 __all__ = ["PREFIX", "NAME", "GROUP", "POD_INDEX", "ATTEMPT", "TEMPLATE_HASH", "GANG", "SERVING", "MANAGED_BY",
-           "MANAGER", "COMPONENT", "LLMD_ROLE", "GANG_GATE", "selector"]
+           "MANAGER", "WORKER_COMPONENT", "COMPONENT", "LLMD_ROLE", "GANG_GATE", "selector"]
 
 
 def selector(name: str) -> str:

@@ -6,9 +6,13 @@ Children of DwdpGroup ``<name>`` in namespace ``<ns>`` (DESIGN §5):
   3. ComputeDomain ``<name>-imex``      — one IMEX domain per DwdpGroup (imex.mode=ComputeDomain); pods
                                           claim its channel through ``spec.resourceClaims`` with the
                                           ResourceClaimTemplate ``<name>-imex-channel`` it creates.
-  4. per group g: headless Service ``<name>-g<g>`` (publishNotReadyAddresses, so ranks find rank 0's
-     store before readiness), NetworkPolicy ``<name>-g<g>`` and pods ``<name>-g<g>-p<i>``,
-     i < dwdpSize/gpusPerPod.
+  4. headless Service ``<name>-ranks`` over every worker pod (publishNotReadyAddresses, so ranks find
+     rank 0's store before readiness; each pod is ``<pod>.<name>-ranks``, as LeaderWorkerSet's shared
+     subdomain) and NetworkPolicy ``<name>`` — one of each per DwdpGroup, not per group: every group's
+     pods share the token and the image, so the DwdpGroup is the trust boundary, and each extra
+     Service costs the API server two more writes per group (the controller manager's Endpoints and
+     EndpointSlice; bench/operator_scale.py);
+  5. per group g: pods ``<name>-g<g>-p<i>``, i < dwdpSize/gpusPerPod.
 Invariants:
   * every child carries one controller ownerReference to the DwdpGroup (garbage collection);
   * the pod env is exactly docs/ENV_CONTRACT.md, then the user's template.env (DWDP_* refused by
@@ -17,8 +21,8 @@ Invariants:
     ``dwdp.io/gang=pending``, and ``lift_gate_patch`` ungates them once every pod of the attempt
     exists; or, when the whole gang is created at once (``whole=True``, desired invariant 2a),
     without the gate and labelled ``dwdp.io/gang=complete`` from the start (no lift patches);
-  * the group's NetworkPolicy admits the store port only from pods of the same DwdpGroup and group
-    (same ``dwdp.io/name`` and ``dwdp.io/group``), the HTTP port from anywhere, nothing else;
+  * the NetworkPolicy admits a worker's store port only from worker pods of the same DwdpGroup
+    (same ``dwdp.io/name``), the HTTP port from anywhere, nothing else;
   * worker pods run as non-root (uid 10001) with a read-only root filesystem, no privilege
     escalation and no capabilities; ``/tmp`` and the home directory (caches) are emptyDirs;
   * the token is only ever referenced (``secretKeyRef``), never written into a pod spec;
@@ -52,12 +56,12 @@ def token_secret_name(name: str) -> str:
     return f"{name}-token"
 
 
-def group_service_name(name: str, g: int) -> str:
-    return f"{name}-g{g}"
+def rank_service_name(name: str) -> str:
+    return f"{name}-ranks"
 
 
-def network_policy_name(name: str, g: int) -> str:
-    return f"{name}-g{g}"
+def network_policy_name(name: str) -> str:
+    return name
 
 
 def pod_name(name: str, g: int, i: int) -> str:
@@ -104,28 +108,33 @@ def client_service(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict
                      "ports": [{"name": PortName.HTTP, "port": spec.httpPort, "targetPort": PortName.HTTP}]}}
 
 
-def group_service(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) -> dict[str, Any]:
+def workers_selector(name: str) -> dict[str, str]:
+    """Every worker pod of DwdpGroup ``name`` (the rank Service's and the NetworkPolicy's selector)."""
+    return {L.NAME: name, L.COMPONENT: L.WORKER_COMPONENT}
+
+
+def rank_service(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(group_service_name(name, g), ns, name, uid, "group", {L.GROUP: str(g)}),
+            "metadata": _meta(rank_service_name(name), ns, name, uid, "ranks"),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                     "selector": {L.NAME: name, L.GROUP: str(g)},
+                     "selector": workers_selector(name),
                      "ports": [{"name": PortName.STORE, "port": spec.storePort, "targetPort": PortName.STORE},
                                {"name": PortName.HTTP, "port": spec.httpPort, "targetPort": PortName.HTTP}]}}
 
 
-def network_policy(*, name: str, ns: str, uid: str, g: int, spec: DwdpGroupSpec) -> dict[str, Any]:
-    """Ingress to group g's pods: the store port only from group g's own pods; HTTP from anywhere
-    (clients, the operator's /healthz reads, probes); with ``kvTransfer`` the UCX TCP port range from
-    anywhere (decode engines pull KV there); every other port closed."""
-    group_sel = {L.NAME: name, L.GROUP: str(g)}
+def network_policy(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict[str, Any]:
+    """Ingress to the worker pods: the store port only from the DwdpGroup's own workers; HTTP from
+    anywhere (clients, the operator's /healthz reads, probes); with ``kvTransfer`` the UCX TCP port
+    range from anywhere (decode engines pull KV there); every other port closed."""
+    own = workers_selector(name)
     kv = [] if spec.kvTransfer is None else [{"ports": [{"protocol": "TCP", "port": spec.kvTransfer.tcpPortBase,
                                                          "endPort": spec.kvTransfer.tcpPortBase + KV_TCP_PORTS - 1}]}]
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _meta(network_policy_name(name, g), ns, name, uid, "group", {L.GROUP: str(g)}),
-            "spec": {"podSelector": {"matchLabels": group_sel}, "policyTypes": ["Ingress"],
+            "metadata": _meta(network_policy_name(name), ns, name, uid, "workers"),
+            "spec": {"podSelector": {"matchLabels": own}, "policyTypes": ["Ingress"],
                      "ingress": [
                          {"ports": [{"protocol": "TCP", "port": spec.storePort}],
-                          "from": [{"podSelector": {"matchLabels": group_sel}}]},
+                          "from": [{"podSelector": {"matchLabels": own}}]},
                          {"ports": [{"protocol": "TCP", "port": spec.httpPort}]},
                          *kv,
                      ]}}
@@ -159,7 +168,7 @@ def inference_pool(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict
 def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec) -> list[dict]:
     """The env of docs/ENV_CONTRACT.md, in the contract's order."""
     e, m = spec.experts, spec.model
-    store = f"{pod_name(name, g, 0)}.{group_service_name(name, g)}.{ns}.svc"
+    store = f"{pod_name(name, g, 0)}.{rank_service_name(name)}.{ns}.svc"
     plain = [
         (E.JOB, name), (E.NAMESPACE, ns), (E.GROUP, g), (E.POD_INDEX, i),
         (E.RANK_BASE, i * spec.gpusPerPod), (E.GPUS_PER_POD, spec.gpusPerPod),
@@ -227,7 +236,7 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
                             "privileged": False, "capabilities": {"drop": ["ALL"]}},
     }
     pod_spec: dict[str, Any] = {
-        "hostname": pod_name(name, g, i), "subdomain": group_service_name(name, g),
+        "hostname": pod_name(name, g, i), "subdomain": rank_service_name(name),
         "restartPolicy": "Never",  # a dead rank restarts its whole group (operator), never alone
         "containers": [container],
         "volumes": [{"name": v, "emptyDir": {}} for v, _ in SCRATCH] + list(spec.template.volumes),
@@ -253,7 +262,7 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
                 {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": sorted(avoid_nodes)}]}]}}
     if spec.imex.mode == "ComputeDomain":
         pod_spec["resourceClaims"] = [{"name": IMEX_CLAIM, "resourceClaimTemplateName": claim_template_name(name)}]
-    meta = _meta(pod_name(name, g, i), ns, name, uid, "worker", labels)
+    meta = _meta(pod_name(name, g, i), ns, name, uid, L.WORKER_COMPONENT, labels)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -32,7 +32,7 @@ from .refusals import describe
 
 log = logging.getLogger("dwdp_operator.pods")
 Key = tuple[str, str]
-SELECTOR = f"{L.MANAGED_BY}={L.MANAGER},{L.COMPONENT}=worker"
+SELECTOR = f"{L.MANAGED_BY}={L.MANAGER},{L.COMPONENT}={L.WORKER_COMPONENT}"
 RELIST_BACKOFF_S = 1.0
 WATCH_TIMEOUT_S = 300  # the server ends a watch after this; the informer re-watches from its last version
 

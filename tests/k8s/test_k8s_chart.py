@@ -123,11 +123,11 @@ def test_chart_rbac_is_exactly_the_operator_api_calls(cluster, tmp_path):
             c.core.delete_namespaced_pod("rb-g0-p1", ns)  # restart path: delete + create + events
             wait_for(lambda: c.get_group(ns, "rb")["status"]["groups"][0]["attempt"] == 1
                      and c.get_group(ns, "rb")["status"]["readyGroups"] == 1, timeout=60, what="restart")
-            c.patch_spec(ns, "rb", {"numGroups": 2})  # scale up, then down: drain patch, Service/NP deletes
+            c.patch_spec(ns, "rb", {"numGroups": 2})  # scale up, then down: drain patch, pod deletes
             wait_for(lambda: c.get_group(ns, "rb")["status"]["readyGroups"] == 2, timeout=60, what="scale up")
             c.patch_spec(ns, "rb", {"numGroups": 1})
-            wait_for(lambda: not [n for n in c.net.list_namespaced_network_policy(ns).items
-                                  if n.metadata.name == "rb-g1"], timeout=60, what="group 1 removed")
+            wait_for(lambda: [g["index"] for g in c.get_group(ns, "rb")["status"]["groups"]] == [0]
+                     and not c.live_pods(ns, "dwdp.io/name=rb,dwdp.io/group=1"), timeout=60, what="group 1 removed")
             c.patch_spec(ns, "rb", {"gpusPerPod": 3})  # Invalid: status + Warning event
             wait_for(lambda: (x := c.condition(ns, "rb", "Invalid")) and x["status"] == "True", what="Invalid")
             log = op.log()

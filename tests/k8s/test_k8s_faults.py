@@ -3,8 +3,8 @@
 Every test injects a fault and then checks the same convergence invariant (``converged``):
   * exactly numGroups x podsPerGroup live pods, named ``<name>-g<g>-p<i>``, no duplicate;
   * every group whole and on one attempt (no half group, no mix of attempts), every group Ready;
-  * every pod, Service and NetworkPolicy owned by the DwdpGroup's uid (no orphan), and exactly
-    the per-group Services/NetworkPolicies of live groups (no leftover of a removed group);
+  * every pod, Service and NetworkPolicy owned by the DwdpGroup's uid (no orphan), and exactly the
+    DwdpGroup's own: the client Service, the rank Service and one NetworkPolicy, whatever numGroups;
   * the operator process is still alive (a fault costs a restart of a group, never the operator).
 Figures (faults injected, seconds to recover) are printed with ``-s`` and recorded in RELIABILITY.md.
 """
@@ -49,8 +49,8 @@ def converged(c, ns: str, name: str, n: int, *, timeout: float = 60.0, attempts:
             if (s.metadata.labels or {}).get("dwdp.io/name") == name}
     nps = {x.metadata.name: x for x in c.net.list_namespaced_network_policy(ns).items
            if (x.metadata.labels or {}).get("dwdp.io/name") == name}
-    assert sorted(svcs) == sorted([name] + [f"{name}-g{g}" for g in range(n)]), sorted(svcs)
-    assert sorted(nps) == sorted(f"{name}-g{g}" for g in range(n)), sorted(nps)
+    assert sorted(svcs) == [name, f"{name}-ranks"], sorted(svcs)
+    assert sorted(nps) == [name], sorted(nps)
     for o in [*svcs.values(), *nps.values()]:
         assert [r.uid for r in o.metadata.owner_references] == [uid], f"orphan {o.kind} {o.metadata.name}"
     if attempts is not None:

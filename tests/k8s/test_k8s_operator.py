@@ -38,15 +38,16 @@ def test_create_schedules_each_group_in_one_clique(cluster, ns):
     p = next(p for p in pods if p.metadata.name == "r1-g1-p2")
     env = {e.name: e for e in p.spec.containers[0].env}
     assert [e.name for e in p.spec.containers[0].env] == CONTRACT_ENV
-    assert env["DWDP_STORE_ADDR"].value == f"r1-g1-p0.r1-g1.{ns}.svc" and env["DWDP_RANK_BASE"].value == "2"
+    assert env["DWDP_STORE_ADDR"].value == f"r1-g1-p0.r1-ranks.{ns}.svc" and env["DWDP_RANK_BASE"].value == "2"
     assert env["DWDP_TOKEN"].value_from.secret_key_ref.name == "r1-token"
     assert p.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
     assert p.metadata.owner_references[0].kind == "DwdpGroup" and p.metadata.owner_references[0].controller
     assert p.spec.containers[0].startup_probe.http_get.path == "/healthz"
     assert p.spec.containers[0].readiness_probe.http_get.path == "/readyz"
     assert p.metadata.labels["dwdp.io/gang"] == "complete"
-    hs = c.core.read_namespaced_service("r1-g1", ns)
+    hs = c.core.read_namespaced_service("r1-ranks", ns)  # one headless Service for every group's ranks
     assert hs.spec.cluster_ip == "None" and hs.spec.publish_not_ready_addresses
+    assert p.spec.subdomain == "r1-ranks" and p.spec.hostname == p.metadata.name
     assert c.core.read_namespaced_service("r1", ns).spec.selector == {"dwdp.io/name": "r1", "dwdp.io/serving": "true"}
     assert c.core.read_namespaced_secret("r1-token", ns).data["token"]
     token = c.core.read_namespaced_secret("r1-token", ns).data["token"]  # base64 of the token
@@ -55,8 +56,8 @@ def test_create_schedules_each_group_in_one_clique(cluster, ns):
     sc = p.spec.containers[0].security_context  # stored by the server as the operator wrote it
     assert sc.run_as_non_root and sc.read_only_root_filesystem and sc.capabilities.drop == ["ALL"]
     assert not sc.allow_privilege_escalation and p.spec.security_context.run_as_user == 10001
-    np = c.net.read_namespaced_network_policy("r1-g1", ns)
-    own = {"dwdp.io/name": "r1", "dwdp.io/group": "1"}
+    np = c.net.read_namespaced_network_policy("r1", ns)
+    own = {"dwdp.io/name": "r1", "app.kubernetes.io/component": "worker"}
     assert np.spec.pod_selector.match_labels == own and np.spec.policy_types == ["Ingress"]
     assert [x.port for x in np.spec.ingress[0].ports] == [29500]
     assert np.spec.ingress[0]._from[0].pod_selector.match_labels == own
@@ -139,8 +140,8 @@ def test_kubectl_scale_up_and_down(cluster, ns):
     wait_for(lambda: (m := [e.message for e in c.events(ns, "ScaleDown")])
              and any("group 2 draining" in x for x in m) and any("group 1 removed" in x for x in m),
              what="ScaleDown events for every step")
-    wait_for(lambda: not [s for s in c.core.list_namespaced_service(ns).items if s.metadata.name in ("r1-g1", "r1-g2")],
-             what="headless services of removed groups deleted")
+    svcs = sorted(s.metadata.name for s in c.core.list_namespaced_service(ns).items if s.metadata.name.startswith("r1"))
+    assert svcs == ["r1", "r1-ranks"]  # per DwdpGroup: nothing to delete with a group
     scale = c.custom.get_namespaced_custom_object_scale("dwdp.io", "v1alpha1", ns, "dwdpgroups", "r1")
     assert scale["spec"]["replicas"] == 1 and scale["status"]["selector"] == "dwdp.io/name=r1"
 
@@ -321,5 +322,5 @@ def test_kv_transfer_defaults_env_and_ucx_ports(cluster, ns):
     env = {e.name: e.value for e in pods[0].spec.containers[0].env}
     assert [e.name for e in pods[0].spec.containers[0].env] == CONTRACT_ENV + [v.value for v in KvEnv]
     assert env["DWDP_KV_BUDGET_BYTES"] == str(1 << 30) and env["UCX_TCP_PORT_RANGE"] == "30000-30063"
-    ports = [p.port for r in c.net.read_namespaced_network_policy("kv-g0", ns).spec.ingress for p in r.ports]
+    ports = [p.port for r in c.net.read_namespaced_network_policy("kv", ns).spec.ingress for p in r.ports]
     assert 30000 in ports

@@ -33,9 +33,9 @@ def test_create_plans_every_child():
     assert kinds == ["ComputeDomain", "NetworkPolicy", "Pod", "Secret", "Service"]
     assert pod_creates(plan) == [f"r1-g{g}-p{i}" for g in range(2) for i in range(4)]
     svcs = sorted(m["metadata"]["name"] for m in plan.creates if m["kind"] == "Service")
-    assert svcs == ["r1", "r1-g0", "r1-g1"]
+    assert svcs == ["r1", "r1-ranks"]  # the client Service and one headless Service for every group's ranks
     nps = sorted(m["metadata"]["name"] for m in plan.creates if m["kind"] == "NetworkPolicy")
-    assert nps == ["r1-g0", "r1-g1"]
+    assert nps == ["r1"]
     for m in plan.creates:
         assert m["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert [g["phase"] for g in plan.status["groups"]] == ["Pending", "Pending"]
@@ -215,7 +215,7 @@ def test_scale_down_drains_highest_groups_then_removes():
     obj = {**obj, "status": later.status}
     done = desired_state(obj, [p for p in pods if p["group"] == 0], now=T0 + 6)
     assert [g["index"] for g in done.status["groups"]] == [0]
-    assert ("Service", "r1-g2") in done.deletes and ("NetworkPolicy", "r1-g2") in done.deletes
+    assert done.deletes == []  # the DwdpGroup's Services and NetworkPolicy serve the groups that stay
 
 
 def test_scale_up_adds_groups():

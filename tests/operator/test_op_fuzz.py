@@ -3,7 +3,7 @@
   * ``desired_state`` never raises; an invalid spec gives a status-only plan (no child created or
     deleted, condition Invalid=True whose message carries every validation message, one Warning
     event); a valid spec gives consistent children (numGroups x podsPerGroup pods named and labelled
-    by group and index, env matching the spec, one Service + NetworkPolicy per group, the token only
+    by group and index, env matching the spec, the client and rank Services and one NetworkPolicy per DwdpGroup, the token only
     by reference, every child owned by the DwdpGroup).
 """
 
@@ -59,9 +59,7 @@ def test_desired_state_invalid_means_messages_valid_means_consistent_children(ra
         assert env["DWDP_SIZE"] == str(spec["dwdpSize"]) and env["DWDP_GROUP"] == g
         assert env["DWDP_RANK_BASE"] == str(int(i) * spec["gpusPerPod"])
         assert env["DWDP_TOKEN"] is None and "tok-secret-123" not in str(p)
-    for kind in ("Service", "NetworkPolicy"):
-        names = sorted(m["metadata"]["name"] for m in plan.creates if m["kind"] == kind)
-        want = [f"r1-g{g}" for g in range(spec["numGroups"])] + (["r1"] if kind == "Service" else [])
-        assert names == sorted(want), kind
+    for kind, want in (("Service", ["r1", "r1-ranks"]), ("NetworkPolicy", ["r1"])):  # per DwdpGroup, any numGroups
+        assert sorted(m["metadata"]["name"] for m in plan.creates if m["kind"] == kind) == want, kind
     for m in plan.creates:
         assert [o["uid"] for o in m["metadata"]["ownerReferences"]] == ["uid-1"]

@@ -24,7 +24,7 @@ def test_env_is_exactly_the_contract_in_order():
     env = pod(gpusPerPod=2)["spec"]["containers"][0]["env"]
     assert [e["name"] for e in env] == contract_names()
     v = {e["name"]: e.get("value") for e in env}
-    assert v["DWDP_RANK_BASE"] == "4" and v["DWDP_ATTEMPT"] == "3" and v["DWDP_STORE_ADDR"] == "r1-g1-p0.r1-g1.ns.svc"
+    assert v["DWDP_RANK_BASE"] == "4" and v["DWDP_ATTEMPT"] == "3" and v["DWDP_STORE_ADDR"] == "r1-g1-p0.r1-ranks.ns.svc"
     assert v["DWDP_MODEL"] == "" and v["DWDP_MODEL_SYNTHETIC"] == "qwen3_moe" and v["DWDP_TOKEN"] is None
 
 
@@ -91,21 +91,42 @@ def test_token_never_in_pod_spec_in_plain_text():
     assert env["DWDP_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "r1-token", "key": "token"}}
 
 
-def test_network_policy_store_port_only_from_own_group():
+def test_network_policy_store_port_only_from_own_workers():
     sp = DwdpGroupSpec.model_validate(spec(httpPort=8100, storePort=29600))
-    np = M.network_policy(name="r1", ns="ns", uid="u", g=3, spec=sp)
-    own = {"dwdp.io/name": "r1", "dwdp.io/group": "3"}
+    np = M.network_policy(name="r1", ns="ns", uid="u", spec=sp)
+    own = {"dwdp.io/name": "r1", "app.kubernetes.io/component": "worker"}
     assert np["spec"]["podSelector"] == {"matchLabels": own} and np["spec"]["policyTypes"] == ["Ingress"]
     store, http = np["spec"]["ingress"]
     assert store["ports"] == [{"protocol": "TCP", "port": 29600}]
     assert store["from"] == [{"podSelector": {"matchLabels": own}}]  # no namespaceSelector: same namespace
     assert http == {"ports": [{"protocol": "TCP", "port": 8100}]}   # HTTP from anywhere, no other port
     assert np["metadata"]["ownerReferences"][0]["kind"] == "DwdpGroup"
-    # the policy selects exactly the group's pods
-    p = M.worker_pod(name="r1", ns="ns", uid="u", g=3, i=1, attempt=0, spec=sp, thash="h")
-    assert own.items() <= p["metadata"]["labels"].items()
-    other = M.worker_pod(name="r1", ns="ns", uid="u", g=2, i=1, attempt=0, spec=sp, thash="h")
+    # the policy selects every group's workers of the DwdpGroup, and no other pod
+    for g in (0, 3):
+        p = M.worker_pod(name="r1", ns="ns", uid="u", g=g, i=1, attempt=0, spec=sp, thash="h")
+        assert own.items() <= p["metadata"]["labels"].items()
+    other = M.worker_pod(name="r10", ns="ns", uid="u", g=0, i=1, attempt=0, spec=sp, thash="h")
     assert not own.items() <= other["metadata"]["labels"].items()
+    client = M.client_service(name="r1", ns="ns", uid="u", spec=sp)
+    assert not own.items() <= client["metadata"]["labels"].items()
+
+
+def test_rank_service_resolves_every_groups_rank0():
+    """One headless Service per DwdpGroup: each pod's DNS name is <hostname>.<name>-ranks, and group g's
+    store address is its rank-0 pod's name there (unique across groups)."""
+    sp = DwdpGroupSpec.model_validate(spec(numGroups=3))
+    svc = M.rank_service(name="r1", ns="ns", uid="u", spec=sp)
+    assert svc["metadata"]["name"] == "r1-ranks"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    seen = set()
+    for g in range(3):
+        p = M.worker_pod(name="r1", ns="ns", uid="u", g=g, i=0, attempt=0, spec=sp, thash="h")
+        assert svc["spec"]["selector"].items() <= p["metadata"]["labels"].items()
+        assert p["spec"]["subdomain"] == "r1-ranks"
+        env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+        assert env["DWDP_STORE_ADDR"] == f"{p['spec']['hostname']}.r1-ranks.ns.svc"
+        seen.add(env["DWDP_STORE_ADDR"])
+    assert len(seen) == 3
 
 
 def test_observed_pod_reports_unschedulable_since():

@@ -58,9 +58,9 @@ def test_operator_renders_kv_env_the_worker_parses_and_opens_the_ucx_ports():
     s = settings_from_env(env(kv))
     assert (s.budget_bytes, s.block_bytes, s.ttl_s, s.lease_s) == (8 << 30, 1 << 20, 5.0, 30.0)
     assert env(kv)["UCX_TCP_PORT_RANGE"] == "30000-30063"
-    rules = M.network_policy(name="r", ns="n", uid="u", g=0, spec=kv)["spec"]["ingress"]
+    rules = M.network_policy(name="r", ns="n", uid="u", spec=kv)["spec"]["ingress"]
     assert {"protocol": "TCP", "port": 30000, "endPort": 30063} in [p for r in rules for p in r["ports"]]
-    assert len(M.network_policy(name="r", ns="n", uid="u", g=0, spec=plain)["spec"]["ingress"]) == 2
+    assert len(M.network_policy(name="r", ns="n", uid="u", spec=plain)["spec"]["ingress"]) == 2
     # an absent section leaves existing groups' pods alone; setting it rolls them
     assert M.template_hash(plain) == M.template_hash(DwdpGroupSpec.model_validate(spec()))
     assert M.template_hash(plain) != M.template_hash(kv)

@@ -11,14 +11,14 @@
   - apiGroups: [""]
     resources: [pods]
     verbs: [list, watch, create, delete, patch]
-  # per-group headless Services and the client Service
+  # the client Service and the rank (headless) Service, one of each per DwdpGroup
   - apiGroups: [""]
     resources: [services]
-    verbs: [create, delete]
-  # per-group NetworkPolicy: the store port only from the group's own pods
+    verbs: [create]
+  # one NetworkPolicy per DwdpGroup: the store port only from the DwdpGroup's own worker pods
   - apiGroups: [networking.k8s.io]
     resources: [networkpolicies]
-    verbs: [create, delete]
+    verbs: [create]
   # the group token Secret: created once, never read back by the operator
   - apiGroups: [""]
     resources: [secrets]
