@@ -14,7 +14,7 @@ For each N (default 50, 200, 500) on a fresh control plane (scripts/test-cluster
     python bench/operator_scale.py [--sizes 50,200,500] [--groups 1] [--idle-seconds 60]
 
 ``--groups G`` gives every DwdpGroup G groups (``numGroups``; the issue's own measurement used 2): the
-DwdpGroup's own children (Secret, client Service, ComputeDomain, status, Event) are then shared by 4·G pods.
+DwdpGroup's own children (Secret, client and rank Services, NetworkPolicy, ComputeDomain, status, Event) are then shared by 4·G pods.
 Run it alone (it takes the machine): e.g. ``flock /tmp/dwdp-k8s.lock python bench/operator_scale.py``.
 """
 
