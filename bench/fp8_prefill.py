@@ -7,17 +7,30 @@
   3. rank 0 also holds (a) the dequantized bf16 model with `transformers`' own experts (the reference) and
      (b) the same bf16 model with the FP8 experts bound unsharded as plain tensors (``bind_fp8_experts``: the
      same kernels — experts and the fused non-expert layers — no DWDP);
-  4. agreement: ``--prompts`` random prompts of ``--prompt-len`` tokens, packed ``--pack`` per forward: top-1
-     agreement of the last-position logits, sharded FP8 vs the bf16 reference, and the max |Δ logprob|
-     (log-softmax over the vocabulary, all entries); then both against the same dequantized weights in
-     float32 — the metric's noise floor on this model (a random-weight model has nearly flat logits, so bf16
-     rounding alone flips some arg-maxes);
+  4. agreement: ``--prompts`` random prompts (held-out text with ``--train-steps``) of ``--prompt-len`` tokens,
+     packed ``--pack`` per forward: top-1 agreement of the last-position logits, sharded FP8 vs the bf16
+     reference, and the max |Δ logprob| (log-softmax over the vocabulary, all entries); then both against the
+     same dequantized weights in float32 — the metric's noise floor on this model (a random-weight model has
+     nearly flat logits, so bf16 rounding alone flips some arg-maxes);
   5. prefill: one ``--isl``-token sequence, sharded FP8 vs unsharded FP8, alternated after warm-up: tokens/s
      and the ratio; unsharded bf16 reference time beside them.
 
+``--train-steps N`` (default 0: the random weights above) measures the agreement on a *trained* model instead:
+on random weights the floor itself (bf16 vs float32: 97.0 % on H200) sits below the ≥ 99 % goal, which a
+trained model's wider top-1 margins can meet, and no trained checkpoint can be downloaded here. The same
+synthesized bf16 model is first trained N steps of ``--train-batch`` × ``--train-seq`` bytes on real text
+(``bench/tiny_train.py``: by default the Python standard library's ``.py`` sources, ``--corpus DIR`` for
+another directory of them, byte tokens, ≈ 5 % of the files held out; AdamW at peak ``--train-lr``), saved as
+a bf16 checkpoint in the synth layout, quantized (``fp8_checkpoint.quantize_checkpoint``) and dequantized as
+in 1.; all three are cached under ``--work-dir`` by a name carrying the training settings. The agreement
+prompts are then seeded ``--prompt-len``-byte windows of the held-out files; the summary and ``--json`` name
+the prompt source and the training (steps, held-out bits per byte). The prefill sequence stays random ids.
+
     python bench/fp8_prefill.py --isl 8192 --dwdp-size 4          (GPU)
+    python bench/fp8_prefill.py --isl 8192 --dwdp-size 4 --train-steps 300      (GPU, trained model)
     python bench/fp8_prefill.py --device cpu --isl 64 --hidden-size 256 --moe-intermediate-size 128 \\
-        --num-experts 8 --num-layers 2 --vocab-size 512 --prompts 20 --iters 1        (CPU smoke test)
+        --num-experts 8 --num-layers 2 --vocab-size 512 --prompts 20 --iters 1        (CPU smoke test;
+        add --train-steps 20 --train-batch 4 --train-seq 128 for the trained path)
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 for _p in (ROOT / "worker", ROOT):
@@ -37,6 +51,9 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-up
+
+#: the agreement prompts' seed, random ids or held-out windows (2: the seed of the numbers in docs/MODELS.md)
+PROMPT_SEED = 2
 
 
 def parse_args(argv=None):
@@ -58,52 +75,101 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=1000)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--pack", type=int, default=100, help="prompts per packed forward")
+    p.add_argument("--train-steps", type=int, default=_OWN_DEFAULTS["train_steps"],
+                   help="train the synthesized model N steps on real text before quantizing it "
+                        "(bench/tiny_train.py); the agreement prompts are then held-out text (default 0: random "
+                        "weights, random prompts)")
+    p.add_argument("--train-batch", type=int, default=_OWN_DEFAULTS["train_batch"], help="windows per step")
+    p.add_argument("--train-seq", type=int, default=_OWN_DEFAULTS["train_seq"], help="bytes per window")
+    p.add_argument("--train-lr", type=float, default=_OWN_DEFAULTS["train_lr"], help="peak AdamW learning rate")
+    p.add_argument("--corpus", default=_OWN_DEFAULTS["corpus"],
+                   help="directory whose .py files are the training text (default: the Python standard library)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def ensure_models(args) -> tuple[pathlib.Path, pathlib.Path]:
-    from dwdp_worker.fp8_checkpoint import dequantize_checkpoint
+def _model_name(args) -> str:
+    return (f"{args.arch}-L{args.num_layers}-H{args.hidden_size}-E{args.num_experts}-I{args.moe_intermediate_size}"
+            f"-k{args.top_k}-V{args.vocab_size}-P{args.isl}")
+
+
+def _synth(args, out, quant):
     from dwdp_worker.synth import write_synthetic
 
-    name = (f"{args.arch}-L{args.num_layers}-H{args.hidden_size}-E{args.num_experts}-I{args.moe_intermediate_size}"
-            f"-k{args.top_k}-V{args.vocab_size}-P{args.isl}")
+    return write_synthetic(args.arch, out, seed=0, num_experts=args.num_experts, num_layers=args.num_layers,
+                           hidden_size=args.hidden_size, vocab_size=args.vocab_size, dtype="bfloat16",
+                           moe_intermediate_size=args.moe_intermediate_size, intermediate_size=4 * args.hidden_size,
+                           max_positions=max(args.isl, 4096), top_k=args.top_k,
+                           num_heads=max(2, args.hidden_size // 128), quant=quant)
+
+
+def _train_tag(args, corpus) -> str:
+    """The training settings in a cache name (the corpus by a CRC of its directory)."""
+    return (f"T{args.train_steps}-B{args.train_batch}-S{args.train_seq}-lr{args.train_lr:g}"
+            f"-c{zlib.crc32(corpus.root.encode()):08x}")
+
+
+def ensure_models(args, corpus=None) -> tuple[pathlib.Path, pathlib.Path]:
+    """The FP8 checkpoint and its dequantized bf16 twin, written once per settings and reused: random weights, or
+    with ``corpus`` (``--train-steps``) the same model trained on it first."""
+    from dwdp_worker.fp8_checkpoint import dequantize_checkpoint
+
+    name = _model_name(args) + (f"-{_train_tag(args, corpus)}" if corpus is not None else "")
     fp8 = pathlib.Path(args.work_dir) / f"{name}-fp8"
     ref = pathlib.Path(args.work_dir) / f"{name}-dequantized"
     if not (fp8 / "config.json").is_file():
         t0 = time.perf_counter()
-        write_synthetic(args.arch, fp8, seed=0, num_experts=args.num_experts, num_layers=args.num_layers,
-                        hidden_size=args.hidden_size, vocab_size=args.vocab_size, dtype="bfloat16",
-                        moe_intermediate_size=args.moe_intermediate_size, intermediate_size=4 * args.hidden_size,
-                        max_positions=max(args.isl, 4096), top_k=args.top_k,
-                        num_heads=max(2, args.hidden_size // 128), quant="fp8")
+        if corpus is None:
+            _synth(args, fp8, "fp8")
+        else:
+            _write_trained_fp8(args, corpus, pathlib.Path(args.work_dir) / f"{name}-bf16", fp8)
         print(f"wrote {fp8} in {time.perf_counter() - t0:.1f} s", flush=True)
     if not (ref / "config.json").is_file():
         dequantize_checkpoint(fp8, ref, dtype="bfloat16")
     return fp8, ref
 
 
-def rank_main(rank, args, fp8, ref, port, q):
+def _write_trained_fp8(args, corpus, trained: pathlib.Path, fp8: pathlib.Path) -> None:
+    """Synthesize the bf16 model (a temporary directory), train it into ``trained`` (reused when its
+    ``train.json`` is there) and quantize that to ``fp8``."""
+    from bench.tiny_train import train_checkpoint
+    from dwdp_worker.fp8_checkpoint import quantize_checkpoint
+
+    if not (trained / "train.json").is_file():
+        pathlib.Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="init-") as init:
+            _synth(args, init, None)
+            train_checkpoint(init, trained, corpus, steps=args.train_steps, batch=args.train_batch,
+                             seq=args.train_seq, lr=args.train_lr,
+                             device="cuda:0" if args.device == "cuda" else "cpu")
+    quantize_checkpoint(trained, fp8)
+
+
+def rank_main(rank, args, fp8, ref, prompts, port, q):
     try:
-        q.put((rank, run_rank(rank, args, fp8, ref, port)))
+        q.put((rank, run_rank(rank, args, fp8, ref, prompts, port)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         import traceback
 
         q.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
 
 
-def _agreement(models: dict, args, vocab) -> dict:
-    """Top-1 agreement and max |Δ logprob| of every pair in ``models`` (name → batch → logits) against the
-    first, over the same random prompts."""
+def random_prompts(args, vocab) -> list[list[int]]:
+    """``--prompts`` seeded random prompts of ``--prompt-len`` token ids (the random-weight model's prompts)."""
     import torch
 
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+    gen = torch.Generator().manual_seed(PROMPT_SEED)
+    return [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+
+
+def _agreement(models: dict, prompts, pack: int) -> dict:
+    """Top-1 agreement and max |Δ logprob| of every pair in ``models`` (name → batch → logits) against the
+    first, over the same prompts, ``pack`` per forward."""
     names = list(models)
     agree = {n: 0 for n in names[1:]}
     max_dlp = {n: 0.0 for n in names[1:]}
-    for i in range(0, len(prompts), args.pack):
-        batch = prompts[i:i + args.pack]
+    for i in range(0, len(prompts), pack):
+        batch = prompts[i:i + pack]
         want = models[names[0]](batch).float()
         for n in names[1:]:
             got = models[n](batch).float()
@@ -112,7 +178,7 @@ def _agreement(models: dict, args, vocab) -> dict:
     return {n: (agree[n] / len(prompts), max_dlp[n]) for n in names[1:]}
 
 
-def run_rank(rank, args, fp8, ref_dir, port):
+def run_rank(rank, args, fp8, ref_dir, prompts, port):
     import torch
 
     from dwdp_runtime.config import DwdpConfig
@@ -140,13 +206,13 @@ def run_rank(rank, args, fp8, ref_dir, port):
 
                 ref = Reference(ref_dir, dtype="bfloat16", device=device)
                 t0 = time.perf_counter()
-                got = _agreement({"bf16": ref.logits, "fp8": lambda b: engine.forward(b).logits}, args,
-                                 engine.vocab_size)
+                got = _agreement({"bf16": ref.logits, "fp8": lambda b: engine.forward(b).logits}, prompts,
+                                 args.pack)
                 out["top1_agreement"], out["max_abs_dlogprob"] = got["fp8"]
                 # the noise floor of the metric on this model: both against the same weights in float32
                 ref32 = Reference(ref_dir, dtype="float32", device=device, experts="eager")
                 floor = _agreement({"fp32": ref32.logits, "bf16": ref.logits,
-                                    "fp8": lambda b: engine.forward(b).logits}, args, engine.vocab_size)
+                                    "fp8": lambda b: engine.forward(b).logits}, prompts, args.pack)
                 del ref32
                 out["top1_bf16_vs_fp32"], out["max_abs_dlogprob_bf16_vs_fp32"] = floor["bf16"]
                 out["top1_fp8_vs_fp32"], out["max_abs_dlogprob_fp8_vs_fp32"] = floor["fp8"]
@@ -188,7 +254,9 @@ def run_rank(rank, args, fp8, ref_dir, port):
 
 #: options bench/prefill.py does not have, with their defaults here (``prefill.py --quant fp8`` calls ``run``)
 _OWN_DEFAULTS = {"prompts": 1000, "prompt_len": 32, "pack": 100, "json": None,
-                 "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8")}
+                 "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8"),
+                 # --train-steps: 32 x 512 bytes a step (~28 TFLOP at the default model; docs/MODELS.md)
+                 "train_steps": 0, "train_batch": 32, "train_seq": 512, "train_lr": 1e-3, "corpus": None}
 
 
 def main(argv=None) -> int:
@@ -206,14 +274,63 @@ def run(args) -> int:
             print("no CUDA device: run on a GPU machine, or pass --device cpu", file=sys.stderr)
             return 2
         args.gpus = max(1, min(args.gpus, torch.cuda.device_count()))
-    fp8, ref = ensure_models(args)
-    results = spawn_ranks(rank_main, args.dwdp_size, args, str(fp8), str(ref))
+    corpus = None
+    if args.train_steps > 0:
+        from bench.tiny_train import BYTE_VOCAB, load_corpus
+
+        if args.vocab_size < BYTE_VOCAB:
+            print(f"--train-steps needs --vocab-size >= {BYTE_VOCAB} (byte tokens)", file=sys.stderr)
+            return 2
+        try:
+            corpus = load_corpus(args.corpus)
+        except (ValueError, OSError) as exc:
+            print(f"bench/fp8_prefill.py: error: {exc}", file=sys.stderr)
+            return 2
+    fp8, ref = ensure_models(args, corpus)
+    prompts, source = _prompts(args, fp8, corpus)
+    results = spawn_ranks(rank_main, args.dwdp_size, args, str(fp8), str(ref), prompts)
     if results is None:
         return 1
     r0 = results[0]
+    r0["prompt_source"] = source
+    r0["training"] = _training_summary(fp8)
+    _print_summary(args, fp8, r0)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+def _prompts(args, fp8: pathlib.Path, corpus) -> tuple[list[list[int]], str]:
+    """The agreement prompts and where they come from: random ids, or held-out text of the training corpus."""
+    if corpus is None:
+        vocab = json.loads((fp8 / "config.json").read_text())["vocab_size"]
+        return random_prompts(args, vocab), f"random token ids (seed {PROMPT_SEED}, vocab {vocab})"
+    from bench.tiny_train import heldout_prompts
+
+    return (heldout_prompts(corpus, args.prompts, args.prompt_len, seed=PROMPT_SEED),
+            f"held-out byte windows of {corpus.root} ({corpus.heldout_files} files, seed {PROMPT_SEED})")
+
+
+def _training_summary(fp8: pathlib.Path) -> dict | None:
+    """The trained model's ``train.json`` (copied beside the FP8 weights by the quantizer), without its log."""
+    path = fp8 / "train.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    summary.pop("log", None)
+    return summary
+
+
+def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
     print(f"\n{fp8.name}: dwdp_size={args.dwdp_size}, rank 0 holds {r0['local']} — {r0['report']}")
-    print(f"agreement over {args.prompts} prompts x {args.prompt_len} tokens: top-1 {r0['top1_agreement']:.4f}, "
-          f"max |dlogprob| {r0['max_abs_dlogprob']:.4f} (sharded FP8 vs dequantized bf16 reference)")
+    t = r0["training"]
+    print("model: random weights (synth seed 0)" if t is None else
+          f"model: trained {t['steps']} steps x {t['batch']} x {t['seq']} bytes (lr {t['lr']:g}, "
+          f"{t['train_s']:.1f} s), held-out {t['heldout_bits_per_byte']:.3f} bits/byte "
+          f"(before: {t['heldout_bits_per_byte_before']:.3f})")
+    print(f"agreement over {args.prompts} prompts x {args.prompt_len} tokens, {r0['prompt_source']}: top-1 "
+          f"{r0['top1_agreement']:.4f}, max |dlogprob| {r0['max_abs_dlogprob']:.4f} (sharded FP8 vs dequantized "
+          f"bf16 reference)")
     print(f"noise floor, the same weights in float32 as the reference: bf16 top-1 {r0['top1_bf16_vs_fp32']:.4f} "
           f"(max |dlogprob| {r0['max_abs_dlogprob_bf16_vs_fp32']:.4f}), FP8 top-1 {r0['top1_fp8_vs_fp32']:.4f} "
           f"(max |dlogprob| {r0['max_abs_dlogprob_fp8_vs_fp32']:.4f})")
@@ -221,9 +338,6 @@ def run(args) -> int:
           f"{r0['unsharded_fp8_s'] * 1e3:.2f} ms, unsharded bf16 ref {r0['unsharded_bf16_ref_s'] * 1e3:.2f} ms; "
           f"sharded/unsharded (tok/s) = {r0['sharded_over_unsharded']:.3f}; "
           f"max |dlogit| sharded vs unsharded fp8 {r0['sharded_vs_unsharded_fp8_max_abs_dlogit']:.3g}")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-    return 0
 
 
 if __name__ == "__main__":

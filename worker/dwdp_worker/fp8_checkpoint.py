@@ -1,12 +1,13 @@
 """FP8 block-scaled checkpoints on disk: write one from a saved model, and its dequantized twin (the reference).
 
-``quantize_checkpoint(dir)`` rewrites a ``save_pretrained`` directory the way DeepSeek-V3/R1 and Qwen3-*-FP8 are
-published: every ``nn.Linear`` weight except ``lm_head`` (attention projections, dense MLPs, shared experts)
-and every routed expert projection (``…experts.{e}.{gate,up,down}_proj.weight``; Mixtral ``w1/w3/w2``) becomes
-``weight`` float8_e4m3fn + ``weight_scale_inv`` float32 ``[⌈out/128⌉, ⌈in/128⌉]``; embeddings, norms, routers
-(not ``nn.Linear`` in `transformers`, unquantized in the released checkpoints), DeepSeek-V3's score-correction
-bias and ``lm_head`` stay as they are. ``config.json`` gains the ``quantization_config`` DeepSeek-V3 writes.
-With ``fused_experts=True`` the experts are stored as the fused tensors `transformers`' ``FP8Experts`` holds:
+``quantize_checkpoint(dir)`` rewrites a ``save_pretrained`` directory (``quantize_checkpoint(src, dst)`` writes
+the result to ``dst``, ``src`` unchanged) the way DeepSeek-V3/R1 and Qwen3-*-FP8 are published: every
+``nn.Linear`` weight except ``lm_head`` (attention projections, dense MLPs, shared experts) and every routed
+expert projection (``…experts.{e}.{gate,up,down}_proj.weight``; Mixtral ``w1/w3/w2``) becomes ``weight``
+float8_e4m3fn + ``weight_scale_inv`` float32 ``[⌈out/128⌉, ⌈in/128⌉]``; embeddings, norms, routers (not
+``nn.Linear`` in `transformers`, unquantized in the released checkpoints), DeepSeek-V3's score-correction bias and
+``lm_head`` stay as they are. ``config.json`` gains the ``quantization_config`` DeepSeek-V3 writes. With
+``fused_experts=True`` the experts are stored as the fused tensors `transformers`' ``FP8Experts`` holds:
 ``experts.gate_up_proj [E, 2I, H]`` + ``experts.gate_up_proj_scale_inv [E, 2⌈I/128⌉, ⌈H/128⌉]`` (gate and up
 quantized separately, as in the per-expert checkpoint) and ``experts.down_proj`` + its scale.
 
@@ -50,14 +51,17 @@ def _plan(model_dir: pathlib.Path, keys):
     return linear, resolve_sources(model_layout(model), cmap, lambda k: tuple(keys[k].shape))
 
 
-def quantize_checkpoint(model_dir, *, fused_experts: bool = False) -> pathlib.Path:
-    """Rewrite ``model_dir`` (written by ``save_pretrained``, unquantized) as an FP8 block-scaled checkpoint."""
+def quantize_checkpoint(model_dir, dst=None, *, fused_experts: bool = False) -> pathlib.Path:
+    """Rewrite ``model_dir`` (written by ``save_pretrained``, unquantized) as an FP8 block-scaled checkpoint, or
+    with ``dst`` write that checkpoint to ``dst`` (created; the other files copied) and leave ``model_dir`` as it
+    is. ``config.json`` is written last, so its ``quantization_config`` marks a complete checkpoint."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from .experts_layout import ParamRole, SourceKind
 
     model_dir = pathlib.Path(model_dir)
+    out_dir = model_dir if dst is None else pathlib.Path(dst)
     cfg_path = model_dir / "config.json"
     raw = json.loads(cfg_path.read_text())
     if raw.get("quantization_config"):
@@ -93,10 +97,20 @@ def quantize_checkpoint(model_dir, *, fused_experts: bool = False) -> pathlib.Pa
             out[key], out[scale_key(key)] = fp8_block.quantize(value)
         else:
             out[key] = value
-    save_file(out, str(files[0]), metadata={"format": "pt"})
+    if out_dir != model_dir:
+        _copy_other_files(model_dir, out_dir)
+    save_file(out, str(out_dir / files[0].name), metadata={"format": "pt"})
     raw["quantization_config"] = fp8_config_dict(("lm_head",))
-    cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    return model_dir
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def _copy_other_files(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Every file of ``src`` but the weights and ``config.json`` (each writer writes its own) into ``dst``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
 
 
 def dequantize_checkpoint(src, dst, *, dtype: str = "float32") -> pathlib.Path:
@@ -105,10 +119,7 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32") -> pathlib.Path:
     from safetensors.torch import load_file, save_file
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, dst / f.name)
+    _copy_other_files(src, dst)
     raw = json.loads((src / "config.json").read_text())
     raw.pop("quantization_config", None)
     raw["dtype"] = dtype
