@@ -11,9 +11,9 @@ For each N (default 50, 200, 500) on a fresh control plane (scripts/test-cluster
   3. idle: the operator's CPU (% of one core) and RSS over ``--idle-seconds`` (60) once creation is
      done and the operator has drained its event backlog (the first 5 s window under 5 % of a core). The operator runs with ``--resync-seconds 60``, so the window holds about one safety
      resync of every object (the default, 300 s, resyncs 5x less often).
-    python bench/operator_scale.py [--sizes 50,200,500] [--groups 1] [--idle-seconds 60]
+    python bench/operator_scale.py [--sizes 50,200,500] [--groups 2] [--idle-seconds 60] [--repeats 1]
 
-``--groups G`` gives every DwdpGroup G groups (``numGroups``; the issue's own measurement used 2): the
+``--groups G`` gives every DwdpGroup G groups (``numGroups``; default 2, the shape issue 19 measured): the
 DwdpGroup's own children (Secret, client and rank Services, NetworkPolicy, ComputeDomain, status, Event) are then shared by 4·G pods.
 Run it alone (it takes the machine): e.g. ``flock /tmp/dwdp-k8s.lock python bench/operator_scale.py``.
 """
@@ -39,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(os.environ.get("K8S_TEST_BIN") or Path.home() / ".cache/k8s-test/bin")
 PORTS = {"API_PORT": "18443", "ETCD_PORT": "14379", "ETCD_PEER": "14380", "KCM_PORT": "22257", "SCHED_PORT": "22259"}
-PODS_PER_GROUP = 4      # dwdpSize 4, one GPU per pod; numGroups groups per DwdpGroup (--groups, default 1)
+PODS_PER_GROUP = 4      # dwdpSize 4, one GPU per pod; numGroups groups per DwdpGroup (--groups, default 2)
 RAW_PARALLEL = 8        # the operator's apply pool size (apply.Applier parallel)
 CREATE_THREADS = 8      # clients creating the DwdpGroups
 RESYNC_S = 60           # so the idle window holds about one safety resync per object
@@ -158,6 +158,7 @@ def cpu_s(proc: psutil.Process) -> float:
 
 
 def one_size(n: int, groups: int, idle_s: float, tmp: Path) -> dict:
+    """One round at size n on a fresh control plane: raw rates, operator creation, then ``idle_s`` of idle."""
     env = dict(os.environ, BIN=str(BIN), STATE=str(tmp / f"state-{n}"), **PORTS,
                PRE_APPLY=f"{ROOT / 'crds/dwdpgroup.yaml'} {ROOT / 'tests/k8s/crds/computedomain.yaml'}")
     up = subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "up"], env=env, capture_output=True, text=True)
@@ -208,18 +209,18 @@ def one_size(n: int, groups: int, idle_s: float, tmp: Path) -> dict:
         settled = time.perf_counter() - settle_t0
         per_group = requests_per_group(req0, request_counts(kubeconfig), n)  # every write creation caused, settled
         cpu1, t1 = cpu_s(proc), time.perf_counter()
-        rss_peak = 0
+        rss_peak = proc.memory_info().rss
         while time.perf_counter() - t1 < idle_s:
             rss_peak = max(rss_peak, proc.memory_info().rss)
             time.sleep(1)
-        idle_pct = 100 * (cpu_s(proc) - cpu1) / (time.perf_counter() - t1)
+        idle_pct = 100 * (cpu_s(proc) - cpu1) / (time.perf_counter() - t1) if idle_s > 0 else None
         return {"n": n, "groups_per_dwdpgroup": groups, "pods": want, "pods_seen": counter.count, "apply_s": round(applied, 2),
                 "all_pods_s": round(all_pods, 2), "pods_per_s": round(want / all_pods, 1),
                 "raw_kubectl_pods_per_s": round(raw_seq, 1), f"raw_kubectl_x{RAW_PARALLEL}_pods_per_s": round(raw_par, 1),
                 "ratio_vs_kubectl": round(want / all_pods / raw_seq, 2),
                 f"ratio_vs_kubectl_x{RAW_PARALLEL}": round(want / all_pods / raw_par, 2),
                 "operator_cpu_s_during_create": round(create_cpu, 1), "settle_s": round(settled, 1),
-                "idle_cpu_pct_of_core": round(idle_pct, 2), "idle_rss_mib": round(rss_peak / 2**20, 1),
+                "idle_cpu_pct_of_core": None if idle_pct is None else round(idle_pct, 2), "idle_rss_mib": round(rss_peak / 2**20, 1),
                 "requests_per_group": round(sum(per_group.values()), 1), "requests_per_group_by_kind": per_group,
                 "load_average": [round(x, 2) for x in os.getloadavg()]}
     finally:
@@ -236,8 +237,14 @@ def one_size(n: int, groups: int, idle_s: float, tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="50,200,500", help="DwdpGroup counts, comma-separated (default 50,200,500)")
-    ap.add_argument("--groups", type=int, default=1, help="numGroups of every DwdpGroup (default 1)")
+    ap.add_argument("--groups", type=int, default=2,
+                    help="numGroups of every DwdpGroup (default 2, issue 19's measurement; 1 is the worst case: the "
+                         "DwdpGroup's own children are shared by 4 pods only)")
     ap.add_argument("--idle-seconds", type=float, default=60.0, help="idle CPU/RSS window (default 60)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds per size, each on a fresh control plane (the idle window in the first only); the "
+                         "table shows the median ratio and the range — on a shared machine one round moves by "
+                         "+-0.2 (default 1)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the operator logs (the folder is printed)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dwdp-scale-"))
@@ -246,21 +253,41 @@ def main() -> int:
     rows = []
     try:
         for n in [int(x) for x in args.sizes.split(",")]:
-            row = one_size(n, args.groups, args.idle_seconds, tmp)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            rounds = []
+            for k in range(max(1, args.repeats)):
+                rounds.append(one_size(n, args.groups, args.idle_seconds if k == 0 else 0.0, tmp))
+                print(json.dumps({**rounds[-1], "round": k}), flush=True)
+            rows.append(summarize_rounds(rounds))
     finally:
         if not args.keep_logs:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"\noperator scale on the test API server (kube-apiserver 1.20 + etcd, {psutil.cpu_count()} cores, "
           f"{args.groups} × {PODS_PER_GROUP} pods per DwdpGroup, --resync-seconds {RESYNC_S})")
-    print(f"{'N':>5} {'pods':>6} {'all pods s':>10} {'pods/s':>7} {'kubectl/s':>9} {'x8/s':>7} {'ratio':>6} "
-          f"{'ratio x8':>8} {'idle %core':>10} {'RSS MiB':>8}")
+    print(f"{'N':>5} {'pods':>6} {'rounds':>6} {'all pods s':>10} {'pods/s':>7} {'kubectl/s':>9} {'x8/s':>7} "
+          f"{'ratio (range)':>17} {'ratio x8 (range)':>17} {'idle %core':>10} {'RSS MiB':>8}")
     for r in rows:
-        print(f"{r['n']:>5} {r['pods']:>6} {r['all_pods_s']:>10} {r['pods_per_s']:>7} {r['raw_kubectl_pods_per_s']:>9} "
-              f"{r[f'raw_kubectl_x{RAW_PARALLEL}_pods_per_s']:>7} {r['ratio_vs_kubectl']:>6} "
-              f"{r[f'ratio_vs_kubectl_x{RAW_PARALLEL}']:>8} {r['idle_cpu_pct_of_core']:>10} {r['idle_rss_mib']:>8}")
+        print(f"{r['n']:>5} {r['pods']:>6} {r['rounds']:>6} {r['all_pods_s']:>10} {r['pods_per_s']:>7} "
+              f"{r['raw_kubectl_pods_per_s']:>9} {r[f'raw_kubectl_x{RAW_PARALLEL}_pods_per_s']:>7} "
+              f"{_ranged(r, 'ratio_vs_kubectl'):>17} {_ranged(r, f'ratio_vs_kubectl_x{RAW_PARALLEL}'):>17} "
+              f"{r['idle_cpu_pct_of_core']:>10} {r['idle_rss_mib']:>8}")
     return 0
+
+
+def summarize_rounds(rounds: list[dict]) -> dict:
+    """One row per size: the medians of the rounds' rates and ratios, the ratios' ranges, the first round's idle."""
+    import statistics
+
+    med = {k: round(statistics.median(r[k] for r in rounds), 2) for k in (
+        "all_pods_s", "pods_per_s", "raw_kubectl_pods_per_s", f"raw_kubectl_x{RAW_PARALLEL}_pods_per_s",
+        "ratio_vs_kubectl", f"ratio_vs_kubectl_x{RAW_PARALLEL}")}
+    ranges = {f"{k}_range": (min(r[k] for r in rounds), max(r[k] for r in rounds))
+              for k in ("ratio_vs_kubectl", f"ratio_vs_kubectl_x{RAW_PARALLEL}")}
+    return {**rounds[0], **med, **ranges, "rounds": len(rounds)}
+
+
+def _ranged(row: dict, key: str) -> str:
+    lo, hi = row[f"{key}_range"]
+    return f"{row[key]}" if lo == hi else f"{row[key]} ({lo}-{hi})"
 
 
 if __name__ == "__main__":
