@@ -56,10 +56,13 @@ class TaskBoundStopper:
 
 
 def install() -> bool:
-    """Wrap ``kopf``'s ``api.stream`` (the module attribute its watcher calls); True if newly installed."""
-    from kopf._cogs.clients import api
-
-    original = api.stream
+    """Wrap ``kopf``'s ``api.stream`` (the module attribute its watcher calls); True if newly installed, False if
+    already installed or this kopf has no such function (another layout: nothing to mend that we know of)."""
+    try:
+        from kopf._cogs.clients import api
+        original = api.stream
+    except (ImportError, AttributeError):
+        return False
     if getattr(original, _FIXED, False):
         return False
 
