@@ -39,7 +39,8 @@ def test_trained_model_end_to_end(tmp_path):
     t = r0["training"]
     assert t["steps"] == 12 and t["heldout_bits_per_byte"] < t["heldout_bits_per_byte_before"] - 1.0
     assert r0["prompt_source"].startswith("held-out byte windows")
-    assert 0.0 <= r0["top1_agreement"] <= 1.0
+    # on CPU the sharded FP8 model computes on the dequantized weights: exactly the reference (as the bf16 path)
+    assert r0["top1_agreement"] == 1.0 and r0["max_abs_dlogprob"] == 0.0
     trained = next(tmp_path.glob("*-T12-B4-S128-*-bf16"))
     untrained = _synth(parse_args(TINY), tmp_path / "untrained", None)
     assert _layout(trained) == _layout(untrained)
