@@ -11,8 +11,9 @@ Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8) and token count T, with unifor
   * ``cute GEMMs``        — the CuTe DSL warp-specialised block-scaled GEMMs (``fp8_cute``, sm_90) on the same
                            operands in plan-row order (gather and reduce outside the timing): GEMM 1 fused with
                            act·mul and its e4m3 epilogue (as the Triton GEMM 1 is; the bf16-out GEMM 1 beside
-                           it), GEMM 2; one row per ``--cute-configs`` entry; skipped with the reason where CuTe
-                           DSL is missing;
+                           it), GEMM 2; one row per ``--cute-configs`` entry (each checked to give the first
+                           entry's bits) and one for the shipped defaults (``FUSED_CONFIG`` / ``PLAIN_CONFIG``),
+                           which the block runs; skipped with the reason where CuTe DSL is missing;
   * ``bf16 block`` / ``fp8 block`` / ``cute block`` — whole routed-experts forwards: ``kernels.fused_experts`` on
                            the dequantized bf16 weights vs ``triton_fp8_moe_forward`` (quantize + align + 2 GEMMs +
                            reduce) vs ``cute_fp8_moe_forward`` (quantize + align + gather + fused GEMM 1 + GEMM 2
@@ -84,30 +85,44 @@ def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops,
     xq, xsc = quantize_groups(x)
     a, sa = gather_plan_rows(xq, xsc, plan)
     out = {}
+    first = None  # the first config's outputs: tiles and rasters move no arithmetic, so every config gives its bits
     for text in cute_configs:
         cfg = parse_cute_config(text)
         gu = fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert, torch.bfloat16, cfg)
         h, hs = act_quant_plan_rows(gu, plan, i)
+        y = fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert, torch.bfloat16, cfg)
+        hf, _ = fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i, cfg)
+        live = int(plan.num_padded)
+        outputs = (gu[:live], y[:live], hf[:live].view(torch.uint8))
+        first = first or outputs
+        same_bits = all(torch.equal(p, q) for p, q in zip(outputs, first))
         # GEMM 1 as the Triton one is timed: with its act·mul and e4m3 epilogue (the fused gate_up)
         t1 = bench(lambda: fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i, cfg))
         t1_plain = bench(lambda: fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert, torch.bfloat16,
                                                                     cfg))
         t2 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert, torch.bfloat16, cfg))
         out[text] = dict(gate_up_ms=t1, gate_up_plain_ms=t1_plain, down_ms=t2, tflops=flops / (t1 + t2) / 1e9,
-                         over_bf16=t_bf16 / (t1 + t2))
+                         over_bf16=t_bf16 / (t1 + t2), plain_over_bf16=t_bf16 / (t1_plain + t2),
+                         same_bits_as_first=same_bits)
         print(f"[{name}] T={t}: cute {text}: GEMMs {t1 + t2:.3f} ms ({out[text]['tflops']:.0f} TFLOP/s) = "
-              f"{out[text]['over_bf16']:.2f}x bf16 (fused gate_up {t1:.3f} [bf16-out gate_up {t1_plain:.3f}], down "
-              f"{t2:.3f})", flush=True)
-    best = min(out, key=lambda c: out[c]["gate_up_ms"] + out[c]["down_ms"])
-    c1 = parse_cute_config(best)
-    got = fp8_cute.cute_fp8_moe_forward(x, ids, w, w1, s1, w2, s2, cfg1=c1, cfg2=c1)
-    t_block = bench(lambda: fp8_cute.cute_fp8_moe_forward(x, ids, w, w1, s1, w2, s2, cfg1=c1, cfg2=c1))
+              f"{out[text]['over_bf16']:.2f}x bf16, plain GEMMs {out[text]['plain_over_bf16']:.2f}x (fused gate_up "
+              f"{t1:.3f} [bf16-out gate_up {t1_plain:.3f}], down {t2:.3f}); bits as the first config: {same_bits}",
+              flush=True)
+    # the shipped defaults, which the block runs: the fused gate_up at FUSED_CONFIG, the plain GEMMs at PLAIN_CONFIG
+    t1 = bench(lambda: fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i))
+    t1_plain = bench(lambda: fp8_cute.block_scaled_grouped_gemm(a, sa, w1, s1, plan.block_expert))
+    t2 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert))
+    got = fp8_cute.cute_fp8_moe_forward(x, ids, w, w1, s1, w2, s2)
+    t_block = bench(lambda: fp8_cute.cute_fp8_moe_forward(x, ids, w, w1, s1, w2, s2))
     err = (got.float() - ref.float()).abs()
-    r = dict(cute_configs=out, cute_best=best, cute_gemms_ms=out[best]["gate_up_ms"] + out[best]["down_ms"],
-             cute_tflops=out[best]["tflops"], cute_over_bf16_tflops=out[best]["over_bf16"], cute_block_ms=t_block,
+    r = dict(cute_configs=out, cute_gate_up_ms=t1, cute_gate_up_plain_ms=t1_plain, cute_down_ms=t2,
+             cute_gemms_ms=t1 + t2, cute_tflops=flops / (t1 + t2) / 1e9, cute_over_bf16_tflops=t_bf16 / (t1 + t2),
+             cute_plain_over_bf16_tflops=t_bf16 / (t1_plain + t2), cute_block_ms=t_block,
              cute_block_over_bf16_block=t_block / t_bblock, cute_rel_max_err=float(err.max() / ref.float().abs().max()))
-    print(f"[{name}] T={t}: cute block {t_block:.3f} ms = {r['cute_block_over_bf16_block']:.3f} of bf16 block | "
-          f"rel err {r['cute_rel_max_err']:.4f}", flush=True)
+    print(f"[{name}] T={t}: cute defaults: GEMMs {t1 + t2:.3f} ms = {r['cute_over_bf16_tflops']:.2f}x bf16 (fused gate_up "
+          f"{t1:.3f}, down {t2:.3f}), plain GEMMs {t1_plain + t2:.3f} ms = {r['cute_plain_over_bf16_tflops']:.2f}x; block "
+          f"{t_block:.3f} ms = {r['cute_block_over_bf16_block']:.3f} of bf16 block | rel err {r['cute_rel_max_err']:.4f}",
+          flush=True)
     return r
 
 

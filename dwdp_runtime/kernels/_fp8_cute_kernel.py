@@ -18,11 +18,20 @@ Why this shape on the hardware (H200, sm_90a):
     warpgroup's MMA runs on the tensor cores meanwhile, and the producer keeps the ring full — the overlap
     Triton's software pipelining does not give on sm_90; the step's scales are loaded one step ahead;
   * clusters of two CTAs along N (``cluster_n``) share their row block's A tile by TMA multicast;
+  * ``tile_n = 256`` (the plain GEMMs' default, ``fp8_cute.PLAIN_CONFIG``) loads two 128-column B tiles per stage
+    and runs them through the one scratch accumulator into two promoted ones — the fused gate_up's mainloop with
+    adjacent columns: a tile reads its A stage once per 256 columns and pays one epilogue per 256 columns
+    (GEMM 2 5-9 % faster at DeepSeek-V3's N = 7168 on H200); a wider MMA (n256) would need a 128-register scratch
+    beside 128 promoted registers, more than a math thread has;
   * the epilogue goes through shared memory and TMA stores of 128 × 32 sub-tiles (the example's);
   * ``act_inter > 0`` fuses GEMM 1's SiLU·mul and e4m3 requantisation (see ``__init__``): its epilogue also
     writes one fp32 scale per row and 128-column group (``d_scales``, M-major like ``s_a``).
 
-Invariants: K and N are multiples of 128 (the scale block; the checkpoints' expert shapes all are), the
+A swizzled schedule (``swizzle_size`` > 1) rounds its grid up to whole swizzle bands: the tiles past the problem
+(row block or column tile out of range) are idle for producer and consumers alike, as unused row blocks are.
+
+Invariants: K and N are multiples of 128 (the scale block; the checkpoints' expert shapes all are) and N of
+``tile_n`` (``fp8_cute._check_operands`` falls back to 128 where a wide tile does not divide N), the
 rows of A are the routing plan's padded rows (a multiple of 128 per expert), A's padding rows are finite
 (zeros), ``s_a`` is M-major (``[K/128, M]`` in memory) so a warp's row scales are one coalesced load.
 """
@@ -52,6 +61,8 @@ SMEM_CAPACITY = utils.get_smem_capacity_in_bytes("sm_90")
 E4M3_MAX = 448.0
 #: TMA store buffers of the epilogue
 EPI_STAGES = 4
+#: the wide output tile: two 128-column B tiles (registers: 3 × 64 fp32 accumulators, as the fused gate_up)
+WIDE_TILE_N = 256
 
 
 class BlockScaledGroupedGemm:
@@ -64,9 +75,14 @@ class BlockScaledGroupedGemm:
 
     def __init__(self, k_tiles: int, tile_n: int = 128, raster_along_m: bool = False, swizzle_size: int = 1,
                  cluster_n: int = 2, act_inter: int = 0):
-        if tile_n not in (64, 128):
-            raise ValueError(f"BLOCK_N must be 64 or 128 (one scale block), got {tile_n}")
-        self.tile_shape_mnk = (TILE_M, tile_n, SCALE_BLOCK)
+        if tile_n not in (64, 128, WIDE_TILE_N):
+            raise ValueError(f"BLOCK_N must be 64, 128 or {WIDE_TILE_N}, got {tile_n}")
+        #: the output tile's width; 256 is two 128-column B tiles per stage through two accumulators — the fused
+        #: gate_up's mainloop with adjacent columns instead of gate and up rows: A is read from shared memory and
+        #: L2 once per 256 columns and a tile's epilogue covers twice the work
+        self.tile_n_out = tile_n
+        #: the (M, N, K) of one MMA and B tile: N at most one scale block
+        self.tile_shape_mnk = (TILE_M, min(tile_n, SCALE_BLOCK), SCALE_BLOCK)
         #: K / 128 (a compile-time constant)
         self.k_tiles = k_tiles
         if cluster_n not in (1, 2):
@@ -82,6 +98,8 @@ class BlockScaledGroupedGemm:
         self.act_inter = act_inter
         if act_inter and (act_inter % SCALE_BLOCK or tile_n != SCALE_BLOCK):
             raise ValueError(f"the fused gate_up needs I a multiple of {SCALE_BLOCK} and BLOCK_N = {SCALE_BLOCK}")
+        #: two B tiles per stage, two accumulators (the fused gate_up, or a 256-column tile)
+        self.two_b = act_inter > 0 or tile_n == WIDE_TILE_N
 
         self.raster_along_m = raster_along_m
         self.swizzle_size = swizzle_size
@@ -112,7 +130,7 @@ class BlockScaledGroupedGemm:
         if mma_k * 4 != SCALE_BLOCK:
             raise ValueError(f"expected a k{SCALE_BLOCK // 4} fp8 wgmma, got k{mma_k}")
         self.epi_tile = (TILE_M, 32)
-        b_tiles = 2 if self.act_inter else 1
+        b_tiles = 2 if self.two_b else 1
         ab_bytes = (TILE_M + b_tiles * self.tile_shape_mnk[1]) * SCALE_BLOCK  # e4m3: 1 byte per element
         epi_bytes = cute.size(self.epi_tile) * self.c_dtype.width // 8 * EPI_STAGES
         self.ab_stage = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
@@ -149,7 +167,7 @@ class BlockScaledGroupedGemm:
         tma_atom_d, tma_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d,
             cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
-        gd = cute.zipped_divide(d, tiler=cute.slice_(self.tile_shape_mnk, (None, None, 0)))
+        gd = cute.zipped_divide(d, tiler=(TILE_M, self.tile_n_out))
         sched_params = utils.PersistentTileSchedulerParams(
             gd[(0, (None, None, None))].shape, (1, self.cluster_n, 1), self.swizzle_size, self.raster_along_m)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, max_active_clusters)
@@ -162,7 +180,7 @@ class BlockScaledGroupedGemm:
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
                                   self.buffer_align_bytes]
             sB2: cute.struct.Align[cute.struct.MemRange[
-                self.b_dtype, cute.cosize(self.b_smem_layout_staged) if self.act_inter else 16], self.buffer_align_bytes]
+                self.b_dtype, cute.cosize(self.b_smem_layout_staged) if self.two_b else 16], self.buffer_align_bytes]
             sD: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
                                   self.buffer_align_bytes]
 
@@ -189,7 +207,7 @@ class BlockScaledGroupedGemm:
 
         a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
         b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
-        tma_bytes = cute.size_in_bytes(self.a_dtype, a_smem_layout) + (2 if self.act_inter else 1) * cute.size_in_bytes(
+        tma_bytes = cute.size_in_bytes(self.a_dtype, a_smem_layout) + (2 if self.two_b else 1) * cute.size_in_bytes(
             self.b_dtype, b_smem_layout)
         cluster_mn = (1, self.cluster_n)
         cta_layout_mnk = cute.make_layout((1, self.cluster_n, 1))
@@ -209,14 +227,14 @@ class BlockScaledGroupedGemm:
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        # the up tiles of the fused gate_up (unused, 16 bytes, otherwise)
+        # the up tiles of the fused gate_up, the right halves of a wide tile (unused, 16 bytes, otherwise)
         sB2 = storage.sB2.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner) \
-            if self.act_inter else sB
+            if self.two_b else sB
         sD = storage.sD.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
         # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestE) / (bM, bN, RestM, RestN, RestL)
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
-        gD = cute.local_tile(mD, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+        gD = cute.local_tile(mD, (TILE_M, self.tile_n_out), (None, None, None))
         one = cute.make_layout(1)
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
@@ -225,7 +243,13 @@ class BlockScaledGroupedGemm:
                                                       cute.group_modes(gB, 0, 2))
         tBsB2, _ = cute.nvgpu.cpasync.tma_partition(tma_atom_b, 0, one, cute.group_modes(sB2, 0, 2),
                                                     cute.group_modes(gB, 0, 2))
-        up_tiles = self.act_inter // SCALE_BLOCK  # the up half's first column tile (and scale row)
+        # the second B tile of a stage, in B tiles (and scale rows) after the first: the up half's first column
+        # tile for the fused gate_up, the next one for a wide tile
+        second_b = self.act_inter // SCALE_BLOCK if self.act_inter else 1
+        b_per_tile = self.tile_n_out // self.tile_shape_mnk[1]  # B tiles per output tile (1, or 2 when wide)
+        # tiles past the problem: a swizzled schedule rounds its grid up to whole swizzle bands
+        num_m_blocks = cute.size(mBlockExpert)
+        num_n_tiles = cute.size(mD, mode=[1]) // self.tile_n_out
 
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
         mma_thread_layout = cute.make_layout(self.num_mma_warp_groups, stride=self.threads_per_warp_group)
@@ -233,15 +257,16 @@ class BlockScaledGroupedGemm:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         tCrB2 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB2))
-        tCgD = thr_mma.partition_C(gD)
-        acc_shape = tCgD.shape[:3]
+        # one accumulator covers one MMA tile (a wide tile holds two)
+        mma_tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor(mma_tile_mn)).shape[:3]
         if cutlass.const_expr(cute.size(acc_shape, mode=[0]) != self.tile_shape_mnk[1] // 2
                               or cute.size(acc_shape) != cute.size(acc_shape, mode=[0])):
             raise ValueError(f"unexpected wgmma C fragment {acc_shape}: the promotion's row selection assumes "
                              "((2, 2, N/8), 1, 1)")
         accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         accum_temp = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-        accumulators2 = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if self.act_inter else accumulators
+        accumulators2 = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if self.two_b else accumulators
         # the row (within the tile) of every accumulator element of *this thread*: ``thr_mma`` above is the
         # warpgroup's slice (what its wgmma operands need); the C fragment's coordinates need the thread's own
         tCcD = tiled_mma.get_slice(tidx - self.threads_per_warp_group).partition_C(
@@ -258,10 +283,13 @@ class BlockScaledGroupedGemm:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
             while work.is_valid_tile:
                 m_blk, n_blk, _ = work.tile_idx
-                expert = mBlockExpert[m_blk]
+                expert = cutlass.Int32(-1)  # idle: an unused row block or a swizzle band's padding tile
+                if m_blk < num_m_blocks:
+                    if n_blk < num_n_tiles:
+                        expert = mBlockExpert[m_blk]
                 if expert >= 0:
                     tAgA_m = tAgA[(None, m_blk, None, 0)]
-                    tBgB_n = tBgB[(None, n_blk, None, expert)]
+                    tBgB_n = tBgB[(None, n_blk * b_per_tile, None, expert)]
                     state.reset_count()
                     for _k in range(self.k_tiles):
                         ring.producer_acquire(state)
@@ -269,9 +297,9 @@ class BlockScaledGroupedGemm:
                         cute.copy(tma_atom_a, tAgA_m[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar,
                                   mcast_mask=a_mcast_mask)
                         cute.copy(tma_atom_b, tBgB_n[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                        if cutlass.const_expr(self.act_inter > 0):
-                            cute.copy(tma_atom_b, tBgB[(None, n_blk + up_tiles, None, expert)][(None, state.count)],
-                                      tBsB2[(None, state.index)], tma_bar_ptr=bar)
+                        if cutlass.const_expr(self.two_b):
+                            cute.copy(tma_atom_b, tBgB[(None, n_blk * b_per_tile + second_b, None, expert)][
+                                (None, state.count)], tBsB2[(None, state.index)], tma_bar_ptr=bar)
                         ring.producer_commit(state)
                         state.advance()
                 sched.advance_to_next_work()
@@ -297,6 +325,7 @@ class BlockScaledGroupedGemm:
             thr_copy_r2s = tiled_copy_r2s.get_slice(tidx - self.threads_per_warp_group)
             tRS_sD = thr_copy_r2s.partition_D(sD)
             tRS_rAcc = tiled_copy_r2s.retile(accumulators)
+            tRS_rAcc2 = tiled_copy_r2s.retile(accumulators2)  # a wide tile's right half
             rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
             tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
             tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
@@ -310,13 +339,16 @@ class BlockScaledGroupedGemm:
             tiles_done = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_blk, n_blk, _ = work.tile_idx
-                expert = mBlockExpert[m_blk]
+                expert = cutlass.Int32(-1)  # idle: an unused row block or a swizzle band's padding tile
+                if m_blk < num_m_blocks:
+                    if n_blk < num_n_tiles:
+                        expert = mBlockExpert[m_blk]
                 if expert >= 0:
                     accumulators.fill(0.0)
                     m0 = m_blk * TILE_M
                     read_state.reset_count()
                     release_state.reset_count()
-                    nb = n_blk * self.tile_shape_mnk[1] // SCALE_BLOCK
+                    nb = n_blk * self.tile_n_out // SCALE_BLOCK
                     rows = (m0 + row_lo, m0 + row_hi)
                     # A warpgroup's promotion needs its own MMA's result; the other warpgroup's MMA runs meanwhile.
                     # Measured on H200 and not kept: taking turns between the warpgroups through named barriers
@@ -327,19 +359,19 @@ class BlockScaledGroupedGemm:
                     a_lo = mSA[(rows[0], 0)]
                     a_hi = mSA[(rows[1], 0)]
                     w_s = mSB[(nb, 0, expert)]
-                    w_u = mSB[(nb + up_tiles, 0, expert)] if self.act_inter else w_s
-                    if cutlass.const_expr(self.act_inter > 0):
+                    w_u = mSB[(nb + second_b, 0, expert)] if self.two_b else w_s
+                    if cutlass.const_expr(self.two_b):
                         accumulators2.fill(0.0)
                     for k_tile in range(self.k_tiles):
                         sc = (a_lo * w_s, a_hi * w_s)
-                        sc_u = (a_lo * w_u, a_hi * w_u) if self.act_inter else sc
+                        sc_u = (a_lo * w_u, a_hi * w_u) if self.two_b else sc
                         k_next = k_tile + 1 - (k_tile + 1) // self.k_tiles
                         a_lo = mSA[(rows[0], k_next)]
                         a_hi = mSA[(rows[1], k_next)]
                         w_s = mSB[(nb, k_next, expert)]
-                        if cutlass.const_expr(self.act_inter > 0):
-                            w_u = mSB[(nb + up_tiles, k_next, expert)]
-                            # gate, then up, through the one scratch accumulator (registers: 3 × 64 fp32)
+                        if cutlass.const_expr(self.two_b):
+                            w_u = mSB[(nb + second_b, k_next, expert)]
+                            # gate then up (or left then right half) through one scratch accumulator (3 × 64 fp32)
                             issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
                             cute.nvgpu.warpgroup.wait_group(0)
                             promote(accumulators, accum_temp, sc)
@@ -377,9 +409,11 @@ class BlockScaledGroupedGemm:
                     epi_tile_num = cute.size(tCgD_epi, mode=[1])
                     epi_shape = tCgD_epi.shape[1]
                     epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    half_tiles = self.tile_shape_mnk[1] // self.epi_tile[1]  # sub-tiles per accumulator
                     for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                        source = tRS_rAcc if epi_idx < half_tiles else tRS_rAcc2
                         for v in cutlass.range_constexpr(size_tRS_rD):
-                            tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                            tRS_rD[v] = source[(epi_idx % half_tiles) * size_tRS_rD + v]
                         tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
                         buf = (tiles_done * epi_tile_num + epi_idx) % EPI_STAGES
                         cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])

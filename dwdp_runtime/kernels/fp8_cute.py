@@ -51,15 +51,25 @@ SM90 = (9, 0)
 
 @dataclass(frozen=True)
 class CuteGemmConfig:
-    """The kernel's tile width, the persistent scheduler's raster order (along N keeps one row block's A tiles
-    in L2 while every column tile of its expert passes; along M keeps one weight tile) and the cluster width
-    along N (2: two CTAs on adjacent column tiles of one row block share its A tile by TMA multicast, halving
-    A's L2 → SM traffic; used where the column tiles pair up, else 1)."""
+    """The kernel's tile width (64, 128, or 256: two 128-column weight tiles per stage into two accumulators,
+    used where N is a multiple of 256, else 128), the persistent scheduler's raster order (along N keeps one row
+    block's A tiles in L2 while every column tile of its expert passes; along M keeps one weight tile) and the
+    cluster width along N (2: two CTAs on adjacent column tiles of one row block share its A tile by TMA
+    multicast, halving A's L2 → SM traffic; used where the column tiles pair up, else 1)."""
 
     tile_n: int = 128
     raster_along_m: bool = False
     swizzle: int = 1
     cluster_n: int = 2
+
+
+#: the plain GEMMs' default (GEMM 2, and GEMM 1 where it is not fused): 256-column tiles, no cluster — on H200
+#: (2026-12-01, bench/fp8_moe.py) GEMM 2 ran 5-9 % faster than at 128 × cluster 2 at DeepSeek-V3's shape (N 7168),
+#: the same at Qwen3's; where N is not a multiple of 256, ``_check_operands`` takes 128
+PLAIN_CONFIG = CuteGemmConfig(tile_n=256, cluster_n=1)
+#: the fused gate_up's: one 128-column activation group per CTA (its gate and up tiles already make it two B tiles
+#: wide), clusters of two sharing the A tile
+FUSED_CONFIG = CuteGemmConfig()
 
 
 def unusable(w1: torch.Tensor, w2: torch.Tensor) -> str | None:
@@ -170,6 +180,8 @@ def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
                          f"w {tuple(w.shape)}")
     if w.stride(2) != 1 or a.stride(1) != 1:
         raise ValueError("CuTe FP8 GEMM needs K-contiguous operands")
+    if n_out % cfg.tile_n:
+        cfg = dataclasses.replace(cfg, tile_n=SCALE_BLOCK)  # a wide tile needs N a multiple of its width
     if (n_out // cfg.tile_n) % cfg.cluster_n:
         cfg = dataclasses.replace(cfg, cluster_n=1)  # an odd number of column tiles cannot pair up
     return cfg
@@ -177,7 +189,7 @@ def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
 
 def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                               block_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                              cfg: CuteGemmConfig = CuteGemmConfig()) -> torch.Tensor:
+                              cfg: CuteGemmConfig = PLAIN_CONFIG) -> torch.Tensor:
     """``d [rows, N]`` = the block-scaled product of plan rows ``a [rows, K]`` (scales ``sa [K/128, rows]``) with
     expert ``block_expert[r // 128]``'s ``w [E, N, K]`` (scales ``ws [E, N/128, K/128]``); idle blocks unwritten."""
     if out_dtype not in (torch.bfloat16, torch.float16):
@@ -189,7 +201,7 @@ def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor
 
 
 def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
-                      block_expert: torch.Tensor, inter: int, cfg: CuteGemmConfig = CuteGemmConfig()
+                      block_expert: torch.Tensor, inter: int, cfg: CuteGemmConfig = FUSED_CONFIG
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM 1 fused with SiLU·mul and the e4m3 requantisation: ``(h [rows, I] e4m3, hs [I/128, rows] fp32)``
     from plan rows ``a`` and gate_up ``w1 [E, 2I, H]`` — what ``act_quant_plan_rows`` makes of the unfused
@@ -230,11 +242,12 @@ def plan_rows_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, t
 def cute_fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
                          has_gate: bool = True, activation: str = "silu",
-                         cfg1: CuteGemmConfig = CuteGemmConfig(), cfg2: CuteGemmConfig = CuteGemmConfig(),
+                         cfg1: CuteGemmConfig | None = None, cfg2: CuteGemmConfig = PLAIN_CONFIG,
                          fuse_act: bool = True) -> torch.Tensor:
-    """The routed experts' output ``[T, H]`` on the CuTe GEMMs (module docstring)."""
-    gemm1 = functools.partial(block_scaled_grouped_gemm, out_dtype=torch.bfloat16, cfg=cfg1)
+    """The routed experts' output ``[T, H]`` on the CuTe GEMMs (module docstring); ``cfg1`` (GEMM 1) defaults to
+    ``FUSED_CONFIG`` where GEMM 1 is fused, else ``PLAIN_CONFIG``."""
+    gemm1 = functools.partial(block_scaled_grouped_gemm, out_dtype=torch.bfloat16, cfg=cfg1 or PLAIN_CONFIG)
     gemm2 = functools.partial(block_scaled_grouped_gemm, out_dtype=torch.bfloat16, cfg=cfg2)
-    fused = functools.partial(gate_up_act_quant, cfg=cfg1) if fuse_act else None
+    fused = functools.partial(gate_up_act_quant, cfg=cfg1 or FUSED_CONFIG) if fuse_act else None
     return plan_rows_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, gemm1, gemm2,
                                  has_gate=has_gate, activation=activation, fused_gemm1=fused)

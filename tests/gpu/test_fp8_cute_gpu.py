@@ -52,9 +52,13 @@ def _block_math(a, sa, w, ws, block_expert, num_padded):
     return out
 
 
-@pytest.mark.parametrize("cfg", [(128, False, 2), (128, False, 1), (128, True, 2), (64, False, 2)],
-                         ids=["n128-cluster2", "n128-cluster1", "n128-rasterM", "n64"])
+@pytest.mark.parametrize("cfg", [(128, False, 2, 1), (128, False, 1, 1), (128, True, 2, 1), (64, False, 2, 1),
+                                 (256, False, 2, 1), (256, False, 1, 1), (128, True, 2, 8), (128, False, 2, 3)],
+                         ids=["n128-cluster2", "n128-cluster1", "n128-rasterM", "n64", "n256-cluster2",
+                              "n256-cluster1", "rasterM-swizzle8-padded", "rasterN-swizzle3-padded"])
 def test_cute_grouped_gemm_matches_block_math(fp8_cute, cfg):
+    """Every tile, raster and swizzle equals the block math (swizzled schedules round the grid up to whole bands:
+    their padding tiles are skipped) and gives the bits of the default tile (no config moves arithmetic)."""
     from dwdp_runtime.kernels.fp8_plan_rows import gather_plan_rows
     from dwdp_runtime.kernels.fp8_quant import quantize_groups
     from dwdp_runtime.kernels.routing import align_routing
@@ -68,8 +72,8 @@ def test_cute_grouped_gemm_matches_block_math(fp8_cute, cfg):
     ids[:7] = 0  # uneven
     plan = align_routing(ids, e, fp8_cute.TILE_M)
     a, sa = gather_plan_rows(*quantize_groups(x), plan)
-    tile_n, along_m, cluster_n = cfg
-    c = fp8_cute.CuteGemmConfig(tile_n=tile_n, raster_along_m=along_m, cluster_n=cluster_n)
+    tile_n, along_m, cluster_n, swizzle = cfg
+    c = fp8_cute.CuteGemmConfig(tile_n=tile_n, raster_along_m=along_m, cluster_n=cluster_n, swizzle=swizzle)
     d = fp8_cute.block_scaled_grouped_gemm(a, sa, w, ws, plan.block_expert, torch.bfloat16, c)
     rows = int(plan.num_padded)
     want = _block_math(a, sa, w, ws, plan.block_expert, rows)
@@ -77,6 +81,8 @@ def test_cute_grouped_gemm_matches_block_math(fp8_cute, cfg):
     assert err <= BF16_REL * float(want.abs().max()), err
     again = fp8_cute.block_scaled_grouped_gemm(a, sa, w, ws, plan.block_expert, torch.bfloat16, c)
     assert torch.equal(again[:rows], d[:rows])
+    default = fp8_cute.block_scaled_grouped_gemm(a, sa, w, ws, plan.block_expert, torch.bfloat16)
+    assert torch.equal(default[:rows], d[:rows])
 
 
 def test_cute_fused_gate_up_matches_block_math(fp8_cute):

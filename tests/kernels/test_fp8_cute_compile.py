@@ -1,5 +1,6 @@
 """The CuTe DSL FP8 kernels compile for sm_90a on a machine without a GPU (CI): the plain block-scaled grouped
-GEMM (clusters of 1 and 2, 64- and 128-column tiles) and the fused gate_up — with no register spills.
+GEMM (clusters of 1 and 2, 64-, 128- and 256-column tiles) and the fused gate_up — with no register spills;
+and the host-side tile checks (a wide tile where N is not a multiple of it falls back to 128 columns).
 
 CuTe DSL lowers to PTX and runs ptxas in-process; ``CUTE_DSL_ARCH`` names the target where no GPU can be
 asked. Their numbers (results, speed) are checked on H200: tests/gpu/test_fp8_cute_gpu.py, bench/fp8_moe.py.
@@ -27,7 +28,7 @@ def _compile(act_inter: int, tile_n: int, cluster_n: int, capfd):
     from cutlass.cute.runtime import make_fake_stream
 
     e, hidden, rows = 4, 512, 512
-    n = 2 * act_inter if act_inter else 384
+    n = 2 * act_inter if act_inter else 512
     a = torch.zeros(rows, hidden, dtype=torch.float8_e4m3fn)
     sa = torch.zeros(hidden // 128, rows)
     w = torch.zeros(e, n, hidden, dtype=torch.float8_e4m3fn)
@@ -43,8 +44,9 @@ def _compile(act_inter: int, tile_n: int, cluster_n: int, capfd):
     return capfd.readouterr()
 
 
-@pytest.mark.parametrize("act_inter, tile_n, cluster_n", [(0, 128, 1), (0, 128, 2), (0, 64, 2), (256, 128, 2)],
-                         ids=["plain-c1", "plain-c2", "plain-n64", "fused-gate-up"])
+@pytest.mark.parametrize("act_inter, tile_n, cluster_n", [(0, 128, 1), (0, 128, 2), (0, 64, 2), (0, 256, 2),
+                                                           (256, 128, 2)],
+                         ids=["plain-c1", "plain-c2", "plain-n64", "plain-n256", "fused-gate-up"])
 def test_cute_fp8_kernels_compile_for_sm90_without_spills(act_inter, tile_n, cluster_n, capfd):
     out = _compile(act_inter, tile_n, cluster_n, capfd)
     text = out.out + out.err
@@ -53,3 +55,13 @@ def test_cute_fp8_kernels_compile_for_sm90_without_spills(act_inter, tile_n, clu
     assert all(s == ("0", "0") for s in spills), spills
     # every wgmma stays asynchronous (a serialised pipeline is reported as C7514/C7515/…)
     assert "wgmma.mma_async instructions are serialized" not in text
+
+
+def test_wide_tile_falls_back_where_n_is_not_a_multiple_of_it():
+    a = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(2, 384, 512, dtype=torch.float8_e4m3fn)
+    cfg = fp8_cute._check_operands(a, w, 384, fp8_cute.CuteGemmConfig(tile_n=256, cluster_n=2))
+    assert (cfg.tile_n, cfg.cluster_n) == (128, 1)  # 3 column tiles of 128: no pairs either
+    w = torch.zeros(2, 1024, 512, dtype=torch.float8_e4m3fn)
+    cfg = fp8_cute._check_operands(a, w, 1024, fp8_cute.CuteGemmConfig(tile_n=256, cluster_n=2))
+    assert (cfg.tile_n, cfg.cluster_n) == (256, 2)
