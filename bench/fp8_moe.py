@@ -26,12 +26,14 @@ FLOPs of both GEMMs: ``6·T·k·H·I``. Times: CUDA events, median of ``do_bench
 tuned once per shape at warm-up (``fp8_moe.tune_fp8``), outside the timed calls.
 
     python bench/fp8_moe.py --tokens 4096 16384 --json out.json
+    python bench/fp8_moe.py --no-tune --rounds 3        (each ratio's median and range over 3 rounds)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 
@@ -238,6 +240,39 @@ def gpu_check(dev="cuda"):
     return out
 
 
+#: the side-by-side ratios a round yields (FP8 ÷ bf16 TFLOP/s, FP8 block ÷ bf16 block): what ``--rounds`` summarizes
+ROUND_RATIOS = ("fp8_over_bf16_tflops", "fp8_block_over_bf16_block", "cute_over_bf16_tflops",
+                "cute_plain_over_bf16_tflops", "cute_block_over_bf16_block")
+
+
+def summarize_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Median and range of each ratio over rounds, per (shape, tokens). A ratio is formed inside its round (both
+    sides measured back to back), so the GPU's clock and thermal state between rounds cancels in each; the median
+    of rounds is what the docs quote (one round moves by ±5-10 % on H200)."""
+    import statistics
+
+    summary = []
+    for rows in zip(*rounds):
+        shape, tokens = rows[0]["shape"], rows[0]["tokens"]
+        if any((r["shape"], r["tokens"]) != (shape, tokens) for r in rows):
+            raise ValueError("rounds disagree on their rows")
+        entry = dict(shape=shape, tokens=tokens, rounds=len(rows))
+        for key in ROUND_RATIOS:
+            values = [r[key] for r in rows if key in r]
+            if values:
+                entry[key] = dict(median=statistics.median(values), min=min(values), max=max(values))
+        summary.append(entry)
+    return summary
+
+
+def _print_summary(summary: list[dict]) -> None:
+    for entry in summary:
+        parts = [f"{key} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for key, v in entry.items()
+                 if isinstance(v, dict)]
+        print(f"[{entry['shape']}] T={entry['tokens']}: median of {entry['rounds']} rounds: " + ", ".join(parts),
+              flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["deepseek_v3", "qwen3_30b"], choices=list(SHAPES))
@@ -248,22 +283,38 @@ def main(argv=None):
     p.add_argument("--rep-ms", type=int, default=50)
     p.add_argument("--cute-configs", nargs="*", default=["128:n:1:2"],
                    help="CuTe GEMM configs to time, N[:m|n][:swizzle][:cluster_n] (none: skip the CuTe path)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every shape this many times over and report each ratio's median and range")
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU self-test of this script (TRITON_INTERPRET=1, tiny shape)")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
     import torch
 
     if a.smoke:
-        out = {"check": gpu_check("cpu"), "rows": run_shape("tiny", [64], tune=False, rep_ms=1, smoke=True)}
+        rounds = [run_shape("tiny", [64], tune=False, rep_ms=1, smoke=True) for _ in range(a.rounds)]
+        out = {"check": gpu_check("cpu"), "rows": [row for r in rounds for row in r], "summary": summarize_rounds(rounds)}
         print(json.dumps(out)[:300])
+        if a.json:
+            pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
         return 0
     if not torch.cuda.is_available():
         print("bench/fp8_moe.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": gpu_check(), "rows": []}
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": gpu_check(), "rows": [],
+           "summary": []}
     for name in a.shapes:
-        out["rows"] += run_shape(name, a.tokens, tune=not a.no_tune, rep_ms=a.rep_ms, tune_tokens=a.tune_tokens,
-                                 cute_configs=a.cute_configs)
+        rounds = []
+        for i in range(a.rounds):
+            if a.rounds > 1:
+                print(f"[{name}] round {i + 1} of {a.rounds}", flush=True)
+            rounds.append(run_shape(name, a.tokens, tune=not a.no_tune and i == 0, rep_ms=a.rep_ms,
+                                    tune_tokens=a.tune_tokens, cute_configs=a.cute_configs))
+            out["rows"] += [dict(row, round=i) for row in rounds[-1]]
+        if a.rounds > 1:
+            out["summary"] += summarize_rounds(rounds)
+            _print_summary(out["summary"][-len(rounds[0]):])
         if a.json:  # after every shape: a run cut short keeps what it measured
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)
