@@ -27,6 +27,7 @@ tuned once per shape at warm-up (``fp8_moe.tune_fp8``), outside the timed calls.
 
     python bench/fp8_moe.py --tokens 4096 16384 --json out.json
     python bench/fp8_moe.py --no-tune --rounds 3        (each ratio's median and range over 3 rounds)
+    python bench/fp8_moe.py --no-triton --rounds 3      (the CuTe path and the bf16 references only)
 """
 
 from __future__ import annotations
@@ -128,16 +129,41 @@ def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops,
     return r
 
 
-def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tune_tokens=(16384,),
-              cute_configs=()):
+def triton_rows(t, x, ids, w, w1, s1, w2, s2, *, bench, flops, t_bf16, t_bblock, ref) -> dict:
+    """The Triton FP8 path at one shape: its two GEMMs alone (plan and input quantization outside the timing) and
+    its whole block, with the block's accuracy against the bf16 block."""
     import torch
-    import triton.testing
 
     from dwdp_runtime.kernels import fp8_moe
     from dwdp_runtime.kernels.fp8_grouped_gemm import fp8_down, fp8_gate_up
     from dwdp_runtime.kernels.fp8_quant import quantize_groups
-    from dwdp_runtime.kernels.moe import ExpertWeights, fused_experts
     from dwdp_runtime.kernels.routing import align_routing
+
+    k, e, h, i = ids.shape[1], w1.shape[0], w2.shape[1], w2.shape[2]
+    c1, c2 = fp8_moe.configs_for(t, k, w1, w2)
+    plan = align_routing(ids, e, c1.block_m)
+    xq, xsc = quantize_groups(x)
+    aq, a_s = fp8_gate_up(xq, xsc, w1, s1, plan, c1, inter=i, up_srow=-(-i // 128))
+    t_g1 = bench(lambda: fp8_gate_up(xq, xsc, w1, s1, plan, c1, inter=i, up_srow=-(-i // 128)))
+    t_g2 = bench(lambda: fp8_down(aq, a_s, w2, s2, w, plan, c2, hidden=h))
+    got = fp8_moe.triton_fp8_moe_forward(x, ids, w, w1, s1, w2, s2)
+    t_fblock = bench(lambda: fp8_moe.triton_fp8_moe_forward(x, ids, w, w1, s1, w2, s2))
+    err = (got.float() - ref.float()).abs()
+    agree = float((got.float().argmax(-1) == ref.float().argmax(-1)).float().mean())
+    return dict(fp8_gemms_ms=t_g1 + t_g2, fp8_gate_up_ms=t_g1, fp8_down_ms=t_g2,
+                fp8_tflops=flops / (t_g1 + t_g2) / 1e9, fp8_over_bf16_tflops=t_bf16 / (t_g1 + t_g2),
+                fp8_block_ms=t_fblock, fp8_block_over_bf16_block=t_fblock / t_bblock,
+                max_abs_err=float(err.max()), rel_max_err=float(err.max() / ref.float().abs().max()),
+                mean_abs_err=float(err.mean()), argmax_agreement=agree, cfg_gate_up=str(c1), cfg_down=str(c2))
+
+
+def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tune_tokens=(16384,),
+              cute_configs=(), with_triton: bool = True):
+    import torch
+    import triton.testing
+
+    from dwdp_runtime.kernels import fp8_moe
+    from dwdp_runtime.kernels.moe import ExpertWeights, fused_experts
 
     h, i, e, k = SHAPES[name]
     dev = torch.device("cpu" if smoke else "cuda")
@@ -146,7 +172,7 @@ def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tun
         bench = lambda fn: (fn(), 1.0)[1]  # noqa: E731 - runs every path once, times nothing
     else:
         bench = lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))  # noqa: E731
-    if tune:
+    if tune and with_triton:
         t0 = time.perf_counter()
         fp8_moe.tune_fp8(w1, s1, w2, s2, top_k=k, token_counts=list(tune_tokens), rep_ms=10)
         print(f"[{name}] tuned fp8 tiles for T={list(tune_tokens)} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -164,41 +190,29 @@ def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tun
         act = torch.randn(t * k, i, device=dev, dtype=torch.bfloat16, generator=g)
         t_bf16 = bench(lambda: (torch._grouped_mm(xs, d1.transpose(-2, -1), offs=offs),
                                 torch._grouped_mm(act, d2.transpose(-2, -1), offs=offs)))
-        # fp8 GEMMs alone
-        c1, c2 = fp8_moe.configs_for(t, k, w1, w2)
-        plan = align_routing(ids, e, c1.block_m)
-        xq, xsc = quantize_groups(x)
-        aq, a_s = fp8_gate_up(xq, xsc, w1, s1, plan, c1, inter=i, up_srow=-(-i // 128))
-        t_g1 = bench(lambda: fp8_gate_up(xq, xsc, w1, s1, plan, c1, inter=i, up_srow=-(-i // 128)))
-        t_g2 = bench(lambda: fp8_down(aq, a_s, w2, s2, w, plan, c2, hidden=h))
-        # whole blocks
+        # our bf16 block: the reference output and the denominator of every block ratio
         bw = ExpertWeights(gate_up=d1, down=d2)
         ref = fused_experts(x, ids, w, bw)
-        got = fp8_moe.triton_fp8_moe_forward(x, ids, w, w1, s1, w2, s2)
         t_bblock = bench(lambda: fused_experts(x, ids, w, bw))
-        t_fblock = bench(lambda: fp8_moe.triton_fp8_moe_forward(x, ids, w, w1, s1, w2, s2))
-        err = (got.float() - ref.float()).abs()
-        agree = float((got.float().argmax(-1) == ref.float().argmax(-1)).float().mean())
-        r = dict(shape=name, tokens=t, hidden=h, inter=i, experts=e, top_k=k,
-                 bf16_grouped_mm_ms=t_bf16, fp8_gemms_ms=t_g1 + t_g2, fp8_gate_up_ms=t_g1, fp8_down_ms=t_g2,
-                 bf16_tflops=flops / t_bf16 / 1e9, fp8_tflops=flops / (t_g1 + t_g2) / 1e9,
-                 fp8_over_bf16_tflops=t_bf16 / (t_g1 + t_g2),
-                 bf16_block_ms=t_bblock, fp8_block_ms=t_fblock, fp8_block_over_bf16_block=t_fblock / t_bblock,
-                 max_abs_err=float(err.max()), rel_max_err=float(err.max() / ref.float().abs().max()),
-                 mean_abs_err=float(err.mean()), argmax_agreement=agree,
-                 cfg_gate_up=str(c1), cfg_down=str(c2))
+        r = dict(shape=name, tokens=t, hidden=h, inter=i, experts=e, top_k=k, bf16_grouped_mm_ms=t_bf16,
+                 bf16_tflops=flops / t_bf16 / 1e9, bf16_block_ms=t_bblock)
+        common = dict(bench=bench, flops=flops, t_bf16=t_bf16, t_bblock=t_bblock, ref=ref)
+        if with_triton:
+            r.update(triton_rows(t, x, ids, w, w1, s1, w2, s2, **common))
         if cute_configs:
             try:
-                r.update(cute_rows(name, t, x, ids, w, w1, s1, w2, s2, bench=bench, cute_configs=cute_configs,
-                                   flops=flops, t_bf16=t_bf16, t_bblock=t_bblock, ref=ref))
+                r.update(cute_rows(name, t, x, ids, w, w1, s1, w2, s2, cute_configs=cute_configs, **common))
             except Exception as exc:  # noqa: BLE001 - the Triton numbers above still stand
                 r["cute_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"[{name}] T={t}: CuTe path failed: {r['cute_error']}", flush=True)
         rows.append(r)
-        print(f"[{name}] T={t}: bf16 grouped_mm {t_bf16:.3f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | fp8 GEMMs "
-              f"{t_g1 + t_g2:.3f} ms ({r['fp8_tflops']:.0f} TFLOP/s) = {r['fp8_over_bf16_tflops']:.2f}x | block bf16 "
-              f"{t_bblock:.3f} fp8 {t_fblock:.3f} ms = {r['fp8_block_over_bf16_block']:.3f} | rel err "
-              f"{r['rel_max_err']:.4f} argmax agree {agree:.4f}", flush=True)
+        line = f"[{name}] T={t}: bf16 grouped_mm {t_bf16:.3f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | block bf16 {t_bblock:.3f} ms"
+        if with_triton:
+            line += (f" | Triton fp8 GEMMs {r['fp8_gemms_ms']:.3f} ms ({r['fp8_tflops']:.0f} TFLOP/s) = "
+                     f"{r['fp8_over_bf16_tflops']:.2f}x | block fp8 {r['fp8_block_ms']:.3f} ms = "
+                     f"{r['fp8_block_over_bf16_block']:.3f} | rel err {r['rel_max_err']:.4f} argmax agree "
+                     f"{r['argmax_agreement']:.4f}")
+        print(line, flush=True)
     return rows
 
 
@@ -283,6 +297,9 @@ def main(argv=None):
     p.add_argument("--rep-ms", type=int, default=50)
     p.add_argument("--cute-configs", nargs="*", default=["128:n:1:2"],
                    help="CuTe GEMM configs to time, N[:m|n][:swizzle][:cluster_n] (none: skip the CuTe path)")
+    p.add_argument("--no-triton", action="store_true",
+                   help="skip the Triton FP8 kernels (their tuning, GEMMs and block): the CuTe path and the bf16 "
+                        "references only, for less device time")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every shape this many times over and report each ratio's median and range")
     p.add_argument("--json", default=None)
@@ -293,7 +310,8 @@ def main(argv=None):
     import torch
 
     if a.smoke:
-        rounds = [run_shape("tiny", [64], tune=False, rep_ms=1, smoke=True) for _ in range(a.rounds)]
+        rounds = [run_shape("tiny", [64], tune=False, rep_ms=1, smoke=True, with_triton=not a.no_triton)
+                  for _ in range(a.rounds)]
         out = {"check": gpu_check("cpu"), "rows": [row for r in rounds for row in r], "summary": summarize_rounds(rounds)}
         print(json.dumps(out)[:300])
         if a.json:
@@ -310,7 +328,8 @@ def main(argv=None):
             if a.rounds > 1:
                 print(f"[{name}] round {i + 1} of {a.rounds}", flush=True)
             rounds.append(run_shape(name, a.tokens, tune=not a.no_tune and i == 0, rep_ms=a.rep_ms,
-                                    tune_tokens=a.tune_tokens, cute_configs=a.cute_configs))
+                                    tune_tokens=a.tune_tokens, cute_configs=a.cute_configs,
+                                    with_triton=not a.no_triton))
             out["rows"] += [dict(row, round=i) for row in rounds[-1]]
         if a.rounds > 1:
             out["summary"] += summarize_rounds(rounds)

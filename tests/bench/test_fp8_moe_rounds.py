@@ -39,15 +39,25 @@ def test_rounds_that_disagree_on_their_rows_are_refused():
         fp8_moe.summarize_rounds([[_row(4096)], [_row(16384)]])
 
 
-def test_smoke_run_with_two_rounds_writes_the_summary(tmp_path):
+def _smoke(tmp_path, *flags) -> dict:
     out = tmp_path / "out.json"
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_moe.py"), "--smoke", "--rounds", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_moe.py"), "--smoke", *flags,
                            "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_smoke_run_with_two_rounds_writes_the_summary(tmp_path):
+    result = _smoke(tmp_path, "--rounds", "2")
     assert len(result["rows"]) == 2
     (entry,) = result["summary"]
     assert entry["rounds"] == 2 and entry["shape"] == "tiny"
     assert set(entry) >= {"fp8_over_bf16_tflops", "fp8_block_over_bf16_block"}
+
+
+def test_no_triton_skips_the_triton_kernels_and_keeps_the_bf16_references(tmp_path):
+    (row,) = _smoke(tmp_path, "--no-triton")["rows"]
+    assert {"bf16_grouped_mm_ms", "bf16_block_ms"} <= set(row)
+    assert not any(key.startswith("fp8_") for key in row)
