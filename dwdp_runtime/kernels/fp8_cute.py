@@ -31,13 +31,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import logging
+import re
 from dataclasses import dataclass
 
 import torch
 
+from ..contract import TuningEnv
 from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, reduce_plan_rows
 from .fp8_quant import quantize_groups
 from .routing import align_routing
+
+log = logging.getLogger(__name__)
 
 #: rows per GEMM tile (two math warpgroups × 64): the routing plan is padded to it
 TILE_M = 128
@@ -85,9 +90,39 @@ def unusable(w1: torch.Tensor, w2: torch.Tensor) -> str | None:
     return None
 
 
+class CuteBuildError(RuntimeError):
+    """The CuTe kernels could not be built in this process (the kernel module's import or ``cute.compile``
+    failed: a CuTe DSL release without an API the kernel uses, a ptxas error, a wrong ``CUTE_DSL_ARCH``). Raised
+    by the launch that tried; from then on ``unavailable()`` names the reason, so the ``auto`` backend serves on
+    the Triton kernels and a forced ``cute`` one refuses with it."""
+
+
+#: the first build failure of this process (None: none yet) — process-wide, like the compiled kernels
+_BUILD_FAILURE: list[str] = []
+
+
+def build_failure() -> str | None:
+    """The reason the CuTe kernels failed to build in this process, or None."""
+    return _BUILD_FAILURE[0] if _BUILD_FAILURE else None
+
+
+def _record_build_failure(exc: BaseException) -> CuteBuildError:
+    """Remember (once) and log why the build failed; the error to raise."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # the DSL colours its diagnostics
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    reason = f"{type(exc).__name__}: {first}"
+    if not _BUILD_FAILURE:
+        _BUILD_FAILURE.append(reason)
+        log.warning("the CuTe FP8 kernels failed to build (%s); FP8 experts fall back to the Triton kernels "
+                    "unless %s=cute", reason, TuningEnv.FP8_BACKEND)
+    return CuteBuildError(f"the CuTe FP8 kernels failed to build: {reason}")
+
+
 def unavailable(device=None) -> str | None:
     """Why the CuTe path cannot run here, or None when it can (decided once per process and device: the
-    experts forward asks on every layer of every forward)."""
+    experts forward asks on every layer of every forward; a build failure, once seen, stays the reason)."""
+    if _BUILD_FAILURE:
+        return f"the CuTe FP8 kernels failed to build: {_BUILD_FAILURE[0]}"
     if not torch.cuda.is_available():
         return _machine_reason(-1)
     index = torch.device(device).index if device is not None and torch.device(device).type == "cuda" else None
@@ -112,9 +147,25 @@ def _machine_reason(index: int) -> str | None:
 
 @functools.cache
 def _kernel_module():
-    from . import _fp8_cute_kernel
-
+    try:
+        from . import _fp8_cute_kernel
+    except Exception as exc:  # noqa: BLE001 - any import-time failure of the DSL (missing API, broken install)
+        raise _record_build_failure(exc) from exc
     return _fp8_cute_kernel
+
+
+def compile_gemm(k_tiles: int, cfg: CuteGemmConfig, act_inter: int, args: tuple, max_active_clusters: int, stream):
+    """``cute.compile`` of the grouped GEMM for these operands (``gemm_arguments``); a failure is recorded and
+    raised as ``CuteBuildError`` (module docstring of ``CuteBuildError``)."""
+    kernel_module = _kernel_module()
+    try:
+        import cutlass.cute as cute
+
+        kernel = kernel_module.BlockScaledGroupedGemm(k_tiles, cfg.tile_n, cfg.raster_along_m, cfg.swizzle,
+                                                      cfg.cluster_n, act_inter)
+        return cute.compile(kernel, *args, max_active_clusters, stream)
+    except Exception as exc:  # noqa: BLE001 - the DSL's own errors (DSLBaseError), ptxas, API drift
+        raise _record_build_failure(exc) from exc
 
 
 #: activations the fused gate_up epilogue implements (others take GEMM 1 + ``act_quant_plan_rows``)
@@ -164,12 +215,8 @@ def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_in
     key = (d.dtype, cfg, k // SCALE_BLOCK, act_inter, a.device.index)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        import cutlass.cute as cute
-
-        kernel = _kernel_module().BlockScaledGroupedGemm(k // SCALE_BLOCK, cfg.tile_n, cfg.raster_along_m, cfg.swizzle,
-                                                         cfg.cluster_n, act_inter)
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        compiled = _COMPILED[key] = cute.compile(kernel, *args, sms // cfg.cluster_n, stream)
+        compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, sms // cfg.cluster_n, stream)
     compiled(*args, stream)
 
 

@@ -179,10 +179,16 @@ def fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
                     has_gate: bool = True, activation: str = "silu") -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (see module docstring)."""
     if chosen_backend(w1, w2) is Fp8Backend.CUTE:
-        from .fp8_cute import cute_fp8_moe_forward
+        from .fp8_cute import CuteBuildError, cute_fp8_moe_forward
 
-        return cute_fp8_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, has_gate=has_gate,
-                                    activation=activation)
+        try:
+            return cute_fp8_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, has_gate=has_gate,
+                                        activation=activation)
+        except CuteBuildError:
+            # recorded: a forced ``cute`` backend now refuses with the reason, ``auto`` answers TRITON (once
+            # per process, at the first forward — the warm-up, before /readyz — so no batch depends on it)
+            if chosen_backend(w1, w2) is Fp8Backend.CUTE:
+                raise
     return triton_fp8_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, has_gate=has_gate,
                                   activation=activation)
 

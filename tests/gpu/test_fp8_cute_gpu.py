@@ -151,3 +151,43 @@ def test_cute_block_matches_block_math_and_triton(fp8_cute):
           f"mean {float((fused.float() - triton_out.float()).abs().mean()):.3g}")
     assert float(err.max()) <= 2 ** -6 * float(want_fused.float().abs().max())
     assert float(err.mean()) <= 2 ** -7 * float(want_fused.float().abs().mean())
+
+
+FALLBACK_SCRIPT = """
+import os, torch
+from dwdp_runtime.kernels import fp8_moe
+from tests.kernels.fp8_reference import small_fp8_block_case
+
+args = [t.cuda() for t in small_fp8_block_case()]
+if os.environ.get("DWDP_FP8_BACKEND") == "cute":
+    try:
+        fp8_moe.fp8_moe_forward(*args)
+        print("SERVED")
+    except Exception as exc:
+        print("REFUSED", type(exc).__name__, exc)
+else:
+    got = fp8_moe.fp8_moe_forward(*args)
+    again = fp8_moe.fp8_moe_forward(*args)
+    want = fp8_moe.triton_fp8_moe_forward(*args)
+    print("EQUAL", torch.equal(got, want) and torch.equal(again, want))
+"""
+
+
+@pytest.mark.parametrize("backend", ["auto", "cute"])
+def test_kernels_that_fail_to_build_fall_back_to_triton_under_auto(fp8_cute, backend):
+    """CuTe DSL made to target sm_100a cannot build the sm_90a kernel (a real compiler refusal): ``auto`` serves
+    the forward — the first one too — on the Triton kernels with their exact bits and one warning; a forced
+    ``cute`` refuses with the compiler's reason."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", DWDP_FP8_BACKEND=backend,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if backend == "auto":
+        assert "EQUAL True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+        assert proc.stderr.count("the CuTe FP8 kernels failed to build") == 1
+    else:
+        assert "REFUSED" in proc.stdout and "sm_90a" in proc.stdout, proc.stdout

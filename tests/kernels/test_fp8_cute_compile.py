@@ -1,6 +1,7 @@
 """The CuTe DSL FP8 kernels compile for sm_90a on a machine without a GPU (CI): the plain block-scaled grouped
 GEMM (clusters of 1 and 2, 64-, 128- and 256-column tiles) and the fused gate_up — with no register spills;
-and the host-side tile checks (a wide tile where N is not a multiple of it falls back to 128 columns).
+the host-side tile checks (a wide tile where N is not a multiple of it falls back to 128 columns); and a kernel
+that fails to build is recorded and named (``CuteBuildError``, ``unavailable()``).
 
 CuTe DSL lowers to PTX and runs ptxas in-process; ``CUTE_DSL_ARCH`` names the target where no GPU can be
 asked. Their numbers (results, speed) are checked on H200: tests/gpu/test_fp8_cute_gpu.py, bench/fp8_moe.py.
@@ -65,3 +66,48 @@ def test_wide_tile_falls_back_where_n_is_not_a_multiple_of_it():
     w = torch.zeros(2, 1024, 512, dtype=torch.float8_e4m3fn)
     cfg = fp8_cute._check_operands(a, w, 1024, fp8_cute.CuteGemmConfig(tile_n=256, cluster_n=2))
     assert (cfg.tile_n, cfg.cluster_n) == (256, 2)
+
+
+BUILD_FAILURE_SCRIPT = """
+import torch
+from cutlass.cute.runtime import make_fake_stream
+from dwdp_runtime.kernels import fp8_cute
+
+rows, hidden, n, e = 256, 512, 256, 2
+a = torch.zeros(rows, hidden, dtype=torch.float8_e4m3fn)
+sa = torch.zeros(hidden // 128, rows)
+w = torch.zeros(e, n, hidden, dtype=torch.float8_e4m3fn)
+ws = torch.zeros(e, n // 128, hidden // 128)
+d = torch.zeros(rows, n, dtype=torch.bfloat16)
+args = fp8_cute.gemm_arguments(a, sa, w, ws, d, sa, torch.zeros(rows // 128, dtype=torch.int32))
+for attempt in range(2):
+    try:
+        fp8_cute.compile_gemm(hidden // 128, fp8_cute.PLAIN_CONFIG, 0, args, 132, make_fake_stream())
+        print("BUILT")
+    except fp8_cute.CuteBuildError as exc:
+        print("ERROR", exc)
+print("UNAVAILABLE", fp8_cute.unavailable())
+"""
+
+
+def test_a_kernel_that_fails_to_build_is_recorded_once_and_named(tmp_path):
+    """A real build failure (the sm_90a kernel compiled for sm_100a: CuTe DSL refuses its wgmma) raises
+    CuteBuildError with the compiler's reason, logs one warning however often it is retried, and makes
+    ``unavailable()`` name it — what turns the ``auto`` backend to the Triton kernels (tests/gpu covers that
+    fallback end to end)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", BUILD_FAILURE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    errors = [line for line in lines if line.startswith("ERROR")]
+    assert len(errors) == 2 and all("expects arch to be sm_90a" in line for line in errors), proc.stdout
+    assert "BUILT" not in proc.stdout
+    (unavailable,) = [line for line in lines if line.startswith("UNAVAILABLE")]
+    assert "failed to build" in unavailable and "sm_90a" in unavailable
+    assert proc.stderr.count("the CuTe FP8 kernels failed to build") == 1, proc.stderr[-3000:]
