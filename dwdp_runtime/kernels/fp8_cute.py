@@ -156,7 +156,7 @@ def _kernel_module():
 
 def compile_gemm(k_tiles: int, cfg: CuteGemmConfig, act_inter: int, args: tuple, max_active_clusters: int, stream):
     """``cute.compile`` of the grouped GEMM for these operands (``gemm_arguments``); a failure is recorded and
-    raised as ``CuteBuildError`` (module docstring of ``CuteBuildError``)."""
+    raised as ``CuteBuildError`` (what follows from it: that class's docstring)."""
     kernel_module = _kernel_module()
     try:
         import cutlass.cute as cute
