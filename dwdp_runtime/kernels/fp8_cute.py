@@ -97,32 +97,26 @@ class CuteBuildError(RuntimeError):
     the Triton kernels and a forced ``cute`` one refuses with it."""
 
 
-#: the first build failure of this process (None: none yet) — process-wide, like the compiled kernels
+#: why the CuTe kernels failed to build in this process (empty: they have not) — process-wide, like ``_COMPILED``
 _BUILD_FAILURE: list[str] = []
 
 
-def build_failure() -> str | None:
-    """The reason the CuTe kernels failed to build in this process, or None."""
-    return _BUILD_FAILURE[0] if _BUILD_FAILURE else None
-
-
 def _record_build_failure(exc: BaseException) -> CuteBuildError:
-    """Remember (once) and log why the build failed; the error to raise."""
+    """Remember (the first time) and log why the build failed; the error to raise."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # the DSL colours its diagnostics
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
-    reason = f"{type(exc).__name__}: {first}"
     if not _BUILD_FAILURE:
-        _BUILD_FAILURE.append(reason)
-        log.warning("the CuTe FP8 kernels failed to build (%s); FP8 experts fall back to the Triton kernels "
-                    "unless %s=cute", reason, TuningEnv.FP8_BACKEND)
-    return CuteBuildError(f"the CuTe FP8 kernels failed to build: {reason}")
+        _BUILD_FAILURE.append(f"the CuTe FP8 kernels failed to build: {type(exc).__name__}: {first}")
+        log.warning("%s; FP8 experts fall back to the Triton kernels unless %s=cute", _BUILD_FAILURE[0],
+                    TuningEnv.FP8_BACKEND)
+    return CuteBuildError(_BUILD_FAILURE[0])
 
 
 def unavailable(device=None) -> str | None:
     """Why the CuTe path cannot run here, or None when it can (decided once per process and device: the
     experts forward asks on every layer of every forward; a build failure, once seen, stays the reason)."""
     if _BUILD_FAILURE:
-        return f"the CuTe FP8 kernels failed to build: {_BUILD_FAILURE[0]}"
+        return _BUILD_FAILURE[0]
     if not torch.cuda.is_available():
         return _machine_reason(-1)
     index = torch.device(device).index if device is not None and torch.device(device).type == "cuda" else None
