@@ -12,8 +12,10 @@
      reference, and the max |Δ logprob| (log-softmax over the vocabulary, all entries); then both against the
      same dequantized weights in float32 — the metric's noise floor on this model (a random-weight model has
      nearly flat logits, so bf16 rounding alone flips some arg-maxes);
-  5. prefill: one ``--isl``-token sequence, sharded FP8 vs unsharded FP8, alternated after warm-up: tokens/s
-     and the ratio; unsharded bf16 reference time beside them.
+  5. prefill: one ``--isl``-token sequence, sharded FP8 vs unsharded FP8, alternated after warm-up, ``--iters``
+     each: tokens/s of the medians and their ratio, each kind's range; unsharded bf16 reference time beside
+     them. ``--profile`` then profiles one forward of each (``bench/profiling.py``): kernel tables and the
+     summed kernel time beside the wall time.
 
 ``--train-steps N`` (default 0: the random weights above) measures the agreement on a *trained* model instead:
 on random weights the floor itself (bf16 vs float32: 97.0 % on H200) sits below the ≥ 99 % goal, which a
@@ -36,6 +38,7 @@ the prompt source and the training (steps, held-out bits per byte). The prefill 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -52,6 +55,9 @@ for _p in (ROOT / "worker", ROOT):
 
 from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-up
 
+#: timed forwards of each kind: one forward's time moves by 10-25 % on a shared H200 host (2026-12-01: the same
+#: unsharded forward 13.75 and 17.20 ms in two runs of one call), so 3 left the ratio to chance
+ITERS = 10
 #: the agreement prompts' seed, random ids or held-out windows (2: the seed of the numbers in docs/MODELS.md)
 PROMPT_SEED = 2
 
@@ -65,7 +71,12 @@ def parse_args(argv=None):
     p.add_argument("--dwdp-size", type=int, default=4)
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=ITERS,
+                   help="timed forwards of each kind, alternated (the ratio is of their medians)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timing, profile one sharded and one unsharded FP8 forward: kernel tables "
+                        "and summed kernel time beside the wall time (where the wall exceeds it, the host or a "
+                        "wait left the GPU idle)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=2048)
     p.add_argument("--num-experts", type=int, default=32)
@@ -243,8 +254,14 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                             diff = max(diff, float((r.logits - lg).abs().max()))
                 med = {k: statistics.median(v) for k, v in times.items()}
                 out.update(isl=args.isl, **{f"{k}_s": v for k, v in med.items()},
+                           **{f"{k}_range_s": (min(v), max(v)) for k, v in times.items()},
                            sharded_over_unsharded=med["unsharded_fp8"] / med["sharded_fp8"],
                            sharded_vs_unsharded_fp8_max_abs_dlogit=diff, stats=engine.stats())
+                if args.profile:
+                    from bench.profiling import profile_table
+
+                    out["profile"] = {name: profile_table(fn, device) for name, fn in (
+                        ("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded.logits(seq)))}
                 del ref, unsharded
             rdzv.barrier("fp8/done")
         finally:
@@ -253,7 +270,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
 
 #: options bench/prefill.py does not have, with their defaults here (``prefill.py --quant fp8`` calls ``run``)
-_OWN_DEFAULTS = {"prompts": 1000, "prompt_len": 32, "pack": 100, "json": None,
+_OWN_DEFAULTS = {"prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False,
                  "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8"),
                  # --train-steps: 32 x 512 bytes a step (~28 TFLOP at the default model; docs/MODELS.md)
                  "train_steps": 0, "train_batch": 32, "train_seq": 512, "train_lr": 1e-3, "corpus": None}
@@ -296,8 +313,15 @@ def run(args) -> int:
     r0["training"] = _training_summary(fp8)
     _print_summary(args, fp8, r0)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=_json_default))
     return 0
+
+
+def _json_default(obj):
+    """``--json`` of a profile: its numbers and table as fields (anything else as its text)."""
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return str(obj)
 
 
 def _prompts(args, fp8: pathlib.Path, corpus) -> tuple[list[list[int]], str]:
@@ -338,6 +362,12 @@ def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
           f"{r0['unsharded_fp8_s'] * 1e3:.2f} ms, unsharded bf16 ref {r0['unsharded_bf16_ref_s'] * 1e3:.2f} ms; "
           f"sharded/unsharded (tok/s) = {r0['sharded_over_unsharded']:.3f}; "
           f"max |dlogit| sharded vs unsharded fp8 {r0['sharded_vs_unsharded_fp8_max_abs_dlogit']:.3g}")
+    spread = ", ".join(f"{name} {lo * 1e3:.2f}-{hi * 1e3:.2f}" for name, (lo, hi) in
+                       ((k, r0[f"{k}_range_s"]) for k in ("sharded_fp8", "unsharded_fp8", "unsharded_bf16_ref")))
+    print(f"  range over {args.iters} forwards each (ms): {spread}")
+    for name, prof in (r0.get("profile") or {}).items():
+        busy = f"summed kernel time {prof.device_busy_s * 1e3:.2f} ms" if prof.device_busy_s else "no device"
+        print(f"\nprofile, one {name} forward: wall {prof.wall_s * 1e3:.2f} ms, {busy}\n{prof.table}")
 
 
 if __name__ == "__main__":

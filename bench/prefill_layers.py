@@ -74,23 +74,10 @@ def _time(model, seqs, device, iters: int):
 
 
 def _profile(model, seqs, device, rows: int, trace: str | None) -> str:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    from bench.profiling import profile_table
     from dwdp_worker.packing import packed_logits
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        packed_logits(model, seqs, device)
-        torch.cuda.synchronize(device)
-    if trace:
-        prof.export_chrome_trace(trace)
-    events = prof.key_averages()
-    for key in ("self_cuda_time_total", "self_device_time_total", "cuda_time_total"):
-        try:
-            return events.table(sort_by=key, row_limit=rows, max_name_column_width=70)
-        except (AttributeError, KeyError, ValueError):
-            continue
-    return events.table(row_limit=rows)
+    return profile_table(lambda: packed_logits(model, seqs, device), device, rows=rows, trace=trace).table
 
 
 def main(argv=None) -> int:
