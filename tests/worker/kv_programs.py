@@ -1,6 +1,8 @@
 """Programs for the KV handoff tests (importable by spawned processes).
 
-``prefill_program`` is one DWDP rank: for each checkpoint it builds an Engine with a KV budget, prefills
+``prefill_program`` is one DWDP rank: for each checkpoint it builds an Engine with a KV budget (one store port
+per run, each checked free by the test: rank 0's store of the previous run may still be closing, and a port
+derived from another one can be any process's ephemeral port — seen in CI as EADDRINUSE for 180 s), prefills
 the packed prompts keeping their KV, writes the transfer params (JSON) into ``exchange`` and waits (bounded)
 until the decode process says it is done; it also decodes the prompts itself (``max_new_tokens``) so the
 engine's own cache path is checked. ``decode_program`` is the separate decode process: its own NIXL agent
@@ -31,7 +33,7 @@ def _write(path: pathlib.Path, obj) -> None:
     tmp.rename(path)
 
 
-def prefill_program(rank, world, port, *, runs, prompts, exchange, new_tokens, block_bytes=4096,
+def prefill_program(rank, world, port, *, runs, store_ports, prompts, exchange, new_tokens, block_bytes=4096,
                     budget_bytes=1 << 20):
     import torch
 
@@ -45,7 +47,7 @@ def prefill_program(rank, world, port, *, runs, prompts, exchange, new_tokens, b
     out = {}
     for job, model_dir in runs:
         cfg = DwdpConfig.even(dwdp_size=world, num_experts=num_experts_of(model_dir))
-        with _rdzv(rank, world, ports_for(port, job), job) as rdzv:
+        with _rdzv(rank, world, store_ports[job], job) as rdzv:
             engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend="host",
                                   token="tok", progress=False,
                                   kv=KvSettings(budget_bytes=budget_bytes, block_bytes=block_bytes),
@@ -83,11 +85,6 @@ def _fill_until_full(engine, prompts, job):
         engine.kv.store.release(rid, pulled=False)
     return {"errors": errors, "kept": len(kept), "peak": peak, "budget": engine.kv.stats().budget_bytes,
             "full_total": engine.kv.stats().full_total, "held_after": engine.kv.stats().held_bytes}
-
-
-def ports_for(base: int, job: str) -> int:
-    """One store port per run: rank 0's store of the previous run may still be closing."""
-    return base + sum(job.encode()) % 97 + 1
 
 
 def decode_program(*, runs, world, prompts, exchange, new_tokens, result):

@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from ..runtime.group import run_group
+from ..runtime.group import free_port, run_group
 from .kv_programs import decode_program, prefill_program
 
 pytest.importorskip("nixl", reason="KV transfer tests need NIXL (the kv extra)")
@@ -30,8 +30,8 @@ def test_round_trip_every_arch(world, checkpoints, tmp_path):
                                                              result=str(result)))
     decoder.start()
     try:
-        res = run_group(prefill_program, world, runs=runs, prompts=PROMPTS, exchange=str(exchange),
-                        new_tokens=NEW_TOKENS, harness_timeout_s=240)
+        res = run_group(prefill_program, world, runs=runs, store_ports={job: free_port() for job, _ in runs},
+                        prompts=PROMPTS, exchange=str(exchange), new_tokens=NEW_TOKENS, harness_timeout_s=240)
     finally:
         decoder.join(timeout=60)
         if decoder.is_alive():
