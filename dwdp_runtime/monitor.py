@@ -13,8 +13,8 @@ How — two daemon threads, so that no verdict ever waits on the network:
     own timeout (minutes) when the store host is frozen (SIGSTOP, a hung node: the kernel still
     accepts the connection, nobody answers) — only this thread waits then;
   * the *watch* thread never touches the store: every ``interval_s`` it judges the records
-    (``verdict``, a pure function): a peer whose counter has not moved for ``dead_after_s``, or a
-    store that has not completed a round for ``dead_after_s``, is lost. ``on_lost(message)`` is
+    (``verdict``, a pure function): a store that has not completed a round for ``dead_after_s``, or a
+    peer whose counter stood still over ``dead_after_s`` of completed rounds, is lost. ``on_lost(message)`` is
     called once, from the watch thread (the rank reports it to its front at once, even mid-forward).
 
 Detection bound: a peer or store that stops answering at time t is declared lost by
@@ -58,8 +58,11 @@ def verdict(obs: Observations, now: float, *, dead_after_s: float, where: str) -
     if silent > dead_after_s:
         return (f"the rendezvous store of {where} has not answered for {silent:.1f} s (its host, rank 0, is "
                 f"frozen or unreachable); this group must be restarted")
+    # a peer is blamed only for silence the store could have carried: its counter stood still over rounds that
+    # completed. Judged against ``now``, a frozen store host's own last beat — up to one interval older than
+    # the last round — would cross the bound first and blame the peer for the store's silence.
     for peer, (_, since) in sorted(obs.peers.items()):
-        if now - since > dead_after_s:
+        if obs.last_round - since > dead_after_s:
             return (f"rank {peer} of {where} stopped heart-beating {now - since:.1f} s ago "
                     f"(dead or hung); this group must be restarted")
     return None

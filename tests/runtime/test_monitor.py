@@ -10,7 +10,7 @@ def test_dead_peer_is_named_within_bounded_time():
     for r in (0, 1):
         status, out = res[r]
         assert status == "ok" and out["message"] and "rank 2" in out["message"], out
-        assert 1.0 < out["after_s"] < 10.0  # death at 1 s, declared after ~1 s of silence (slack for load)
+        assert 1.0 < out["after_s"] < 10.0  # death at 1 s, declared after ~3 s of silence (slack for load)
 
 
 def test_losing_the_store_host_is_detected():
@@ -34,5 +34,10 @@ def test_the_verdict_names_a_silent_store_a_silent_peer_and_a_lost_connection():
     # the store answers but peer 2's counter has not moved for 10 s
     silent = Observations(started=0.0, last_round=99.9, peers={1: (7, 99.0), 2: (3, 89.5)})
     assert "rank 2 of group 0" in verdict(silent, 100.0, dead_after_s=10.0, where=where)
+    # a frozen store host: the last round (89.9) saw the host's counter unchanged since 89.0; 10.5 s later the
+    # silence is the store's, not a peer's — the store is named, not "rank 0 stopped heart-beating"
+    host_frozen = Observations(started=0.0, last_round=89.9, peers={0: (7, 89.0)})
+    assert "has not answered" in verdict(host_frozen, 99.95, dead_after_s=10.0, where=where)
+    assert verdict(host_frozen, 99.5, dead_after_s=10.0, where=where) is None  # neither bound crossed yet
     lost = Observations(started=0.0, last_round=99.9, store_error="Connection reset by peer")
     assert "lost the rendezvous store" in verdict(lost, 100.0, dead_after_s=10.0, where=where)
