@@ -145,10 +145,16 @@ def test_chart_rbac_is_exactly_the_operator_api_calls(cluster, tmp_path):
         c.helm("uninstall", rel, "-n", ns, check=False)
 
 
+#: the first reconcile's bound from the operator's launch: it covers the interpreter start and the kopf and
+#: kubernetes imports (2-4 s on a loaded 2-core CI machine: a 5 s bound left about a second of margin) and stays well
+#: under the ~54 s that the namespace-discovery defect took
+FIRST_RECONCILE_S = 20
+
+
 def test_literal_namespace_reconciles_at_once_with_namespaced_roles_and_no_403(cluster, tmp_path):
     """Issue 19: with ``watchNamespaces={demo}`` the operator listed namespaces, logged 403s and started
     reconciling only after ~54 s. Now: the chart grants a Role in that namespace only, the operator
-    turns kopf's namespace/CRD discovery off, and a DwdpGroup reconciles within 5 s of the start."""
+    turns kopf's namespace/CRD discovery off, and a DwdpGroup reconciles within FIRST_RECONCILE_S of the start."""
     c = cluster
     rel, ns = "lit", "dwdp-demo"  # outside the session operator's dwdp-t-* namespaces
     c.core.create_namespace({"metadata": {"name": ns}})
@@ -168,8 +174,9 @@ def test_literal_namespace_reconciles_at_once_with_namespaced_roles_and_no_403(c
         t0 = time.time()
         op.start()
         try:
-            wait_for(lambda: (c.get_group(ns, "demo").get("status") or {}).get("observedGeneration"), timeout=5,
-                     interval=0.05, what="the first reconcile within 5 s of the operator's start")
+            wait_for(lambda: (c.get_group(ns, "demo").get("status") or {}).get("observedGeneration"),
+                     timeout=FIRST_RECONCILE_S, interval=0.05,
+                     what=f"the first reconcile within {FIRST_RECONCILE_S} s of the operator's start")
             started = time.time() - t0
             wait_for(lambda: (c.get_group(ns, "demo").get("status") or {}).get("readyGroups") == 1, timeout=60,
                      what="group ready under namespaced Roles")

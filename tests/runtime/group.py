@@ -2,6 +2,10 @@
 
 Each rank runs ``fn(rank, world_size, port, **kw)`` in a fresh ``spawn`` process; its return
 value (picklable) or its exception text comes back through a queue. A rank may be told to die.
+
+The ranks import torch and the runtime, then meet at a start barrier before ``fn``: spawned interpreters
+importing torch side by side on a loaded 2-core machine finish seconds apart, and a rendezvous timeout of a
+few seconds (the timeout tests' own) would then name a slow *importer* as the missing rank.
 """
 
 from __future__ import annotations
@@ -17,8 +21,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, kw, q):
+#: how long the ranks wait for each other at the start barrier (imports only; never the test's subject)
+START_BARRIER_S = 120.0
+
+
+def _entry(fn, rank, world, port, kw, q, start):
     try:
+        import torch  # noqa: F401 - the slow part of a rank's start, done before the barrier
+
+        import dwdp_runtime  # noqa: F401
+
+        start.wait(START_BARRIER_S)
         q.put((rank, "ok", fn(rank, world, port, **kw)))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -32,8 +45,9 @@ def run_group(fn, world: int, *, harness_timeout_s: float = 120.0, ranks=None, *
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = kw.pop("port", None) or free_port()
-    procs = {r: ctx.Process(target=_entry, args=(fn, r, world, port, kw, q), daemon=True)
-             for r in (range(world) if ranks is None else ranks)}
+    started = list(range(world) if ranks is None else ranks)
+    start = ctx.Barrier(len(started))
+    procs = {r: ctx.Process(target=_entry, args=(fn, r, world, port, kw, q, start), daemon=True) for r in started}
     for p in procs.values():
         p.start()
     results: dict[int, tuple[str, object]] = {}

@@ -84,7 +84,9 @@ def monitored_rank(rank, world, port, *, victim, token="t0k3n", die_after_s=1.0,
     rdzv = StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="mon", token=token,
                            timeout_s=10)
     rdzv.barrier("joined")
-    mon = PeerMonitor(rdzv, interval_s=0.1, dead_after_s=1.0).start()
+    # 3 s of silence, not 1: a live survivor's beat thread starved for a second on a loaded 2-core machine
+    # must not read as a death (the tests bound the detection at 10 s)
+    mon = PeerMonitor(rdzv, interval_s=0.2, dead_after_s=3.0).start()
     t0 = time.monotonic()
     if rank == victim:
         time.sleep(die_after_s)
