@@ -21,10 +21,16 @@ DEVICE_TIME_KEYS = ("self_device_time_total", "self_cuda_time_total")
 class ProfileResult:
     table: str          # key_averages table, sorted by device time (CPU time where there is no device)
     wall_s: float       # wall time of the profiled call, device synchronised
-    device_busy_s: float  # summed self device time of every event (0 on CPU)
+    device_busy_s: float  # summed time of the device's own events: kernels, copies (0 on CPU; overlapping streams add)
 
 
 def _device_time_us(event) -> float:
+    """An event's own device time, counted only for the device's events (kernels, copies): a CPU op's device
+    time is its kernels' again — torch's own table totals count them this way."""
+    from torch.autograd import DeviceType
+
+    if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+        return 0.0
     for key in DEVICE_TIME_KEYS:
         value = getattr(event, key, None)
         if value is not None:
