@@ -143,10 +143,11 @@ def test_sigterm_one_group_under_load_loses_nothing(tmp_path):
             if not t_sigterm:  # the witness was refused: SIGTERM anyway so the load run still ends the drain
                 leave.signal(signal.SIGTERM)
                 t_sigterm.append(time.monotonic())
+            t_done = time.monotonic()
             with lock:
                 results.append(("leave", outcome, f"witness: {len(ids)} tokens"))
-                spans.append(("leave", outcome, t_sent, time.monotonic()))
-                witness_span.append((outcome, t_sent, time.monotonic()))
+                spans.append(("leave", outcome, t_sent, t_done))
+                witness_span.append((outcome, t_sent, t_done))
 
         threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(WORKERS)]
         threads.append(threading.Thread(target=signaller, daemon=True))
