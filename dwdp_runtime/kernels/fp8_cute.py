@@ -148,16 +148,18 @@ def _kernel_module():
     return _fp8_cute_kernel
 
 
-def compile_gemm(k_tiles: int, cfg: CuteGemmConfig, act_inter: int, args: tuple, max_active_clusters: int, stream):
-    """``cute.compile`` of the grouped GEMM for these operands (``gemm_arguments``); a failure is recorded and
-    raised as ``CuteBuildError`` (what follows from it: that class's docstring)."""
+def compile_gemm(k_tiles: int, cfg: CuteGemmConfig, act_inter: int, args: tuple, n: int, n_out: int,
+                 max_active_clusters: int, stream):
+    """``cute.compile`` of the grouped GEMM for these operands (``gemm_arguments``) and output width ``n_out``
+    of weights with ``n`` rows; a failure is recorded and raised as ``CuteBuildError`` (what follows from it:
+    that class's docstring)."""
     kernel_module = _kernel_module()
     try:
         import cutlass.cute as cute
 
         kernel = kernel_module.BlockScaledGroupedGemm(k_tiles, cfg.tile_n, cfg.raster_along_m, cfg.swizzle,
                                                       cfg.cluster_n, act_inter)
-        return cute.compile(kernel, *args, max_active_clusters, stream)
+        return cute.compile(kernel.from_pointers, *args, n, n_out, max_active_clusters, stream)
     except Exception as exc:  # noqa: BLE001 - the DSL's own errors (DSLBaseError), ptxas, API drift
         raise _record_build_failure(exc) from exc
 
@@ -168,49 +170,54 @@ FUSED_ACTIVATIONS = ("silu", "swish")
 TMA_ALIGN = 16
 
 
-def _cute_tensor(t: torch.Tensor, leading_dim: int, align: int | None = None):
-    """A CuTe view of ``t`` with a dynamic layout (e4m3 goes through DLPack as uint8 and is retyped)."""
+@functools.cache
+def _element_types() -> dict:
+    """The CuTe element type of each torch dtype the kernel reads or writes."""
     import cutlass
-    from cutlass.cute.runtime import from_dlpack
 
-    fp8 = t.dtype == torch.float8_e4m3fn
-    ct = from_dlpack(t.view(torch.uint8) if fp8 else t, assumed_align=align or t.element_size())
-    if fp8:
-        ct.element_type = cutlass.Float8E4M3FN
-    return ct.mark_layout_dynamic(leading_dim=leading_dim)
+    return {torch.float8_e4m3fn: cutlass.Float8E4M3FN, torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
+            torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+
+
+def _pointer(t: torch.Tensor, align: int | None = None):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(_element_types()[t.dtype], t.data_ptr(), cute.AddressSpace.gmem,
+                    assumed_align=align or t.element_size())
 
 
 _COMPILED: dict[tuple, object] = {}
 
 
 def gemm_arguments(a, sa, w, ws, d, d_scales, block_expert) -> tuple:
-    """The kernel's operands as CuTe views: A ``(rows, K, 1)``, s_a ``(rows, K/128)`` M-major, B ``(N, K, E)``,
-    s_b ``(N/128, K/128, E)``, D ``(rows, N, 1)``, D's row scales ``(rows, N/128)`` M-major (the fused gate_up's
-    output; the plain GEMM ignores it), the block map ``(rows/128,)`` — views, no copies."""
-    return (_cute_tensor(_with_batch_mode(a), 1, TMA_ALIGN), _cute_tensor(sa.t(), 0),
-            _cute_tensor(w.permute(1, 2, 0), 1, TMA_ALIGN), _cute_tensor(ws.permute(1, 2, 0), 1),
-            _cute_tensor(_with_batch_mode(d), 1, TMA_ALIGN), _cute_tensor(d_scales.t(), 0),
-            _cute_tensor(block_expert, 0))
-
-
-def _with_batch_mode(t: torch.Tensor) -> torch.Tensor:
-    """``[R, C]`` → ``(R, C, 1)`` with the batch stride R·C: TMA descriptors need every stride past the first
-    to be a multiple of 16 bytes, which ``unsqueeze``'s stride of 1 is not."""
-    r, c = t.shape
-    return t.as_strided((r, c, 1), (t.stride(0), 1, r * t.stride(0)))
+    """The kernel's run-time operands in ``BlockScaledGroupedGemm.from_pointers`` order: device pointers of A
+    ``[rows, K]``, s_a ``[K/128, rows]``, B ``[E, N, K]``, s_b ``[E, N/128, K/128]``, D ``[rows, N_out]``, D's
+    row scales ``[N_out/128, rows]`` (the fused gate_up's output; the plain GEMM passes s_a, unread) and the
+    block map ``[rows/128]``; the row and expert counts; the strides past each operand's unit one. Only
+    pointers and integers: the views are built inside the compiled host function (its docstring says why)."""
+    for name, t, unit in (("a", a, 1), ("sa", sa, 1), ("w", w, 2), ("ws", ws, 2), ("d", d, 1),
+                          ("d_scales", d_scales, 1), ("block_expert", block_expert, 0)):
+        if t.stride(unit) != 1:
+            raise ValueError(f"CuTe FP8 GEMM needs {name} contiguous along dim {unit}, got strides {t.stride()}")
+    return (_pointer(a, TMA_ALIGN), _pointer(sa), _pointer(w, TMA_ALIGN), _pointer(ws), _pointer(d, TMA_ALIGN),
+            _pointer(d_scales), _pointer(block_expert), a.shape[0], w.shape[0],
+            a.stride(0), sa.stride(0), w.stride(1), w.stride(0), ws.stride(1), ws.stride(0), d.stride(0),
+            d_scales.stride(0))
 
 
 def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_inter: int) -> None:
     import cuda.bindings.driver as cuda
 
-    k = a.shape[1]
+    k, n, n_out = a.shape[1], w.shape[1], d.shape[1]
     args = gemm_arguments(a, sa, w, ws, d, d_scales, block_expert)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    key = (d.dtype, cfg, k // SCALE_BLOCK, act_inter, a.device.index)
+    key = (d.dtype, cfg, k // SCALE_BLOCK, n, n_out, act_inter, a.device.index)
     compiled = _COMPILED.get(key)
     if compiled is None:
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, sms // cfg.cluster_n, stream)
+        compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, n, n_out,
+                                                 sms // cfg.cluster_n, stream)
     compiled(*args, stream)
 
 

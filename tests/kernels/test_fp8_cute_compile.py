@@ -40,7 +40,8 @@ def _compile(act_inter: int, tile_n: int, cluster_n: int, capfd):
         d, ds = torch.zeros(rows, n, dtype=torch.bfloat16), sa
     args = fp8_cute.gemm_arguments(a, sa, w, ws, d, ds, torch.zeros(rows // 128, dtype=torch.int32))
     kernel = fp8_cute._kernel_module().BlockScaledGroupedGemm(hidden // 128, tile_n, False, 1, cluster_n, act_inter)
-    compiled = cute.compile(kernel, *args, 132 // cluster_n, make_fake_stream(), options="--remarks{ptx}")
+    compiled = cute.compile(kernel.from_pointers, *args, n, d.shape[1], 132 // cluster_n, make_fake_stream(),
+                            options="--remarks{ptx}")
     assert compiled is not None
     return capfd.readouterr()
 
@@ -82,7 +83,7 @@ d = torch.zeros(rows, n, dtype=torch.bfloat16)
 args = fp8_cute.gemm_arguments(a, sa, w, ws, d, sa, torch.zeros(rows // 128, dtype=torch.int32))
 for attempt in range(2):
     try:
-        fp8_cute.compile_gemm(hidden // 128, fp8_cute.PLAIN_CONFIG, 0, args, 132, make_fake_stream())
+        fp8_cute.compile_gemm(hidden // 128, fp8_cute.PLAIN_CONFIG, 0, args, n, n, 132, make_fake_stream())
         print("BUILT")
     except fp8_cute.CuteBuildError as exc:
         print("ERROR", exc)
