@@ -1,7 +1,9 @@
 """Plan-row passes of the CuTe FP8 MoE path (``fp8_cute``): the Triton kernels around its two TMA GEMMs.
 
 TMA loads whole row blocks, so the CuTe GEMMs read A in the routing plan's row order (``routing``: each
-expert's rows padded to 128) instead of gathering token rows in their A-load as the Triton GEMMs do:
+expert's rows padded to 128) instead of gathering token rows in their A-load as the Triton GEMMs do (a GEMM 1
+whose producer warpgroup gathers the rows by ``cp.async`` gave the same bits but ran slower than this pass plus
+the TMA GEMM on H200: docs/MODELS.md, branch ``fp8-cute-gather-cpasync``):
 
   * ``gather_plan_rows(xq, xs, plan)`` → ``a [rows, H]`` e4m3 and ``sa [⌈H/128⌉, rows]`` fp32: plan row r holds
     token ``pair(r) // k``'s quantized activations and scales; padding rows hold zeros (finite, and scale 0, so
