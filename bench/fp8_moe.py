@@ -28,6 +28,7 @@ tuned once per shape at warm-up (``fp8_moe.tune_fp8``), outside the timed calls.
     python bench/fp8_moe.py --tokens 4096 16384 --json out.json
     python bench/fp8_moe.py --no-tune --rounds 3        (each ratio's median and range over 3 rounds)
     python bench/fp8_moe.py --no-triton --rounds 3      (the CuTe path and the bf16 references only)
+    python bench/fp8_moe.py --no-triton --trace         (+ where the CuTe GEMMs' cycles go, per role)
 """
 
 from __future__ import annotations
@@ -70,7 +71,30 @@ def parse_cute_config(text: str):
                           cluster_n=int(parts[3]) if len(parts) > 3 else 2)
 
 
-def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops, t_bf16, t_bblock, ref):
+def cute_trace(name, t, gemms) -> dict:
+    """``--trace``: each default GEMM once more in the trace build (``fp8_cute.trace_buffer`` / ``phase_shares``): the
+    share of every role's SM cycles spent waiting for a stage, for its own wgmma and in the epilogue."""
+    import torch
+
+    from dwdp_runtime.kernels import fp8_cute
+
+    out = {}
+    for label, launch in gemms:
+        counters = fp8_cute.trace_buffer(torch.device("cuda"))
+        launch(counters)  # the first traced launch compiles the trace build
+        counters.zero_()
+        launch(counters)
+        torch.cuda.synchronize()
+        out[label] = shares = fp8_cute.phase_shares(counters)
+        for role, s in shares.items():
+            print(f"[{name}] T={t}: trace {label}, {role}: waiting for a stage {s['stage_wait']:.1%}, for its wgmma "
+                  f"{s['mma_wait']:.1%}, epilogue {s['epilogue']:.1%} of its cycles; {s['tiles_per_cta']:.1f} tiles/CTA",
+                  flush=True)
+    return out
+
+
+def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops, t_bf16, t_bblock, ref,
+              trace: bool = False):
     """The CuTe path at one shape: GEMMs per config (plan-row operands prepared outside the timing), the block."""
     import torch
 
@@ -126,6 +150,10 @@ def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops,
           f"{t1:.3f}, down {t2:.3f}), plain GEMMs {t1_plain + t2:.3f} ms = {r['cute_plain_over_bf16_tflops']:.2f}x; block "
           f"{t_block:.3f} ms = {r['cute_block_over_bf16_block']:.3f} of bf16 block | rel err {r['cute_rel_max_err']:.4f}",
           flush=True)
+    if trace:
+        r["cute_trace"] = cute_trace(name, t, (
+            ("fused gate_up", lambda tr: fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i, trace=tr)),
+            ("down", lambda tr: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert, trace=tr))))
     return r
 
 
@@ -158,7 +186,7 @@ def triton_rows(t, x, ids, w, w1, s1, w2, s2, *, bench, flops, t_bf16, t_bblock,
 
 
 def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tune_tokens=(16384,),
-              cute_configs=(), with_triton: bool = True):
+              cute_configs=(), with_triton: bool = True, trace: bool = False):
     import torch
     import triton.testing
 
@@ -201,7 +229,8 @@ def run_shape(name, tokens, *, tune: bool, rep_ms: int, smoke: bool = False, tun
             r.update(triton_rows(t, x, ids, w, w1, s1, w2, s2, **common))
         if cute_configs:
             try:
-                r.update(cute_rows(name, t, x, ids, w, w1, s1, w2, s2, cute_configs=cute_configs, **common))
+                r.update(cute_rows(name, t, x, ids, w, w1, s1, w2, s2, cute_configs=cute_configs, trace=trace,
+                                   **common))
             except Exception as exc:  # noqa: BLE001 - the Triton numbers above still stand
                 r["cute_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"[{name}] T={t}: CuTe path failed: {r['cute_error']}", flush=True)
@@ -302,6 +331,9 @@ def main(argv=None):
                         "references only, for less device time")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every shape this many times over and report each ratio's median and range")
+    p.add_argument("--trace", action="store_true",
+                   help="after each round's CuTe rows, run the default GEMMs once in the trace build and print where "
+                        "each role's SM cycles go (waits for a stage, for its wgmma, the epilogue)")
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU self-test of this script (TRITON_INTERPRET=1, tiny shape)")
     a = p.parse_args(argv)
@@ -329,7 +361,7 @@ def main(argv=None):
                 print(f"[{name}] round {i + 1} of {a.rounds}", flush=True)
             rounds.append(run_shape(name, a.tokens, tune=not a.no_tune and i == 0, rep_ms=a.rep_ms,
                                     tune_tokens=a.tune_tokens, cute_configs=a.cute_configs,
-                                    with_triton=not a.no_triton))
+                                    with_triton=not a.no_triton, trace=a.trace))
             out["rows"] += [dict(row, round=i) for row in rounds[-1]]
         if a.rounds > 1:
             out["summary"] += summarize_rounds(rounds)

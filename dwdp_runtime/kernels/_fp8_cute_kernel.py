@@ -29,6 +29,11 @@ Why this shape on the hardware (H200, sm_90a):
   * ``act_inter > 0`` fuses GEMM 1's SiLU·mul and e4m3 requantisation (see ``__init__``): its epilogue also
     writes one fp32 scale per row and 128-column group (``d_scales``, M-major like ``s_a``).
 
+``trace=True`` compiles a diagnostic build: each role (the producer warp, each math warpgroup) reads ``clock64``
+around its stage waits, its waits for its own ``wgmma`` and its epilogue, and its first thread writes the sums and
+its tile count to ``[CTAs, TRACE_ROLES, len(TRACE_FIELDS)]`` int64 counters at its end (``fp8_cute.phase_shares``
+reads them). The normal build compiles none of it.
+
 A swizzled schedule (``swizzle_size`` > 1) rounds its grid up to whole swizzle bands: the tiles past the problem
 (row block or column tile out of range) are idle for producer and consumers alike, as unused row blocks are.
 
@@ -46,7 +51,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from ._fp8_cute_steps import act_mul_amax, divide_rows, issue, mma, promote, retire
+from ._fp8_cute_steps import act_mul_amax, divide_rows, issue, mma, promote, retire, wait_mma
+from .fp8_cute import TRACE_FIELDS, TRACE_ROLES
 
 #: rows of a tile: two math warpgroups × the 64 rows of one wgmma
 TILE_M = 128
@@ -78,7 +84,7 @@ class BlockScaledGroupedGemm:
     """
 
     def __init__(self, k_tiles: int, tile_n: int = 128, raster_along_m: bool = False, swizzle_size: int = 1,
-                 cluster_n: int = 2, act_inter: int = 0):
+                 cluster_n: int = 2, act_inter: int = 0, trace: bool = False):
         if tile_n not in (64, 128, WIDE_TILE_N):
             raise ValueError(f"BLOCK_N must be 64, 128 or {WIDE_TILE_N}, got {tile_n}")
         #: the output tile's width; 256 is two 128-column B tiles per stage through two accumulators — the fused
@@ -104,6 +110,9 @@ class BlockScaledGroupedGemm:
             raise ValueError(f"the fused gate_up needs I a multiple of {SCALE_BLOCK} and BLOCK_N = {SCALE_BLOCK}")
         #: two B tiles per stage, two accumulators (the fused gate_up, or a 256-column tile)
         self.two_b = act_inter > 0 or tile_n == WIDE_TILE_N
+        #: the trace build: SM-cycle counters of each role's waits and epilogue (``TRACE_FIELDS``), written once per
+        #: role at its end — a diagnostic (its clock reads cost a few instructions a K step); off, it is not compiled in
+        self.trace = trace
 
         self.raster_along_m = raster_along_m
         self.swizzle_size = swizzle_size
@@ -153,8 +162,8 @@ class BlockScaledGroupedGemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, sa: cute.Tensor, b: cute.Tensor, sb: cute.Tensor, d: cute.Tensor,
-                 d_scales: cute.Tensor, block_expert: cute.Tensor, max_active_clusters: cutlass.Constexpr,
-                 stream: cuda.CUstream):
+                 d_scales: cute.Tensor, block_expert: cute.Tensor, trace: cute.Tensor,
+                 max_active_clusters: cutlass.Constexpr, stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = d.element_type
@@ -190,7 +199,7 @@ class BlockScaledGroupedGemm:
                                   self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_atom_a, tma_a, sa, tma_atom_b, tma_b, sb, tma_atom_d, tma_d, d_scales, block_expert,
+        self.kernel(tma_atom_a, tma_a, sa, tma_atom_b, tma_b, sb, tma_atom_d, tma_d, d_scales, block_expert, trace,
                     self.tiled_mma,
                     self.tiled_mma_acc, self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
                     sched_params).launch(grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, self.cluster_n, 1),
@@ -198,7 +207,8 @@ class BlockScaledGroupedGemm:
 
     @cute.jit
     def from_pointers(self, a_ptr: cute.Pointer, sa_ptr: cute.Pointer, b_ptr: cute.Pointer, sb_ptr: cute.Pointer,
-                      d_ptr: cute.Pointer, ds_ptr: cute.Pointer, be_ptr: cute.Pointer, rows: cutlass.Int32,
+                      d_ptr: cute.Pointer, ds_ptr: cute.Pointer, be_ptr: cute.Pointer, tr_ptr: cute.Pointer,
+                      rows: cutlass.Int32,
                       num_experts: cutlass.Int32, a_row: cutlass.Int64, sa_k: cutlass.Int64, b_row: cutlass.Int64,
                       b_expert: cutlass.Int64, sb_row: cutlass.Int64, sb_expert: cutlass.Int64, d_row: cutlass.Int64,
                       ds_n: cutlass.Int64, n: cutlass.Constexpr, n_out: cutlass.Constexpr,
@@ -207,7 +217,8 @@ class BlockScaledGroupedGemm:
         path): the tensor views are built here, in the compiled host function, instead of by 7 DLPack
         conversions per launch in Python (52 µs on a 2-core CPU machine against 8 µs for the pointers). K, N and
         the output width are compile-time; the row count, the expert count and every stride past the unit
-        one are run-time (Int64 strides: rows × N passes 2³¹ at 64K tokens of DeepSeek-V3)."""
+        one are run-time (Int64 strides: rows × N passes 2³¹ at 64K tokens of DeepSeek-V3). ``tr_ptr``: the trace
+        build's counters ``[CTAs, TRACE_ROLES, len(TRACE_FIELDS)]`` int64 (unread by the normal build)."""
         k = self.k_tiles * SCALE_BLOCK
         a = cute.make_tensor(a_ptr, cute.make_layout((rows, k, 1), stride=(a_row, 1, rows * a_row)))
         sa = cute.make_tensor(sa_ptr, cute.make_layout((rows, self.k_tiles), stride=(1, sa_k)))
@@ -217,12 +228,29 @@ class BlockScaledGroupedGemm:
         d = cute.make_tensor(d_ptr, cute.make_layout((rows, n_out, 1), stride=(d_row, 1, rows * d_row)))
         ds = cute.make_tensor(ds_ptr, cute.make_layout((rows, n_out // SCALE_BLOCK), stride=(1, ds_n)))
         block_expert = cute.make_tensor(be_ptr, cute.make_layout(rows // TILE_M))
-        self.__call__(a, sa, b, sb, d, ds, block_expert, max_active_clusters, stream)
+        trace = cute.make_tensor(tr_ptr, cute.make_layout(
+            (max_active_clusters * self.cluster_n, TRACE_ROLES, len(TRACE_FIELDS)),
+            stride=(TRACE_ROLES * len(TRACE_FIELDS), len(TRACE_FIELDS), 1)))
+        self.__call__(a, sa, b, sb, d, ds, block_expert, trace, max_active_clusters, stream)
+
+    @cute.jit
+    def write_trace(self, mTrace: cute.Tensor, role: cutlass.Int32, began: cutlass.Int64, stage_wait: cutlass.Int64,
+                    mma_wait: cutlass.Int64, epilogue: cutlass.Int64, tiles: cutlass.Int32, tidx: cutlass.Int32):
+        """The trace build's counters of one role, written by its first thread (``TRACE_FIELDS`` order)."""
+        if tidx % self.threads_per_warp_group == 0:
+            bx, by, bz = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            cta = bx + gx * (by + gy * bz)
+            mTrace[(cta, role, 0)] = cute.arch.clock64() - began
+            mTrace[(cta, role, 1)] = stage_wait
+            mTrace[(cta, role, 2)] = mma_wait
+            mTrace[(cta, role, 3)] = epilogue
+            mTrace[(cta, role, 4)] = cutlass.Int64(tiles)
 
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, mSA: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB: cute.Tensor, mSB: cute.Tensor, tma_atom_d: cute.CopyAtom, mD: cute.Tensor, mDS: cute.Tensor,
-               mBlockExpert: cute.Tensor, tiled_mma: cute.TiledMma, tiled_mma_acc: cute.TiledMma,
+               mBlockExpert: cute.Tensor, mTrace: cute.Tensor, tiled_mma: cute.TiledMma, tiled_mma_acc: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout, epi_smem_layout_staged: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -304,6 +332,10 @@ class BlockScaledGroupedGemm:
         is_producer = warp_group_idx == 0
         if is_producer:
             cute.arch.setmaxregister_decrease(LOAD_REGISTERS)
+        # the trace build's counters of this thread's role (kept only by the role's first thread)
+        began = cute.arch.clock64() if self.trace else cutlass.Int64(0)
+        stage_wait, mma_wait, epilogue = cutlass.Int64(0), cutlass.Int64(0), cutlass.Int64(0)
+        tiles_done = cutlass.Int32(0)
         if warp_idx == self.load_warp_id:
             sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                               cute.arch.grid_dim())
@@ -320,7 +352,12 @@ class BlockScaledGroupedGemm:
                     tBgB_n = tBgB[(None, n_blk * b_per_tile, None, expert)]
                     state.reset_count()
                     for _k in range(self.k_tiles):
-                        ring.producer_acquire(state)
+                        if cutlass.const_expr(self.trace):
+                            start = cute.arch.clock64()
+                            ring.producer_acquire(state)
+                            stage_wait += cute.arch.clock64() - start
+                        else:
+                            ring.producer_acquire(state)
                         bar = ring.producer_get_barrier(state)
                         cute.copy(tma_atom_a, tAgA_m[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar,
                                   mcast_mask=a_mcast_mask)
@@ -330,9 +367,12 @@ class BlockScaledGroupedGemm:
                                 (None, state.count)], tBsB2[(None, state.index)], tma_bar_ptr=bar)
                         ring.producer_commit(state)
                         state.advance()
+                    tiles_done += 1
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             ring.producer_tail(state)
+            if cutlass.const_expr(self.trace):
+                self.write_trace(mTrace, 0, began, stage_wait, mma_wait, epilogue, tiles_done, tidx)
 
         if not is_producer:
             cute.arch.setmaxregister_increase(MMA_REGISTERS)
@@ -364,7 +404,6 @@ class BlockScaledGroupedGemm:
             # this thread's two accumulator rows (the wgmma C fragment holds rows r and r + 8 of its warp)
             row_lo = tCcD[0][0]
             row_hi = tCcD[2][0]
-            tiles_done = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_blk, n_blk, _ = work.tile_idx
                 expert = cutlass.Int32(-1)  # idle: an unused row block or a swizzle band's padding tile
@@ -400,17 +439,20 @@ class BlockScaledGroupedGemm:
                         if cutlass.const_expr(self.two_b):
                             w_u = mSB[(nb + second_b, k_next, expert)]
                             # gate then up (or left then right half) through one scratch accumulator (3 × 64 fp32)
-                            issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
-                            cute.nvgpu.warpgroup.wait_group(0)
+                            stage_wait += issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks,
+                                                self.trace)
+                            mma_wait += wait_mma(self.trace)
                             promote(accumulators, accum_temp, sc)
                             mma(read_state, mmas, tCrA, tCrB2, accum_temp, num_k_blocks)
                             read_state.advance()
-                            retire(ring, release_state, accumulators2, accum_temp, sc_u)
+                            mma_wait += retire(ring, release_state, accumulators2, accum_temp, sc_u, self.trace)
                         else:
-                            issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
+                            stage_wait += issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks,
+                                                self.trace)
                             read_state.advance()
-                            retire(ring, release_state, accumulators, accum_temp, sc)
+                            mma_wait += retire(ring, release_state, accumulators, accum_temp, sc, self.trace)
                         release_state.advance()
+                    epilogue_began = cute.arch.clock64() if self.trace else cutlass.Int64(0)
 
                     if cutlass.const_expr(self.act_inter > 0):
                         # silu(gate) · up, then the e4m3 quantisation of the row's 128-column group: a row's
@@ -453,6 +495,10 @@ class BlockScaledGroupedGemm:
                             store_ring.producer_acquire()
                         self.epilog_sync_barrier.arrive_and_wait()
                     tiles_done += 1
+                    if cutlass.const_expr(self.trace):
+                        epilogue += cute.arch.clock64() - epilogue_began
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_ring.producer_tail()
+            if cutlass.const_expr(self.trace):
+                self.write_trace(mTrace, warp_group_idx, began, stage_wait, mma_wait, epilogue, tiles_done, tidx)

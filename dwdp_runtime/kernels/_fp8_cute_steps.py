@@ -53,15 +53,28 @@ def divide_rows(acc, s_lo, s_hi):
         acc[i] = acc[i] * inv[(i // 2) % 2]
 
 
-def issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks):
+def issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks, timed=False):
     """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
-    caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body)."""
+    caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body).
+    ``timed``: returns the cycles spent waiting for the stage (the trace build), else 0."""
+    start = cute.arch.clock64() if timed else 0
     ring.consumer_wait(read_state)
+    waited = cute.arch.clock64() - start if timed else 0
     mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks)
+    return waited
 
 
-def retire(ring, release_state, accumulators, scratch, scales):
-    """Wait for the step's wgmma, free its stage (the caller advances ``release_state``), and promote."""
+def wait_mma(timed=False):
+    """Wait for this warpgroup's wgmma; ``timed``: returns the cycles it took (the trace build), else 0."""
+    start = cute.arch.clock64() if timed else 0
     cute.nvgpu.warpgroup.wait_group(0)
+    return cute.arch.clock64() - start if timed else 0
+
+
+def retire(ring, release_state, accumulators, scratch, scales, timed=False):
+    """Wait for the step's wgmma, free its stage (the caller advances ``release_state``), and promote;
+    ``timed``: returns the cycles of the wait (the trace build), else 0."""
+    waited = wait_mma(timed)
     ring.consumer_release(release_state)
     promote(accumulators, scratch, scales)
+    return waited

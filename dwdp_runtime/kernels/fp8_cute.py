@@ -149,16 +149,16 @@ def _kernel_module():
 
 
 def compile_gemm(k_tiles: int, cfg: CuteGemmConfig, act_inter: int, args: tuple, n: int, n_out: int,
-                 max_active_clusters: int, stream):
+                 max_active_clusters: int, stream, trace: bool = False):
     """``cute.compile`` of the grouped GEMM for these operands (``gemm_arguments``) and output width ``n_out``
-    of weights with ``n`` rows; a failure is recorded and raised as ``CuteBuildError`` (what follows from it:
-    that class's docstring)."""
+    of weights with ``n`` rows (``trace``: the build with phase counters); a failure is recorded and raised as
+    ``CuteBuildError`` (what follows from it: that class's docstring)."""
     kernel_module = _kernel_module()
     try:
         import cutlass.cute as cute
 
         kernel = kernel_module.BlockScaledGroupedGemm(k_tiles, cfg.tile_n, cfg.raster_along_m, cfg.swizzle,
-                                                      cfg.cluster_n, act_inter)
+                                                      cfg.cluster_n, act_inter, trace)
         return cute.compile(kernel.from_pointers, *args, n, n_out, max_active_clusters, stream)
     except Exception as exc:  # noqa: BLE001 - the DSL's own errors (DSLBaseError), ptxas, API drift
         raise _record_build_failure(exc) from exc
@@ -176,7 +176,7 @@ def _element_types() -> dict:
     import cutlass
 
     return {torch.float8_e4m3fn: cutlass.Float8E4M3FN, torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
-            torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+            torch.int64: cutlass.Int64, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 
 def _pointer(t: torch.Tensor, align: int | None = None):
@@ -190,35 +190,71 @@ def _pointer(t: torch.Tensor, align: int | None = None):
 _COMPILED: dict[tuple, object] = {}
 
 
-def gemm_arguments(a, sa, w, ws, d, d_scales, block_expert) -> tuple:
+def gemm_arguments(a, sa, w, ws, d, d_scales, block_expert, trace: torch.Tensor | None = None) -> tuple:
     """The kernel's run-time operands in ``BlockScaledGroupedGemm.from_pointers`` order: device pointers of A
     ``[rows, K]``, s_a ``[K/128, rows]``, B ``[E, N, K]``, s_b ``[E, N/128, K/128]``, D ``[rows, N_out]``, D's
-    row scales ``[N_out/128, rows]`` (the fused gate_up's output; the plain GEMM passes s_a, unread) and the
-    block map ``[rows/128]``; the row and expert counts; the strides past each operand's unit one. Only
-    pointers and integers: the views are built inside the compiled host function (its docstring says why)."""
+    row scales ``[N_out/128, rows]`` (the fused gate_up's output; the plain GEMM passes s_a, unread), the
+    block map ``[rows/128]`` and the trace build's counters (``trace_buffer``; others pass the block map, unread);
+    the row and expert counts; the strides past each operand's unit one. Only pointers and integers: the views
+    are built inside the compiled host function (its docstring says why)."""
     for name, t, unit in (("a", a, 1), ("sa", sa, 1), ("w", w, 2), ("ws", ws, 2), ("d", d, 1),
                           ("d_scales", d_scales, 1), ("block_expert", block_expert, 0)):
         if t.stride(unit) != 1:
             raise ValueError(f"CuTe FP8 GEMM needs {name} contiguous along dim {unit}, got strides {t.stride()}")
     return (_pointer(a, TMA_ALIGN), _pointer(sa), _pointer(w, TMA_ALIGN), _pointer(ws), _pointer(d, TMA_ALIGN),
-            _pointer(d_scales), _pointer(block_expert), a.shape[0], w.shape[0],
+            _pointer(d_scales), _pointer(block_expert), _pointer(block_expert if trace is None else trace),
+            a.shape[0], w.shape[0],
             a.stride(0), sa.stride(0), w.stride(1), w.stride(0), ws.stride(1), ws.stride(0), d.stride(0),
             d_scales.stride(0))
 
 
-def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_inter: int) -> None:
+def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_inter: int,
+            trace: torch.Tensor | None = None) -> None:
     import cuda.bindings.driver as cuda
 
     k, n, n_out = a.shape[1], w.shape[1], d.shape[1]
-    args = gemm_arguments(a, sa, w, ws, d, d_scales, block_expert)
+    args = gemm_arguments(a, sa, w, ws, d, d_scales, block_expert, trace)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    key = (d.dtype, cfg, k // SCALE_BLOCK, n, n_out, act_inter, a.device.index)
+    key = (d.dtype, cfg, k // SCALE_BLOCK, n, n_out, act_inter, trace is not None, a.device.index)
     compiled = _COMPILED.get(key)
     if compiled is None:
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        if trace is not None and trace.shape != (sms, TRACE_ROLES, len(TRACE_FIELDS)):
+            raise ValueError(f"the trace counters are [{sms}, {TRACE_ROLES}, {len(TRACE_FIELDS)}] int64 here "
+                             f"(trace_buffer), got {tuple(trace.shape)}")
         compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, n, n_out,
-                                                 sms // cfg.cluster_n, stream)
+                                                 sms // cfg.cluster_n, stream, trace is not None)
     compiled(*args, stream)
+
+
+#: the trace build's counters (``_fp8_cute_kernel``'s ``trace``): per CTA, one row per role — the producer warp, math
+#: warpgroups 1 and 2 — of SM cycles: the role's whole run, waiting for a stage (the producer: for a free one; a
+#: math warpgroup: for a full one), waiting for its own wgmma, in the epilogue; and the tiles it worked
+TRACE_ROLE_NAMES = ("producer", "math warpgroup 1", "math warpgroup 2")
+TRACE_ROLES = len(TRACE_ROLE_NAMES)
+TRACE_FIELDS = ("cycles", "stage_wait", "mma_wait", "epilogue", "tiles")
+
+
+def trace_buffer(device) -> torch.Tensor:
+    """Zeroed counters for one traced launch: ``[SMs, TRACE_ROLES, len(TRACE_FIELDS)]`` int64 (a CTA per SM at
+    most: the grid is persistent)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.zeros(sms, TRACE_ROLES, len(TRACE_FIELDS), dtype=torch.int64, device=device)
+
+
+def phase_shares(trace: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per role, the share of its SM cycles spent waiting for a stage, for its own wgmma and in the epilogue, and
+    its tiles per CTA — summed over the CTAs that ran (pure: tested on CPU)."""
+    counters = trace.detach().to("cpu", torch.float64)
+    ran = counters[:, :, 0].sum(dim=1) > 0
+    out = {}
+    for role, name in enumerate(TRACE_ROLE_NAMES):
+        c = counters[ran, role]
+        total = float(c[:, 0].sum())
+        out[name] = {field: (float(c[:, i].sum()) / total if total else 0.0) for i, field in enumerate(TRACE_FIELDS)
+                     if field not in ("cycles", "tiles")}
+        out[name]["tiles_per_cta"] = float(c[:, 4].mean()) if len(c) else 0.0
+    return out
 
 
 def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
@@ -237,30 +273,32 @@ def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
 
 def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                               block_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                              cfg: CuteGemmConfig = PLAIN_CONFIG) -> torch.Tensor:
+                              cfg: CuteGemmConfig = PLAIN_CONFIG, trace: torch.Tensor | None = None) -> torch.Tensor:
     """``d [rows, N]`` = the block-scaled product of plan rows ``a [rows, K]`` (scales ``sa [K/128, rows]``) with
-    expert ``block_expert[r // 128]``'s ``w [E, N, K]`` (scales ``ws [E, N/128, K/128]``); idle blocks unwritten."""
+    expert ``block_expert[r // 128]``'s ``w [E, N, K]`` (scales ``ws [E, N/128, K/128]``); idle blocks unwritten.
+    ``trace`` (``trace_buffer``): run the trace build, which fills it (``phase_shares`` reads it)."""
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"CuTe FP8 GEMM writes bf16 or fp16 (a 16-bit stmatrix epilogue), not {out_dtype}")
     cfg = _check_operands(a, w, w.shape[1], cfg)
     d = torch.empty(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
-    _launch(a, sa, w, ws, d, sa, block_expert, cfg, 0)
+    _launch(a, sa, w, ws, d, sa, block_expert, cfg, 0, trace)
     return d
 
 
 def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
-                      block_expert: torch.Tensor, inter: int, cfg: CuteGemmConfig = FUSED_CONFIG
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_expert: torch.Tensor, inter: int, cfg: CuteGemmConfig = FUSED_CONFIG,
+                      trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM 1 fused with SiLU·mul and the e4m3 requantisation: ``(h [rows, I] e4m3, hs [I/128, rows] fp32)``
     from plan rows ``a`` and gate_up ``w1 [E, 2I, H]`` — what ``act_quant_plan_rows`` makes of the unfused
-    GEMM's output, without the ``[rows, 2I]`` intermediate (and its bf16 rounding)."""
+    GEMM's output, without the ``[rows, 2I]`` intermediate (and its bf16 rounding). ``trace``: as
+    ``block_scaled_grouped_gemm``'s."""
     if w1.shape[1] != 2 * inter:
         raise ValueError(f"gate_up weights {tuple(w1.shape)} are not [E, 2·{inter}, H]")
     cfg = _check_operands(a, w1, inter, dataclasses.replace(cfg, tile_n=TILE_N_FUSED))
     rows = a.shape[0]
     h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=a.device)
     hs = torch.empty(inter // SCALE_BLOCK, rows, dtype=torch.float32, device=a.device)
-    _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter)
+    _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter, trace)
     return h, hs
 
 
