@@ -72,20 +72,21 @@ def parse_cute_config(text: str):
 
 
 def cute_trace(name, t, gemms) -> dict:
-    """``--trace``: each default GEMM once more in the trace build (``fp8_cute.trace_buffer`` / ``phase_shares``): the
-    share of every role's SM cycles spent waiting for a stage, for its own wgmma and in the epilogue."""
+    """``--trace``: each default GEMM once more in the trace build (``fp8_cute_trace.trace_buffer`` /
+    ``phase_shares``): the share of every role's SM cycles spent waiting for a stage, for its own wgmma and in the
+    epilogue."""
     import torch
 
-    from dwdp_runtime.kernels import fp8_cute
+    from dwdp_runtime.kernels import fp8_cute_trace
 
     out = {}
     for label, launch in gemms:
-        counters = fp8_cute.trace_buffer(torch.device("cuda"))
+        counters = fp8_cute_trace.trace_buffer(torch.device("cuda"))
         launch(counters)  # the first traced launch compiles the trace build
         counters.zero_()
         launch(counters)
         torch.cuda.synchronize()
-        out[label] = shares = fp8_cute.phase_shares(counters)
+        out[label] = shares = fp8_cute_trace.phase_shares(counters)
         for role, s in shares.items():
             print(f"[{name}] T={t}: trace {label}, {role}: waiting for a stage {s['stage_wait']:.1%}, for its wgmma "
                   f"{s['mma_wait']:.1%}, epilogue {s['epilogue']:.1%} of its cycles; {s['tiles_per_cta']:.1f} tiles/CTA",

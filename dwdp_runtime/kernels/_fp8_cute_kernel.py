@@ -31,7 +31,7 @@ Why this shape on the hardware (H200, sm_90a):
 
 ``trace=True`` compiles a diagnostic build: each role (the producer warp, each math warpgroup) reads ``clock64``
 around its stage waits, its waits for its own ``wgmma`` and its epilogue, and its first thread writes the sums and
-its tile count to ``[CTAs, TRACE_ROLES, len(TRACE_FIELDS)]`` int64 counters at its end (``fp8_cute.phase_shares``
+its tile count to ``[CTAs, TRACE_ROLES, len(TRACE_FIELDS)]`` int64 counters at its end (``fp8_cute_trace.phase_shares``
 reads them). The normal build compiles none of it.
 
 A swizzled schedule (``swizzle_size`` > 1) rounds its grid up to whole swizzle bands: the tiles past the problem
@@ -52,7 +52,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ._fp8_cute_steps import act_mul_amax, divide_rows, issue, mma, promote, retire, wait_mma
-from .fp8_cute import TRACE_FIELDS, TRACE_ROLES
+from .fp8_cute_trace import TRACE_FIELDS, TRACE_ROLES
 
 #: rows of a tile: two math warpgroups × the 64 rows of one wgmma
 TILE_M = 128

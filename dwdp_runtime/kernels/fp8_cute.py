@@ -39,6 +39,7 @@ import torch
 
 from ..contract import TuningEnv
 from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, reduce_plan_rows
+from .fp8_cute_trace import TRACE_FIELDS, TRACE_ROLES
 from .fp8_quant import quantize_groups
 from .routing import align_routing
 
@@ -225,36 +226,6 @@ def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_in
         compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, n, n_out,
                                                  sms // cfg.cluster_n, stream, trace is not None)
     compiled(*args, stream)
-
-
-#: the trace build's counters (``_fp8_cute_kernel``'s ``trace``): per CTA, one row per role — the producer warp, math
-#: warpgroups 1 and 2 — of SM cycles: the role's whole run, waiting for a stage (the producer: for a free one; a
-#: math warpgroup: for a full one), waiting for its own wgmma, in the epilogue; and the tiles it worked
-TRACE_ROLE_NAMES = ("producer", "math warpgroup 1", "math warpgroup 2")
-TRACE_ROLES = len(TRACE_ROLE_NAMES)
-TRACE_FIELDS = ("cycles", "stage_wait", "mma_wait", "epilogue", "tiles")
-
-
-def trace_buffer(device) -> torch.Tensor:
-    """Zeroed counters for one traced launch: ``[SMs, TRACE_ROLES, len(TRACE_FIELDS)]`` int64 (a CTA per SM at
-    most: the grid is persistent)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return torch.zeros(sms, TRACE_ROLES, len(TRACE_FIELDS), dtype=torch.int64, device=device)
-
-
-def phase_shares(trace: torch.Tensor) -> dict[str, dict[str, float]]:
-    """Per role, the share of its SM cycles spent waiting for a stage, for its own wgmma and in the epilogue, and
-    its tiles per CTA — summed over the CTAs that ran (pure: tested on CPU)."""
-    counters = trace.detach().to("cpu", torch.float64)
-    ran = counters[:, :, 0].sum(dim=1) > 0
-    out = {}
-    for role, name in enumerate(TRACE_ROLE_NAMES):
-        c = counters[ran, role]
-        total = float(c[:, 0].sum())
-        out[name] = {field: (float(c[:, i].sum()) / total if total else 0.0) for i, field in enumerate(TRACE_FIELDS)
-                     if field not in ("cycles", "tiles")}
-        out[name]["tiles_per_cta"] = float(c[:, 4].mean()) if len(c) else 0.0
-    return out
 
 
 def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:

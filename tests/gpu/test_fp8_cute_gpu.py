@@ -125,6 +125,7 @@ def test_trace_build_gives_the_same_bits_and_consistent_counters(fp8_cute):
     """The trace build (phase counters around each wait and the epilogue) computes the same bits as the normal one;
     its counters add up: every role's waits and epilogue fit in its cycles, and the producer and each math warpgroup
     count every live tile of the grid once."""
+    from dwdp_runtime.kernels import fp8_cute_trace
     from dwdp_runtime.kernels.fp8_plan_rows import gather_plan_rows
     from dwdp_runtime.kernels.fp8_quant import quantize_groups
     from dwdp_runtime.kernels.routing import align_routing
@@ -136,7 +137,7 @@ def test_trace_build_gives_the_same_bits_and_consistent_counters(fp8_cute):
     x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
     plan = align_routing(torch.randint(0, e, (t, top_k), device="cuda", generator=g), e, fp8_cute.TILE_M)
     a, sa = gather_plan_rows(*quantize_groups(x), plan)
-    counters = fp8_cute.trace_buffer(a.device)
+    counters = fp8_cute_trace.trace_buffer(a.device)
     traced = fp8_cute.block_scaled_grouped_gemm(a, sa, w, ws, plan.block_expert, trace=counters)
     plain = fp8_cute.block_scaled_grouped_gemm(a, sa, w, ws, plan.block_expert)
     rows = int(plan.num_padded)
@@ -146,9 +147,9 @@ def test_trace_build_gives_the_same_bits_and_consistent_counters(fp8_cute):
     assert ran.any()
     assert bool((c[ran][:, :, 1:4].sum(dim=2) <= c[ran][:, :, 0]).all())
     live_tiles = (rows // fp8_cute.TILE_M) * (n // fp8_cute.PLAIN_CONFIG.tile_n)
-    for role in range(fp8_cute.TRACE_ROLES):
+    for role in range(fp8_cute_trace.TRACE_ROLES):
         assert int(c[:, role, 4].sum()) == live_tiles, (role, c[:, role, 4].sum())
-    shares = fp8_cute.phase_shares(counters)
+    shares = fp8_cute_trace.phase_shares(counters)
     print("trace shares:", shares)
 
 
