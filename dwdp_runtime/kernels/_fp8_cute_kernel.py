@@ -51,7 +51,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from ._fp8_cute_steps import act_mul_amax, divide_rows, issue, mma, promote, retire, wait_mma
+from ._fp8_cute_steps import acquire, act_mul_amax, divide_rows, issue, mma, promote, retire, wait_mma
 from .fp8_cute_trace import TRACE_FIELDS, TRACE_ROLES
 
 #: rows of a tile: two math warpgroups × the 64 rows of one wgmma
@@ -352,12 +352,7 @@ class BlockScaledGroupedGemm:
                     tBgB_n = tBgB[(None, n_blk * b_per_tile, None, expert)]
                     state.reset_count()
                     for _k in range(self.k_tiles):
-                        if cutlass.const_expr(self.trace):
-                            start = cute.arch.clock64()
-                            ring.producer_acquire(state)
-                            stage_wait += cute.arch.clock64() - start
-                        else:
-                            ring.producer_acquire(state)
+                        stage_wait += acquire(ring, state, self.trace)
                         bar = ring.producer_get_barrier(state)
                         cute.copy(tma_atom_a, tAgA_m[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar,
                                   mcast_mask=a_mcast_mask)

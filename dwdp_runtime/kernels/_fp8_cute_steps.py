@@ -53,6 +53,14 @@ def divide_rows(acc, s_lo, s_hi):
         acc[i] = acc[i] * inv[(i // 2) % 2]
 
 
+def acquire(ring, state, timed=False):
+    """The producer's wait for a free stage (and its arming with the stage's TMA bytes); ``timed``: returns the
+    cycles it waited (the trace build), else 0."""
+    start = cute.arch.clock64() if timed else 0
+    ring.producer_acquire(state)
+    return cute.arch.clock64() - start if timed else 0
+
+
 def issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks, timed=False):
     """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
     caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body).

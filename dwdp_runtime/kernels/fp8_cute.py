@@ -213,6 +213,8 @@ def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_in
             trace: torch.Tensor | None = None) -> None:
     import cuda.bindings.driver as cuda
 
+    if trace is not None:
+        _check_trace_buffer(trace, a.device)
     k, n, n_out = a.shape[1], w.shape[1], d.shape[1]
     args = gemm_arguments(a, sa, w, ws, d, d_scales, block_expert, trace)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
@@ -220,12 +222,17 @@ def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_in
     compiled = _COMPILED.get(key)
     if compiled is None:
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        if trace is not None and trace.shape != (sms, TRACE_ROLES, len(TRACE_FIELDS)):
-            raise ValueError(f"the trace counters are [{sms}, {TRACE_ROLES}, {len(TRACE_FIELDS)}] int64 here "
-                             f"(trace_buffer), got {tuple(trace.shape)}")
         compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, n, n_out,
                                                  sms // cfg.cluster_n, stream, trace is not None)
     compiled(*args, stream)
+
+
+def _check_trace_buffer(trace: torch.Tensor, device) -> None:
+    """Every traced launch (not only the one that compiles): the kernel writes a row per CTA, up to one per SM."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if trace.shape != (sms, TRACE_ROLES, len(TRACE_FIELDS)) or trace.dtype != torch.int64 or not trace.is_contiguous():
+        raise ValueError(f"the trace counters are a contiguous [{sms}, {TRACE_ROLES}, {len(TRACE_FIELDS)}] int64 "
+                         f"tensor here (fp8_cute_trace.trace_buffer), got {tuple(trace.shape)} {trace.dtype}")
 
 
 def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
