@@ -84,10 +84,18 @@ def cute_trace(name, t, gemms) -> dict:
         counters = fp8_cute_trace.trace_buffer(torch.device("cuda"))
         launch(counters)  # the first traced launch compiles the trace build
         counters.zero_()
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
         launch(counters)
+        ended.record()
         torch.cuda.synchronize()
         out[label] = shares = fp8_cute_trace.phase_shares(counters)
-        for role, s in shares.items():
+        # the SM clock the GEMM ran at: the longest CTA's cycles over the launch's wall time (a tensor-bound kernel
+        # runs below the idle boost clock when the GPU caps its power)
+        mhz = float(counters[:, :, 0].max()) / (began.elapsed_time(ended) * 1e3)
+        shares["sm_clock_mhz"] = mhz
+        print(f"[{name}] T={t}: trace {label}: {began.elapsed_time(ended):.3f} ms at ~{mhz:.0f} MHz", flush=True)
+        for role, s in ((r, v) for r, v in shares.items() if isinstance(v, dict)):
             print(f"[{name}] T={t}: trace {label}, {role}: waiting for a stage {s['stage_wait']:.1%}, for its wgmma "
                   f"{s['mma_wait']:.1%}, epilogue {s['epilogue']:.1%} of its cycles; {s['tiles_per_cta']:.1f} tiles/CTA",
                   flush=True)

@@ -77,6 +77,9 @@ def parse_args(argv=None):
                    help="after the timing, profile one sharded and one unsharded FP8 forward: kernel tables "
                         "and summed kernel time beside the wall time (where the wall exceeds it, the host or a "
                         "wait left the GPU idle)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="after the timing, run three sharded and three unsharded FP8 forwards under cProfile and "
+                        "print the functions that took the host's time (where the forward is host-bound)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=2048)
     p.add_argument("--num-experts", type=int, default=32)
@@ -262,6 +265,11 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
                     out["profile"] = {name: profile_table(fn, device) for name, fn in (
                         ("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded.logits(seq)))}
+                if args.host_profile:
+                    from bench.profiling import host_profile
+
+                    out["host_profile"] = {name: host_profile(fn, device) for name, fn in (
+                        ("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded.logits(seq)))}
                 del ref, unsharded
             rdzv.barrier("fp8/done")
         finally:
@@ -270,7 +278,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
 
 #: options bench/prefill.py does not have, with their defaults here (``prefill.py --quant fp8`` calls ``run``)
-_OWN_DEFAULTS = {"prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False,
+_OWN_DEFAULTS = {"prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False, "host_profile": False,
                  "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8"),
                  # --train-steps: 32 x 512 bytes a step (~28 TFLOP at the default model; docs/MODELS.md)
                  "train_steps": 0, "train_batch": 32, "train_seq": 512, "train_lr": 1e-3, "corpus": None}
@@ -368,6 +376,8 @@ def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
     for name, prof in (r0.get("profile") or {}).items():
         busy = f"summed kernel time {prof.device_busy_s * 1e3:.2f} ms" if prof.device_busy_s else "no device"
         print(f"\nprofile, one {name} forward: wall {prof.wall_s * 1e3:.2f} ms, {busy}\n{prof.table}")
+    for name, text in (r0.get("host_profile") or {}).items():
+        print(f"\nhost profile, {name} forwards:\n{text}")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,16 @@ synchronised inside the profiled region so every kernel lands in it) and returns
 the device-busy figure beside the wall time: where the wall exceeds the summed kernel time, the host (launches,
 Python) or waits left the GPU idle. The device-time attribute changed name across torch releases
 (``self_cuda_time_total`` → ``self_device_time_total``); both are tried.
+
+``host_profile(fn)`` is the host's side of the same question: ``fn`` run a few times under ``cProfile``, the
+functions that took the host's time, by their own time (where a forward is host-bound, which Python work it is).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -63,3 +69,31 @@ def profile_table(fn: Callable[[], object], device, *, rows: int = 20, trace: st
     else:
         table = events.table(row_limit=rows)
     return ProfileResult(table=table, wall_s=wall, device_busy_s=busy)
+
+
+#: a regular expression of the project's own modules (``host_profile`` lists them apart)
+OWN_MODULES = r"dwdp_runtime|dwdp_worker"
+#: runs of the callable under cProfile: one forward's host time is a few ms, three smooth out a stray stall
+HOST_PROFILE_REPEATS = 3
+
+
+def host_profile(fn: Callable[[], object], device, *, repeats: int = HOST_PROFILE_REPEATS, rows: int = 25) -> str:
+    """``fn`` run ``repeats`` times under ``cProfile`` (the device synchronised after each, inside the profile):
+    the ``rows`` functions with the most own host time, and the cumulative listing of the same run."""
+    import torch
+
+    on_cuda = torch.device(device).type == "cuda"
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(repeats):
+        fn()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    # the project's own functions apart: the DWDP hooks and the MoE launch path, however small their share
+    stats.sort_stats("cumulative").print_stats(OWN_MODULES, rows)
+    return out.getvalue()

@@ -34,7 +34,8 @@ def test_trained_model_end_to_end(tmp_path):
     out = tmp_path / "out.json"
     # the worker's own sources: a small real-text corpus, fast to read
     assert main(TINY + ["--work-dir", str(tmp_path), "--corpus", str(ROOT / "worker"), "--train-steps", "12",
-                        "--train-batch", "4", "--train-seq", "128", "--profile", "--json", str(out)]) == 0
+                        "--train-batch", "4", "--train-seq", "128", "--profile", "--host-profile", "--json",
+                        str(out)]) == 0
     r0 = json.loads(out.read_text())["0"]
     t = r0["training"]
     assert t["steps"] == 12 and t["heldout_bits_per_byte"] < t["heldout_bits_per_byte_before"] - 1.0
@@ -47,6 +48,8 @@ def test_trained_model_end_to_end(tmp_path):
         assert prof["wall_s"] > 0 and "aten::" in prof["table"], prof
         lo, hi = r0[f"{kind}_range_s"]
         assert 0 < lo <= r0[f"{kind}_s"] <= hi
+        # --host-profile: three forwards under cProfile, the listing naming the packed forward they ran
+        assert "packed_logits" in r0["host_profile"][kind] and "tottime" in r0["host_profile"][kind]
     trained = next(tmp_path.glob("*-T12-B4-S128-*-bf16"))
     untrained = _synth(parse_args(TINY), tmp_path / "untrained", None)
     assert _layout(trained) == _layout(untrained)
