@@ -3,7 +3,10 @@
 TMA loads whole row blocks, so the CuTe GEMMs read A in the routing plan's row order (``routing``: each
 expert's rows padded to 128) instead of gathering token rows in their A-load as the Triton GEMMs do (a GEMM 1
 whose producer warpgroup gathers the rows by ``cp.async`` gave the same bits but ran slower than this pass plus
-the TMA GEMM on H200: docs/MODELS.md, branch ``fp8-cute-gather-cpasync``):
+the TMA GEMM on H200: docs/MODELS.md, branch ``fp8-cute-gather-cpasync``; so did a token-major pass that quantized
+each token once and stored it to its k rows by ``plan.row_of_pair`` — scattered row stores, 0.136 against
+0.128 ms for quantize + this gather at Qwen3-30B 16K, 0.448 against 0.435 ms at DeepSeek-V3, the same bits:
+docs/gpu-runs/2026-12-02-h200-fp8-quantize-scatter-ab.log):
 
   * ``gather_plan_rows(xq, xs, plan)`` → ``a [rows, H]`` e4m3 and ``sa [⌈H/128⌉, rows]`` fp32: plan row r holds
     token ``pair(r) // k``'s quantized activations and scales; padding rows hold zeros (finite, and scale 0, so
@@ -13,7 +16,7 @@ the TMA GEMM on H200: docs/MODELS.md, branch ``fp8-cute-gather-cpasync``):
     ``fp8_quant`` (amax / 448, RNE, saturating) — GEMM 2's A;
   * ``reduce_plan_rows(y, plan, topk_weights)`` → ``[T, H]``: ``Σ_j w[t, j] · y[row(t, j)]`` in fp32 in the fixed
     order j = 0 … k-1 (batch invariant; a pair the plan dropped — expert id outside ``[0, E)`` — counts as 0).
-    ``row(p)`` is the inverse of ``plan.sorted_pairs`` (``plan_row_of_pair``).
+    ``row(p)`` is ``plan.row_of_pair``, the inverse of ``plan.sorted_pairs`` (written by the routing's scatter).
 
 Rows at or past ``plan.num_padded`` are idle (no GEMM tile reads or writes them): every kernel skips them,
 and no host synchronisation is needed (grids are sized by the plan's host-side bound).
@@ -38,8 +41,6 @@ BLOCK_ROWS = 64
 #: 0.339 ms (1, 4 or 8 groups, 32-128 rows, 4 or 8 warps measured; 4+ groups were slower)
 GATHER_GROUPS = 2
 GATHER_WARPS = 8
-#: pairs per program of the inverse map
-BLOCK_PAIRS = 1024
 
 
 @triton.jit
@@ -84,14 +85,6 @@ def _act_quant_kernel(gu_ptr, h_ptr, hs_ptr, num_padded_ptr, inter, stride_gu, s
     tl.store(hs_ptr + g * stride_hs + rows, s)
 
 
-@triton.jit
-def _inverse_kernel(sorted_ptr, num_padded_ptr, pos_ptr, num_pairs, max_rows, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_use = (rows < max_rows) & (rows < tl.load(num_padded_ptr))
-    pairs = tl.load(sorted_ptr + rows, mask=in_use, other=num_pairs)
-    tl.store(pos_ptr + pairs, rows, mask=pairs < num_pairs)
-
-
 def gather_plan_rows(xq: torch.Tensor, xs: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a [rows, K] e4m3, sa [⌈K/128⌉, rows] fp32)`` in plan-row order (module docstring)."""
     rows, k = plan.sorted_pairs.numel(), xq.shape[1]
@@ -118,15 +111,6 @@ def act_quant_plan_rows(gate_up: torch.Tensor, plan: RoutingPlan, inter: int, *,
     return h, hs
 
 
-def plan_row_of_pair(plan: RoutingPlan) -> torch.Tensor:
-    """``pos [T·k]`` int32: the plan row of every (token, k) pair, -1 for a pair the plan dropped."""
-    pos = torch.full((plan.num_pairs,), -1, dtype=torch.int32, device=plan.sorted_pairs.device)
-    rows = plan.sorted_pairs.numel()
-    _inverse_kernel[(triton.cdiv(rows, BLOCK_PAIRS),)](plan.sorted_pairs, plan.num_padded, pos, plan.num_pairs, rows,
-                                                      BLOCK=BLOCK_PAIRS)
-    return pos
-
-
 def reduce_plan_rows(y: torch.Tensor, plan: RoutingPlan, topk_weights: torch.Tensor, out_dtype=None) -> torch.Tensor:
     """``[T, H]`` = fixed-order fp32 ``Σ_j w[t, j] · y[row(t, j)]`` (module docstring; ``reduce``'s program)."""
-    return reduce_weighted_rows(y, plan_row_of_pair(plan), topk_weights, out_dtype=out_dtype)
+    return reduce_weighted_rows(y, plan.row_of_pair, topk_weights, out_dtype=out_dtype)

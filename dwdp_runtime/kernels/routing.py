@@ -7,7 +7,10 @@ Output (``RoutingPlan``, all on the device, **no host synchronisation, no ``.ite
     expert (stable: the same order ``torch.sort(stable=True)`` gives), each expert's list padded with
     the sentinel ``num_pairs`` up to a multiple of ``block_m``;
   * ``block_expert [max_blocks]`` int32 — the expert of each BLOCK_M row block (-1 past the end);
-  * ``num_padded [1]`` int32 — rows in use (the sum of the padded lists); blocks at or past it are idle.
+  * ``num_padded [1]`` int32 — rows in use (the sum of the padded lists); blocks at or past it are idle;
+  * ``row_of_pair [num_pairs]`` int32 — the inverse of ``sorted_pairs``: the row of every pair, -1 for a pair
+    no expert list holds (written by the scatter kernel beside ``sorted_pairs``: the plan-row passes that go
+    token-major — the quantize-and-scatter into GEMM 1's rows, the reduce — read it instead of inverting).
 
 ``max_rows = (cdiv(num_pairs, block_m) + min(E, num_pairs)) * block_m`` bounds the padded total from the
 host-side shapes alone (every expert wastes < block_m rows), so the GEMM grids are sized without reading
@@ -24,7 +27,8 @@ deterministic bit for bit):
                          writes ``block_expert`` and the sentinel into every padding row;
   4. ``_scatter_kernel`` grid = chunks again: pair p goes to ``start[e] + prefix[chunk, e] + rank``,
                          ``rank`` = its position among the chunk's pairs of expert e (a cumsum of the
-                         one-hot). Padding rows (3) and pair rows (4) are disjoint: no race.
+                         one-hot), and that row is ``row_of_pair[p]``. Padding rows (3) and pair rows (4)
+                         are disjoint: no race.
 
 Expert ids outside ``[0, E)`` (expert-parallel sentinels) match no expert: the pair is dropped from
 every list, and ``reduce_topk`` treats its row as zero.
@@ -56,6 +60,7 @@ class RoutingPlan:
     sorted_pairs: torch.Tensor   # [max_rows] int32, sentinel = num_pairs
     block_expert: torch.Tensor   # [max_blocks] int32, -1 = idle block
     num_padded: torch.Tensor     # [1] int32
+    row_of_pair: torch.Tensor    # [num_pairs] int32, -1 = a dropped pair
     num_pairs: int               # T * k
     top_k: int
     block_m: int
@@ -126,7 +131,7 @@ def _blocks_kernel(totals_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, prefix_ptr, totals_ptr, sorted_ptr, num_pairs, num_experts,
+def _scatter_kernel(ids_ptr, prefix_ptr, totals_ptr, sorted_ptr, row_of_pair_ptr, num_pairs, num_experts,
                     BLOCK_M: tl.constexpr, BLOCK_PAIRS: tl.constexpr, E_P2: tl.constexpr):
     experts, totals, padded, starts = _padded_starts(totals_ptr, num_experts, BLOCK_M, E_P2)
     chunk = tl.program_id(0)
@@ -137,6 +142,7 @@ def _scatter_kernel(ids_ptr, prefix_ptr, totals_ptr, sorted_ptr, num_pairs, num_
     base = starts + tl.load(prefix_ptr + chunk * E_P2 + experts)
     pos = tl.sum(hit * base[None, :], axis=1) + rank
     tl.store(sorted_ptr + pos, offs, mask=(offs < num_pairs) & (rank >= 0))
+    tl.store(row_of_pair_ptr + offs, tl.where(rank >= 0, pos, -1), mask=offs < num_pairs)
 
 
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutingPlan:
@@ -159,13 +165,14 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Rou
     sorted_pairs = torch.empty(max_blocks * block_m, **i32)
     block_expert = torch.empty(max_blocks, **i32)
     num_padded = torch.empty(1, **i32)
+    row_of_pair = torch.empty(num_pairs, **i32)
     _count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, BLOCK_PAIRS=block_pairs, E_P2=e_p2)
     _prefix_kernel[(e_p2 // EXPERT_TILE,)](counts, prefix, totals, num_chunks, E_P2=e_p2,
                                            EXPERT_TILE=EXPERT_TILE, PREFIX_ROWS=PREFIX_ROWS)
     _blocks_kernel[(triton.cdiv(max_blocks, BLOCK_B),)](totals, sorted_pairs, block_expert, num_padded, num_pairs,
                                                         num_experts, max_blocks, BLOCK_M=block_m, E_P2=e_p2,
                                                         BLOCK_B=BLOCK_B)
-    _scatter_kernel[(num_chunks,)](ids, prefix, totals, sorted_pairs, num_pairs, num_experts, BLOCK_M=block_m,
-                                   BLOCK_PAIRS=block_pairs, E_P2=e_p2)
+    _scatter_kernel[(num_chunks,)](ids, prefix, totals, sorted_pairs, row_of_pair, num_pairs, num_experts,
+                                   BLOCK_M=block_m, BLOCK_PAIRS=block_pairs, E_P2=e_p2)
     return RoutingPlan(sorted_pairs=sorted_pairs, block_expert=block_expert, num_padded=num_padded,
-                       num_pairs=num_pairs, top_k=top_k, block_m=block_m)
+                       row_of_pair=row_of_pair, num_pairs=num_pairs, top_k=top_k, block_m=block_m)

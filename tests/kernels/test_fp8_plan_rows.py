@@ -66,9 +66,10 @@ def test_reduce_sums_each_tokens_weighted_rows_in_fixed_order():
     y = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
     w = torch.rand(t, k, generator=g)
     out = plan_rows.reduce_plan_rows(y, plan, w)
-    pos = plan_rows.plan_row_of_pair(plan)
+    pos = plan.row_of_pair  # the inverse of sorted_pairs, -1 for the dropped pairs
     assert int((pos < 0).sum()) == 2 and sorted(pos[pos >= 0].tolist()) == sorted(
         r for r in range(int(plan.num_padded)) if int(plan.sorted_pairs[r]) < t * k)
+    assert all(int(plan.sorted_pairs[pos[p]]) == p for p in range(t * k) if pos[p] >= 0)
     want = torch.zeros(t, hidden)
     for p in range(t * k):
         if pos[p] >= 0:
