@@ -61,13 +61,18 @@ def acquire(ring, state, timed=False):
     return cute.arch.clock64() - start if timed else 0
 
 
+def wait_stage(ring, read_state, timed=False):
+    """A math warpgroup's wait for the next K step's stage; ``timed``: returns the cycles it waited, else 0."""
+    start = cute.arch.clock64() if timed else 0
+    ring.consumer_wait(read_state)
+    return cute.arch.clock64() - start if timed else 0
+
+
 def issue(ring, read_state, mmas, tCrA, tCrB, scratch, num_k_blocks, timed=False):
     """Wait for the next K step's stage and issue its four wgmma into ``scratch`` (zeroed by the first; the
     caller advances ``read_state`` — the tracer threads state only through rebinds in the kernel body).
     ``timed``: returns the cycles spent waiting for the stage (the trace build), else 0."""
-    start = cute.arch.clock64() if timed else 0
-    ring.consumer_wait(read_state)
-    waited = cute.arch.clock64() - start if timed else 0
+    waited = wait_stage(ring, read_state, timed)
     mma(read_state, mmas, tCrA, tCrB, scratch, num_k_blocks)
     return waited
 
@@ -86,3 +91,16 @@ def retire(ring, release_state, accumulators, scratch, scales, timed=False):
     ring.consumer_release(release_state)
     promote(accumulators, scratch, scales)
     return waited
+
+
+def finish_step(ring, read_state, release_state, mmas, tCrA, tCrB2, accumulators, accumulators2, scratch, scales,
+                scales2, num_k_blocks, two_b, timed=False):
+    """A K step whose first MMA was issued (``issue``): wait for it and promote; with two B tiles (``two_b``) issue
+    the second tile's MMA through the same scratch, wait, promote into ``accumulators2``; free the stage. The
+    caller advances both states. ``timed``: returns the cycles spent waiting for the MMAs (the trace build)."""
+    if two_b:
+        waited = wait_mma(timed)
+        promote(accumulators, scratch, scales)
+        mma(read_state, mmas, tCrA, tCrB2, scratch, num_k_blocks)
+        return waited + retire(ring, release_state, accumulators2, scratch, scales2, timed)
+    return retire(ring, release_state, accumulators, scratch, scales, timed)
