@@ -61,7 +61,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from ._fp8_cute_steps import acquire, act_mul_amax, divide_rows, finish_step, issue, mma, wait_mma, wait_stage
+from ._fp8_cute_steps import (acquire, act_mul_amax, divide_rows, finish_step, issue, load_scales, mma, scale_products,
+                              wait_mma, wait_stage)
 from .fp8_cute_trace import TRACE_FIELDS, TRACE_ROLES
 
 #: rows of a tile: two math warpgroups × the 64 rows of one wgmma
@@ -436,11 +437,7 @@ class BlockScaledGroupedGemm:
                     # Step k's scales are loaded during step k - 1 (loop-carried): loaded and used in the same
                     # step, their L2 round trip stalled every MMA issue (up to 25 % of the time, measured).
                     if not ahead:  # the MMA in flight was a stand-in (the tile before was idle): the real one
-                        a_lo = mSA[(rows[0], 0)]
-                        a_hi = mSA[(rows[1], 0)]
-                        w_s = mSB[(nb, 0, expert)]
-                        if cutlass.const_expr(self.two_b):
-                            w_u = mSB[(nb + second_b, 0, expert)]
+                        a_lo, a_hi, w_s, w_u = load_scales(mSA, mSB, *rows, nb, second_b, 0, expert, self.two_b)
                         mma_wait += wait_mma(self.trace)
                         stage_wait += issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks, self.trace)
                     accumulators.fill(0.0)
@@ -449,21 +446,16 @@ class BlockScaledGroupedGemm:
                     # every step but the last: wait for the step's first MMA (issued before the loop, or ahead, for
                     # step 0; at the end of the step before for the others), promote, and issue the next step's
                     for k_tile in range(self.k_tiles - 1):
-                        sc = (a_lo * w_s, a_hi * w_s)
-                        sc_u = (a_lo * w_u, a_hi * w_u) if self.two_b else sc
-                        a_lo = mSA[(rows[0], k_tile + 1)]
-                        a_hi = mSA[(rows[1], k_tile + 1)]
-                        w_s = mSB[(nb, k_tile + 1, expert)]
-                        if cutlass.const_expr(self.two_b):
-                            w_u = mSB[(nb + second_b, k_tile + 1, expert)]
+                        sc, sc_u = scale_products(a_lo, a_hi, w_s, w_u)
+                        a_lo, a_hi, w_s, w_u = load_scales(mSA, mSB, *rows, nb, second_b, k_tile + 1, expert,
+                                                           self.two_b)
                         mma_wait += finish_step(ring, read_state, release_state, mmas, tCrA, tCrB2, accumulators,
                                                 accumulators2, accum_temp, sc, sc_u, num_k_blocks, self.two_b,
                                                 self.trace)
                         read_state.advance()
                         release_state.advance()
                         stage_wait += issue(ring, read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks, self.trace)
-                    sc = (a_lo * w_s, a_hi * w_s)
-                    sc_u = (a_lo * w_u, a_hi * w_u) if self.two_b else sc
+                    sc, sc_u = scale_products(a_lo, a_hi, w_s, w_u)
                     mma_wait += finish_step(ring, read_state, release_state, mmas, tCrA, tCrB2, accumulators,
                                             accumulators2, accum_temp, sc, sc_u, num_k_blocks, self.two_b, self.trace)
                     read_state.advance()
@@ -478,11 +470,8 @@ class BlockScaledGroupedGemm:
                                 next_expert = mBlockExpert[next_m]
                     if next_expert >= 0:
                         next_nb = next_n * self.tile_n_out // SCALE_BLOCK
-                        a_lo = mSA[(next_m * TILE_M + row_lo, 0)]
-                        a_hi = mSA[(next_m * TILE_M + row_hi, 0)]
-                        w_s = mSB[(next_nb, 0, next_expert)]
-                        if cutlass.const_expr(self.two_b):
-                            w_u = mSB[(next_nb + second_b, 0, next_expert)]
+                        a_lo, a_hi, w_s, w_u = load_scales(mSA, mSB, next_m * TILE_M + row_lo, next_m * TILE_M + row_hi,
+                                                           next_nb, second_b, 0, next_expert, self.two_b)
                         stage_wait += wait_stage(ring, read_state, self.trace)
                         ahead = cutlass.Boolean(True)
                     # issued whether or not a live tile follows (a stand-in on a stale stage then, its result never

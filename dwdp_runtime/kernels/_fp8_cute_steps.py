@@ -26,6 +26,18 @@ def promote(accumulators, scratch, scales):
         accumulators[i] = accumulators[i] + scratch[i] * scales[(i // 2) % 2]
 
 
+def load_scales(mSA, mSB, row_lo, row_hi, nb, second_b, k, expert, two_b):
+    """K step ``k``'s scales of a tile: the activation scales of this thread's two rows and the weight scale of
+    each B tile (``(a_lo, a_hi, w_s, w_u)``; ``w_u`` is the second B tile's, or ``w_s`` with one)."""
+    a_lo, a_hi, w_s = mSA[(row_lo, k)], mSA[(row_hi, k)], mSB[(nb, k, expert)]
+    return a_lo, a_hi, w_s, mSB[(nb + second_b, k, expert)] if two_b else w_s
+
+
+def scale_products(a_lo, a_hi, w_s, w_u):
+    """The promotion's per-row factors ``s_a · s_w`` for each B tile (``scales[(i // 2) % 2]``: row r, r + 8)."""
+    return (a_lo * w_s, a_hi * w_s), (a_lo * w_u, a_hi * w_u)
+
+
 def act_mul_amax(gate, up):
     """``gate ← silu(gate) · up`` element-wise (fp32); returns the thread's |·| max on its two rows.
 
