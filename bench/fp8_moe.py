@@ -89,13 +89,12 @@ def cute_trace(name, t, gemms) -> dict:
         launch(counters)
         ended.record()
         torch.cuda.synchronize()
-        out[label] = shares = fp8_cute_trace.phase_shares(counters)
-        # the SM clock the GEMM ran at: the longest CTA's cycles over the launch's wall time (a tensor-bound kernel
-        # runs below the idle boost clock when the GPU caps its power)
-        mhz = float(counters[:, :, 0].max()) / (began.elapsed_time(ended) * 1e3)
-        shares["sm_clock_mhz"] = mhz
-        print(f"[{name}] T={t}: trace {label}: {began.elapsed_time(ended):.3f} ms at ~{mhz:.0f} MHz", flush=True)
-        for role, s in ((r, v) for r, v in shares.items() if isinstance(v, dict)):
+        shares = fp8_cute_trace.phase_shares(counters)
+        wall_ms = began.elapsed_time(ended)
+        mhz = fp8_cute_trace.sm_clock_hz(counters, wall_ms / 1e3) / 1e6
+        out[label] = dict(roles=shares, sm_clock_mhz=mhz)
+        print(f"[{name}] T={t}: trace {label}: {wall_ms:.3f} ms at ~{mhz:.0f} MHz", flush=True)
+        for role, s in shares.items():
             print(f"[{name}] T={t}: trace {label}, {role}: waiting for a stage {s['stage_wait']:.1%}, for its wgmma "
                   f"{s['mma_wait']:.1%}, epilogue {s['epilogue']:.1%} of its cycles; {s['tiles_per_cta']:.1f} tiles/CTA",
                   flush=True)

@@ -3,7 +3,8 @@
 ``_fp8_cute_kernel.BlockScaledGroupedGemm(trace=True)`` (launched by ``fp8_cute`` with a ``trace`` buffer) reads
 ``clock64`` around each role's waits and epilogue and writes, per CTA and role, ``TRACE_FIELDS`` as int64 SM cycles
 (and its tile count). Here, for CPU code as well: ``trace_buffer`` allocates the counters for one launch,
-``phase_shares`` turns them into the share of each role's cycles spent waiting and in the epilogue (pure).
+``phase_shares`` turns them into the share of each role's cycles spent waiting and in the epilogue, and
+``sm_clock_hz`` into the SM clock the launch ran at (both pure).
 Kept apart from ``fp8_cute`` because the kernel module reads the layout too (no import circle).
 """
 
@@ -39,3 +40,9 @@ def phase_shares(trace: torch.Tensor) -> dict[str, dict[str, float]]:
                      if field not in ("cycles", "tiles")}
         out[name]["tiles_per_cta"] = float(c[:, 4].mean()) if len(c) else 0.0
     return out
+
+
+def sm_clock_hz(trace: torch.Tensor, wall_s: float) -> float:
+    """The SM clock a traced launch ran at: its longest role's cycles (``clock64`` counts SM cycles) over the launch's
+    wall time (pure). Under FP8 load an H200 runs below its 1.98 GHz boost when it caps its power."""
+    return float(trace[..., 0].max()) / wall_s if wall_s > 0 else 0.0

@@ -40,3 +40,9 @@ def test_a_trace_that_ran_nothing_reads_as_zero_shares():
     shares = fp8_cute_trace.phase_shares(_counters({}))
     assert all(v == 0.0 for role in shares.values() for v in role.values())
 
+
+
+def test_the_sm_clock_is_the_longest_roles_cycles_over_the_wall():
+    counters = _counters({(0, 0): (1_500_000, 0, 0, 0, 1), (1, 2): (1_600_000, 0, 0, 0, 1)})
+    assert fp8_cute_trace.sm_clock_hz(counters, 1e-3) == pytest.approx(1.6e9)
+    assert fp8_cute_trace.sm_clock_hz(counters, 0.0) == 0.0
