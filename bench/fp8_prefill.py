@@ -260,16 +260,15 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                            **{f"{k}_range_s": (min(v), max(v)) for k, v in times.items()},
                            sharded_over_unsharded=med["unsharded_fp8"] / med["sharded_fp8"],
                            sharded_vs_unsharded_fp8_max_abs_dlogit=diff, stats=engine.stats())
+                kinds = (("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded.logits(seq)))
                 if args.profile:
                     from bench.profiling import profile_table
 
-                    out["profile"] = {name: profile_table(fn, device) for name, fn in (
-                        ("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded.logits(seq)))}
+                    out["profile"] = {name: profile_table(fn, device) for name, fn in kinds}
                 if args.host_profile:
                     from bench.profiling import host_profile
 
-                    out["host_profile"] = {name: host_profile(fn, device) for name, fn in (
-                        ("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded.logits(seq)))}
+                    out["host_profile"] = {name: host_profile(fn, device) for name, fn in kinds}
                 del ref, unsharded
             rdzv.barrier("fp8/done")
         finally:
