@@ -15,7 +15,8 @@
   5. prefill: one ``--isl``-token sequence, sharded FP8 vs unsharded FP8, alternated after warm-up, ``--iters``
      each: tokens/s of the medians and their ratio, each kind's range; unsharded bf16 reference time beside
      them. ``--profile`` then profiles one forward of each (``bench/profiling.py``): kernel tables and the
-     summed kernel time beside the wall time.
+     summed kernel time beside the wall time; ``--host-profile`` runs three of each under cProfile: where the
+     host's time goes when the forward is host-bound.
 
 ``--train-steps N`` (default 0: the random weights above) measures the agreement on a *trained* model instead:
 on random weights the floor itself (bf16 vs float32: 97.0 % on H200) sits below the ≥ 99 % goal, which a
