@@ -78,6 +78,7 @@ class CudaStreams(Streams):
         self._check = check
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.transfer = transfer
+        self.capturable = transfer != Transfer.BATCHED  # cuMemcpyBatchAsync cannot be captured (docstring)
         self._gather = None
         if transfer == Transfer.SM_GATHER:
             from .sm_gather import SmGather

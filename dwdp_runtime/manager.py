@@ -14,6 +14,8 @@ Lifecycle::
                          ... enqueue the MoE kernels ...
                          mgr.finish_layer(layer)
     mgr.release()                                         # idempotent; also on __exit__
+    # a forward in a CUDA graph: mgr.join_copies(); with torch.cuda.graph(g), mgr.capture(): model(...)
+    #                            then per forward mgr.join_copies(); g.replay()   (WeightManager docstring)
 
 ``fill`` is either a tensor ``[b−a, *expert_shape]`` with this rank's experts, or a callable
 ``fill(view, start, end)`` that writes experts ``[start, end)`` into ``view`` (the loader reads
@@ -178,6 +180,18 @@ class DwdpManager:
 
     def invalidate(self) -> None:
         self._ready().invalidate()
+
+    def capture(self):
+        """Context manager for one forward captured in a CUDA graph (``WeightManager.capture``)."""
+        return self._ready().capture()
+
+    def join_copies(self) -> None:
+        """Before a graph replay: later compute work waits for every copy enqueued so far."""
+        self._ready().join_copies()
+
+    def mid_sequence(self) -> bool:
+        """Whether a forward is under way (a capture or replay needs a forward boundary)."""
+        return self._ready().schedule.mid_sequence()
 
     @property
     def num_restarts(self) -> int:

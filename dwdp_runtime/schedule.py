@@ -65,6 +65,15 @@ class PrefetchSchedule:
         """The slot of MoE order ``order``: ``layout.slot_of``, the same rule the pool is built by."""
         return slot_of(order, self.num_slots)
 
+    def mid_sequence(self) -> bool:
+        """True between a forward's first bind and its last finish (a layer still bound, or the next bind not
+        the forward's first layer). At a boundary the issued copies are a function of the layer count and slot
+        count alone (``_issue`` is greedy and a restart re-issues the same prefix), so every steady forward
+        issues the same copies in the same places: what lets one captured CUDA graph stand for all of them.
+        A repeated layer held over the boundary is no obstacle: ``start_forward`` releases it the same way
+        in every forward."""
+        return self._bound is not None or self._next_bind % self.num_layers != 0
+
     # -- state transitions ---------------------------------------------------------------------
     def start_forward(self) -> ScheduleStep:
         if self._bound is None and self._next_bind % self.num_layers == 0:

@@ -37,6 +37,8 @@ class Streams(ABC):
     """Copy/compute queues. ``compile`` runs at setup (no allocation later), ``enqueue_copies`` per layer."""
 
     transfer: str = DEFAULT_TRANSFER
+    #: whether ``enqueue_copies`` may run inside a CUDA-graph capture (``WeightManager.capture``)
+    capturable: bool = True
 
     @abstractmethod
     def new_event(self) -> Any: ...

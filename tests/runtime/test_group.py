@@ -65,3 +65,23 @@ def test_killed_peer_is_detected_by_name():
     for r in (0, 1):
         status, text = res[r]
         assert status == "error" and "RendezvousTimeout" in text and "rank(s) [2] never arrived" in text
+
+
+def test_a_captured_forward_waits_only_on_its_own_events_and_stays_bitwise():
+    # forward 1 of 4 runs as a CUDA-graph capture would (tests/runtime/workloads.py: CaptureCheckingStreams raises
+    # on any wait inside it on an event recorded before it); a slow copy thread makes a missed ordering visible
+    out = _ok(run_group(composite_program, 2, num_experts=8, k=4, s=4, layers=4, forwards=4, shapes=BIG,
+                        page_multiplier=1, copy_delay_s=0.01, capture_at=1))
+    for st in out.values():
+        assert st["checks"] == (4 + 1) * 4 * 2  # every forward's composites bitwise, the captured one too
+        # no restart around the capture; two after the refused one below: its out-of-order bind, and the next
+        # forward's start (the invalidated schedule is left at that order, mid-sequence)
+        assert st["captures"] == 1 and st["restarts"] == 2
+        # the first two layers' copies were issued by forward 0 (2 slots): their binds' waits are skipped, and
+        # join_copies before the capture is what orders them
+        assert st["capture_skipped_waits"] == 2
+        assert st["capture_waits"] > 0  # the copy stream joined the capture and was joined back
+        mid, restart, after = st["refusals"]
+        assert "mid-sequence" in mid
+        assert "restarted during a CUDA-graph capture" in restart
+        assert after == "capturing afterwards: False"
