@@ -16,7 +16,9 @@
      each: tokens/s of the medians and their ratio, each kind's range; unsharded bf16 reference time beside
      them. ``--profile`` then profiles one forward of each (``bench/profiling.py``): kernel tables and the
      summed kernel time beside the wall time; ``--host-profile`` runs three of each under cProfile: where the
-     host's time goes when the forward is host-bound.
+     host's time goes when the forward is host-bound. ``--cuda-graphs N``: both FP8 models run their prefill
+     from CUDA graphs (``dwdp_worker.prefill_graphs``; the engine's own, and the same class around the
+     unsharded model), and the graph's logits are compared with one eager forward of the engine.
 
 ``--train-steps N`` (default 0: the random weights above) measures the agreement on a *trained* model instead:
 on random weights the floor itself (bf16 vs float32: 97.0 % on H200) sits below the ≥ 99 % goal, which a
@@ -31,6 +33,7 @@ the prompt source and the training (steps, held-out bits per byte). The prefill 
 
     python bench/fp8_prefill.py --isl 8192 --dwdp-size 4          (GPU)
     python bench/fp8_prefill.py --isl 8192 --dwdp-size 4 --train-steps 300      (GPU, trained model)
+    python bench/fp8_prefill.py --isl 8192 --dwdp-size 4 --cuda-graphs 2            (GPU, prefill from graphs)
     python bench/fp8_prefill.py --device cpu --isl 64 --hidden-size 256 --moe-intermediate-size 128 \\
         --num-experts 8 --num-layers 2 --vocab-size 512 --prompts 20 --iters 1        (CPU smoke test;
         add --train-steps 20 --train-batch 4 --train-seq 128 for the trained path)
@@ -59,6 +62,9 @@ from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-
 #: timed forwards of each kind: one forward's time moves by 10-25 % on a shared H200 host (2026-12-01: the same
 #: unsharded forward 13.75 and 17.20 ms in two runs of one call), so 3 left the ratio to chance
 ITERS = 10
+#: untimed forwards of each kind first: with ``--cuda-graphs`` the first runs eagerly (compiling), the second is
+#: captured, so timing starts at the replays
+WARMUP_FORWARDS = 2
 #: the agreement prompts' seed, random ids or held-out windows (2: the seed of the numbers in docs/MODELS.md)
 PROMPT_SEED = 2
 
@@ -81,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--host-profile", action="store_true",
                    help="after the timing, run three sharded and three unsharded FP8 forwards under cProfile and "
                         "print the functions that took the host's time (where the forward is host-bound)")
+    p.add_argument("--cuda-graphs", type=int, default=_OWN_DEFAULTS["cuda_graphs"],
+                   help="run both FP8 models' prefill from CUDA graphs, up to N batch shapes each (default 0: eager)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=2048)
     p.add_argument("--num-experts", type=int, default=32)
@@ -208,7 +216,8 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                          token="fp8", timeout_s=1800) as rdzv:
         engine = Engine.build(model_dir=fp8, config=cfg, rank=rank, rendezvous=rdzv,
                               backend="auto" if args.device == "cuda" else "host",
-                              device=device if args.device == "cuda" else None, token="fp8", progress=False)
+                              device=device if args.device == "cuda" else None, token="fp8", progress=False,
+                              cuda_graphs=args.cuda_graphs)
         out = {"local": engine.manager.local_range, "report": {
             "dense_bytes": engine.load_report.dense_bytes, "local_expert_bytes": engine.load_report.local_expert_bytes,
             "local_scale_bytes": engine.load_report.local_scale_bytes, "mapped": str(engine.load_report.mapped)}}
@@ -237,22 +246,32 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                 # slower: measured 2026-12-01, sharded "faster" by 15-27 %, max |dlogit| 0.055)
                 unsharded = Reference(ref_dir, dtype="bfloat16", device=device, experts="auto")
                 bind_fp8_experts(unsharded.model, fp8, device, _t.bfloat16)
+                unsharded_logits = unsharded.logits
+                if args.cuda_graphs:
+                    from dwdp_worker.prefill_graphs import PrefillGraphs
+
+                    unsharded_logits = PrefillGraphs(unsharded.model, device, max_graphs=args.cuda_graphs).logits
                 gen = _t.Generator().manual_seed(1)
                 seq = [_t.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()]
-                for _ in range(2):
+                for _ in range(WARMUP_FORWARDS):
                     engine.forward(seq)
-                    unsharded.logits(seq)
+                    unsharded_logits(seq)
                     ref.logits(seq)
+                if args.cuda_graphs:  # the replayed logits against one eager forward of the same engine
+                    from dwdp_worker.packing import packed_logits
+
+                    eager = packed_logits(engine.model, seq, device)
+                    out["graph_vs_eager_max_abs_dlogit"] = float((engine.forward(seq).logits - eager).abs().max())
                 times = {"sharded_fp8": [], "unsharded_fp8": [], "unsharded_bf16_ref": []}
                 diff = 0.0
                 for _ in range(args.iters):
                     _sync(device)
                     r = engine.forward(seq)
                     times["sharded_fp8"].append(r.compute_s)
-                    for name, m in (("unsharded_fp8", unsharded), ("unsharded_bf16_ref", ref)):
+                    for name, logits_of in (("unsharded_fp8", unsharded_logits), ("unsharded_bf16_ref", ref.logits)):
                         _sync(device)
                         t0 = time.perf_counter()
-                        lg = m.logits(seq)
+                        lg = logits_of(seq)
                         times[name].append(time.perf_counter() - t0)
                         if name == "unsharded_fp8":
                             diff = max(diff, float((r.logits - lg).abs().max()))
@@ -261,7 +280,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                            **{f"{k}_range_s": (min(v), max(v)) for k, v in times.items()},
                            sharded_over_unsharded=med["unsharded_fp8"] / med["sharded_fp8"],
                            sharded_vs_unsharded_fp8_max_abs_dlogit=diff, stats=engine.stats())
-                kinds = (("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded.logits(seq)))
+                kinds = (("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded_logits(seq)))
                 if args.profile:
                     from bench.profiling import profile_table
 
@@ -278,7 +297,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
 
 #: options bench/prefill.py does not have, with their defaults here (``prefill.py --quant fp8`` calls ``run``)
-_OWN_DEFAULTS = {"prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False, "host_profile": False,
+_OWN_DEFAULTS = {"cuda_graphs": 0, "prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False, "host_profile": False,
                  "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8"),
                  # --train-steps: 32 x 512 bytes a step (~28 TFLOP at the default model; docs/MODELS.md)
                  "train_steps": 0, "train_batch": 32, "train_seq": 512, "train_lr": 1e-3, "corpus": None}
@@ -370,6 +389,10 @@ def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
           f"{r0['unsharded_fp8_s'] * 1e3:.2f} ms, unsharded bf16 ref {r0['unsharded_bf16_ref_s'] * 1e3:.2f} ms; "
           f"sharded/unsharded (tok/s) = {r0['sharded_over_unsharded']:.3f}; "
           f"max |dlogit| sharded vs unsharded fp8 {r0['sharded_vs_unsharded_fp8_max_abs_dlogit']:.3g}")
+    if "graph_vs_eager_max_abs_dlogit" in r0:
+        st = r0["stats"]
+        print(f"CUDA graphs: sharded {st['graphs_captured']} captured, {st['graphs_replayed']} replays, "
+              f"{st['graphs_failed']} failed; replayed vs eager max |dlogit| {r0['graph_vs_eager_max_abs_dlogit']:.3g}")
     spread = ", ".join(f"{name} {lo * 1e3:.2f}-{hi * 1e3:.2f}" for name, (lo, hi) in
                        ((k, r0[f"{k}_range_s"]) for k in ("sharded_fp8", "unsharded_fp8", "unsharded_bf16_ref")))
     print(f"  range over {args.iters} forwards each (ms): {spread}")

@@ -254,7 +254,8 @@ def prefill_flops(config, seq_lens) -> dict:
 
 def spawn_ranks(target, world: int, *target_args) -> dict | None:
     """Run ``target(rank, *target_args, port, queue)`` in ``world`` spawned processes; ``{rank: result}``, or
-    None (errors printed) when a rank failed or died."""
+    None (errors printed) when a rank failed or died. The first failure ends the run at once: the other ranks
+    would otherwise wait for the failed one at their last barrier until its timeout."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
@@ -266,6 +267,10 @@ def spawn_ranks(target, world: int, *target_args) -> dict | None:
         try:
             rank, value = q.get(timeout=5)
             results[rank] = value
+            if "error" in value:
+                for p in procs:
+                    p.terminate()
+                break
         except Exception:  # noqa: BLE001 - queue.Empty
             dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results]
             if dead:

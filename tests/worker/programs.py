@@ -18,8 +18,10 @@ def _rdzv(rank, world, port, job, timeout_s=RENDEZVOUS_TIMEOUT_S):
                            timeout_s=timeout_s)
 
 
-def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backend="host", gpus=0):
+def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backend="host", gpus=0, cuda_graphs=None):
     """For each (job, model_dir, k, s, dtype) in ``runs``: build an Engine, run every batch, return the logits.
+
+    ``cuda_graphs``: job → the engine's ``cuda_graphs`` (absent: 0, eager).
 
     One process serves several models in turn (import cost paid once); each run is its own rendezvous job
     on its own store port (``ports[job]``; rank 0's store of the previous run may still be shutting down).
@@ -37,7 +39,8 @@ def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backen
         with _rdzv(rank, world, ports[job], job) as rdzv:
             device = f"cuda:{rank % gpus}" if gpus else None
             engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
-                                  device=device, token="tok", dtype=dtype, progress=False)
+                                  device=device, token="tok", dtype=dtype, progress=False,
+                                  cuda_graphs=(cuda_graphs or {}).get(job, 0))
             try:
                 results = [engine.forward(b) for b in batches]
                 out[job] = {"logits": [r.logits.numpy() for r in results], "restarts": [r.restarts for r in results],

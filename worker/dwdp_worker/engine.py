@@ -11,7 +11,9 @@ Build (``Engine.build``):
      `transformers`' own on CPU (bitwise with the oracle).
 
 Forward (``Engine.forward(sequences)``): validate → pack into one row (``packing``) → model forward without KV
-cache → last-position logits of each sequence, float32 on CPU. Timings per forward:
+cache → last-position logits of each sequence, float32 on CPU. Built with ``cuda_graphs=N`` (CUDA only), plain
+prefill forwards of up to N batch shapes replay from CUDA graphs (``prefill_graphs``: the first forward of a
+shape eager, the second captured, then replayed; the same logits). Timings per forward:
   * ``compute_s``        — wall time of the whole forward (device synchronised at the end);
   * ``prefetch_wait_s``  — host time blocked in ``wait_and_bind`` (host backend: waiting on the copy thread;
                            CUDA: the wait is a stream wait, so the host-side figure is ~0 and the exposed
@@ -71,8 +73,9 @@ def num_experts_of(model_dir) -> int:
 
 
 class Engine:
-    def __init__(self, *, model, manager, hooks, hf_config, model_dir, load_report=None, kv=None):
+    def __init__(self, *, model, manager, hooks, hf_config, model_dir, load_report=None, kv=None, graphs=None):
         self.model, self.manager, self._hooks = model, manager, hooks
+        self.graphs = graphs  # prefill_graphs.PrefillGraphs, or None (eager only)
         self.kv = kv  # kv.service.KvService, or None (no KV budget)
         self.hf_config = hf_config
         self.model_dir = model_dir
@@ -90,10 +93,14 @@ class Engine:
     @classmethod
     def build(cls, *, model_dir, config, rank: int, rendezvous, backend: str = "auto", device=None,
               token: str = "", dtype: str | None = None, progress: bool = True,
-              copy_delay_s: float = 0.0, experts: str = "auto", kv=None, identity=None) -> "Engine":
-        """``kv``: ``kv.service.KvSettings`` (a budget > 0 starts the KV service); ``identity``: its ``RankIdentity``."""
+              copy_delay_s: float = 0.0, experts: str = "auto", kv=None, identity=None,
+              cuda_graphs: int = 0) -> "Engine":
+        """``kv``: ``kv.service.KvSettings`` (a budget > 0 starts the KV service); ``identity``: its ``RankIdentity``;
+        ``cuda_graphs``: how many prefill batch shapes may be captured in CUDA graphs (0: none; a CUDA device only)."""
         from dwdp_runtime.manager import DwdpManager
 
+        if cuda_graphs < 0:
+            raise ValueError(f"cuda_graphs={cuda_graphs}: must be >= 0 (0 turns CUDA graphs off)")
         hf_config = load_config(model_dir)
         n = arch.num_experts_in_config(hf_config)
         if config.num_experts != n:
@@ -106,12 +113,13 @@ class Engine:
             model, report = load_sharded(model_dir, manager, dtype=dtype, progress=progress, config=hf_config)
             hooks = install_hooks(model, manager)
             experts_impl.select(model, manager.device, experts)
+            graphs = _graphs(model, manager, cuda_graphs)
             kv_service = _start_kv(kv, manager.device, identity, rank)
         except BaseException:
             manager.release(barrier=False)
             raise
         return cls(model=model, manager=manager, hooks=hooks, hf_config=hf_config, model_dir=model_dir,
-                   load_report=report, kv=kv_service)
+                   load_report=report, kv=kv_service, graphs=graphs)
 
     # -- run ------------------------------------------------------------------------------------------------
     def _bind_wait_s(self) -> float:
@@ -128,6 +136,8 @@ class Engine:
             t0 = time.perf_counter()
             if score and any(score):  # .cpu() synchronises the device
                 logits, prompt_logits = packed_scored_logits(self.model, sequences, self.device, score)
+            elif self.graphs is not None:
+                logits, prompt_logits = self.graphs.logits(sequences), None
             else:
                 logits, prompt_logits = packed_logits(self.model, sequences, self.device), None
             elapsed = time.perf_counter() - t0
@@ -171,6 +181,7 @@ class Engine:
             "last_forward_s": self._last_forward_s,
             "backend": m.get("backend"),
             "local_experts": list(self.manager.local_range),
+            **(self.graphs.counters.as_dict() if self.graphs is not None else {}),
             **({f"kv_{k}": v for k, v in self.kv.stats().as_dict().items()} if self.kv is not None else {}),
         }
 
@@ -181,6 +192,8 @@ class Engine:
                 return
             self._closed = True
             self._hooks.remove()
+            if self.graphs is not None:
+                self.graphs.close()  # their copy nodes read peers' memory the manager is about to unmap
             if self.kv is not None:
                 self.kv.close()  # deregister the KV region before the process may unmap anything
             try:
@@ -193,6 +206,14 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _graphs(model, manager, cuda_graphs: int):
+    if cuda_graphs == 0:
+        return None
+    from .prefill_graphs import PrefillGraphs
+
+    return PrefillGraphs(model, manager.device, max_graphs=cuda_graphs, manager=manager)  # refuses a CPU device
 
 
 def _start_kv(settings, device, identity, rank):

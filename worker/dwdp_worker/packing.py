@@ -61,14 +61,25 @@ def pack(sequences: Sequence[Sequence[int]], device="cpu"):
     return (input_ids.to(device).unsqueeze(0), positions.to(device).unsqueeze(0), (ends - 1).to(device))
 
 
-def packed_logits(model, sequences: Sequence[Sequence[int]], device) :
-    """Last-position logits ``[len(sequences), vocab]`` (float32, CPU) of one packed forward, no KV cache."""
+def device_logits(model, input_ids, position_ids, last):
+    """Last-position logits ``[n, vocab]`` on the model's device, of one packed forward (``pack``'s tensors), no
+    KV cache, nothing synchronised: what ``packed_logits`` runs eagerly and ``prefill_graphs`` captures.
+
+    A single sequence is run without ``position_ids`` (its positions are 0.., which `transformers` builds itself
+    from the cache positions, bit for bit the same): the packing the positions would announce is then none.
+    (`transformers` still tests the positions it builds for packing; inside a CUDA-graph capture, where that
+    host test cannot run, ``capturable_masks.one_sequence`` answers it.)"""
     import torch
 
-    input_ids, position_ids, last = pack(sequences, device)
     with torch.inference_mode():
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=last)
-    return out.logits[0].float().cpu()
+        out = model(input_ids=input_ids, position_ids=position_ids if last.numel() > 1 else None,
+                    use_cache=False, logits_to_keep=last)
+    return out.logits[0]
+
+
+def packed_logits(model, sequences: Sequence[Sequence[int]], device):
+    """Last-position logits ``[len(sequences), vocab]`` (float32, CPU) of one packed forward, no KV cache."""
+    return device_logits(model, *pack(sequences, device)).float().cpu()
 
 
 def packed_scored_logits(model, sequences: Sequence[Sequence[int]], device, score: Sequence[bool]):
