@@ -97,6 +97,7 @@ class ServingEnv(StrEnum):
     MAX_NUM_SEQS = "DWDP_MAX_NUM_SEQS"            # sequences packed into one forward (--max-num-seqs)
     MAX_NEW_TOKENS = "DWDP_MAX_NEW_TOKENS"        # largest max_tokens served (--max-new-tokens)
     SERVED_MODEL_NAME = "DWDP_SERVED_MODEL_NAME"  # model id in the API (--served-model-name)
+    CUDA_GRAPHS = "DWDP_CUDA_GRAPHS"              # prefill shapes replayed from CUDA graphs, 0 = off (--cuda-graphs)
 
 
 POD_ENV_OPTIONAL: tuple[str, ...] = tuple(v.value for v in KvEnv) + tuple(v.value for v in ServingEnv)
@@ -159,6 +160,9 @@ DEFAULT_HTTP_PORT = 8000    # spec.httpPort default
 #: its product, a few more are a convenience (decoded with the KV cache); long generations belong to a decode
 #: engine, reached through ``kv_transfer_params`` (docs/KV_TRANSFER.md)
 DEFAULT_MAX_NEW_TOKENS = 512
+#: ``spec.serving.cudaGraphs`` bound (the CRD's maximum too): every captured prefill shape keeps its activations'
+#: memory pool on the GPU, and a server bucketing its batches needs a handful; 64 is past any sane count
+MAX_CUDA_GRAPHS = 64
 DEFAULT_STORE_PORT = 29500  # spec.storePort default (torch.distributed's customary store port)
 
 TOKEN_SECRET_KEY = "token"  # key of the group token in Secret <name>-token (DWDP_TOKEN's secretKeyRef)

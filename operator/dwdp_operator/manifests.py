@@ -195,7 +195,8 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
         env += [{"name": str(k), "value": str(v)} for k, v in (
             (ServingEnv.MAX_QUEUE, sv.maxQueue), (ServingEnv.MAX_NUM_TOKENS, sv.maxNumTokens),
             (ServingEnv.MAX_NUM_SEQS, sv.maxNumSeqs),
-            (ServingEnv.MAX_NEW_TOKENS, sv.maxNewTokens), (ServingEnv.SERVED_MODEL_NAME, sv.servedModelName or ""))]
+            (ServingEnv.MAX_NEW_TOKENS, sv.maxNewTokens), (ServingEnv.SERVED_MODEL_NAME, sv.servedModelName or ""),
+            (ServingEnv.CUDA_GRAPHS, sv.cudaGraphs))]
     return env
 
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dwdp_runtime.config import sharding_errors
 from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
-                                   POD_ENV,
+                                   MAX_CUDA_GRAPHS, POD_ENV,
                                    RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode)
 
 GROUP = LABEL_PREFIX
@@ -103,6 +103,8 @@ class Serving(_Model):
     maxNumSeqs: int = Field(default=256, ge=1, le=65536)
     maxNewTokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000)
     servedModelName: str | None = Field(default=None, min_length=1)
+    #: prefill batch shapes per rank replayed from CUDA graphs (each keeps its activations' memory); 0 = off
+    cudaGraphs: int = Field(default=0, ge=0, le=MAX_CUDA_GRAPHS)
 
 
 class EndpointPicker(_Model):

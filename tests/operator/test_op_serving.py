@@ -18,10 +18,12 @@ def _env(**over) -> dict[str, str]:
 
 
 def test_serving_section_becomes_the_worker_flags():
-    env = _env(serving={"maxQueue": 32, "maxNumTokens": 4096, "maxNewTokens": 24, "servedModelName": "r1-prefill"})
+    env = _env(serving={"maxQueue": 32, "maxNumTokens": 4096, "maxNewTokens": 24, "servedModelName": "r1-prefill",
+                        "cudaGraphs": 4})
     assert {v.value for v in ServingEnv} <= set(env)
     assert serving_overrides(env) == {"max_queue": 32, "max_num_tokens": 4096, "max_num_seqs": 256,
-                                      "max_new_tokens": 24, "served_model_name": "r1-prefill"}
+                                      "max_new_tokens": 24, "served_model_name": "r1-prefill", "cuda_graphs": 4}
+    assert serving_overrides(_env(serving={"maxQueue": 8}))["cuda_graphs"] == 0  # the default: off
 
 
 def test_absent_serving_sets_nothing_and_keeps_the_template_hash():
@@ -43,6 +45,15 @@ def test_bad_serving_env_names_the_variable(bad):
         serving_overrides({"DWDP_MAX_QUEUE": bad})
 
 
+@pytest.mark.parametrize("bad", ["-1", "some"])
+def test_bad_cuda_graphs_env_is_refused_and_zero_is_off(bad):
+    with pytest.raises(EnvContractError, match=r"DWDP_CUDA_GRAPHS.*>= 0"):
+        serving_overrides({"DWDP_CUDA_GRAPHS": bad})
+    assert serving_overrides({"DWDP_CUDA_GRAPHS": "0"}) == {"cuda_graphs": 0}
+
+
 def test_serving_bounds_and_reserved_names():
     assert validate_spec(spec(serving={"maxQueue": 0}))
+    assert validate_spec(spec(serving={"cudaGraphs": -1})) and validate_spec(spec(serving={"cudaGraphs": 65}))
+    assert not validate_spec(spec(serving={"cudaGraphs": 64}))
     assert validate_spec(spec(template={"env": [{"name": "DWDP_MAX_QUEUE", "value": "9"}]}))

@@ -111,7 +111,7 @@ def parse_env(environ: Mapping[str, str]) -> PodEnv:
 # contract.ServingEnv -> the ``dwdp-worker pod`` flag (argparse dest) it overrides
 SERVING_FLAGS = {"DWDP_MAX_QUEUE": "max_queue", "DWDP_MAX_NUM_TOKENS": "max_num_tokens",
                  "DWDP_MAX_NUM_SEQS": "max_num_seqs", "DWDP_MAX_NEW_TOKENS": "max_new_tokens",
-                 "DWDP_SERVED_MODEL_NAME": "served_model_name"}
+                 "DWDP_SERVED_MODEL_NAME": "served_model_name", "DWDP_CUDA_GRAPHS": "cuda_graphs"}
 
 
 def serving_overrides(environ: Mapping[str, str]) -> dict[str, int | str]:
@@ -128,12 +128,13 @@ def serving_overrides(environ: Mapping[str, str]) -> dict[str, int | str]:
             if raw:
                 out[SERVING_FLAGS[var.value]] = raw
             continue
+        least = 0 if var is ServingEnv.CUDA_GRAPHS else 1  # 0 graphs is "off"; 0 of a limit serves nothing
         try:
             value = int(raw)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise EnvContractError(f"{var.value}={raw!r}: must be an integer >= 1 (spec.serving)")
+            value = least - 1
+        if value < least:
+            raise EnvContractError(f"{var.value}={raw!r}: must be an integer >= {least} (spec.serving)")
         out[SERVING_FLAGS[var.value]] = value
     return out
 

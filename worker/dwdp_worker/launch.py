@@ -57,6 +57,15 @@ def cuda_count() -> int:
         return 0
 
 
+def check_cuda_graphs(cuda_graphs: int, gpus: int) -> None:
+    """``--cuda-graphs``: refused (ValueError, before any rank starts) when negative or without a GPU to use."""
+    if cuda_graphs < 0:
+        raise ValueError(f"--cuda-graphs={cuda_graphs}: must be >= 0 (0 turns CUDA graphs off)")
+    if cuda_graphs and gpus == 0:
+        raise ValueError(f"--cuda-graphs={cuda_graphs}: CUDA graphs need the ranks on GPUs, and these run on the "
+                         f"host backend (no GPU visible, or --backend host); drop --cuda-graphs")
+
+
 def synthetic_checkpoint(stack: contextlib.ExitStack, arch: str, **kw) -> str:
     """A seeded synthetic checkpoint (with a tokenizer) in a temp dir removed when ``stack`` closes."""
     from .synth import write_synthetic
@@ -95,6 +104,10 @@ def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = DEF
                    help=f"wait this long for the group's other ranks (default {default_rendezvous_s:g})")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info shows each rank's load progress (default info)")
+    g.add_argument("--cuda-graphs", type=int, default=0, metavar="N",
+                   help="replay plain prefill forwards of up to N batch shapes (tokens, sequences) from CUDA graphs: "
+                        "a shape's first forward runs eagerly, its second is captured, later ones replay; each graph "
+                        "keeps its activations' memory (default 0: off; CUDA only; docs/RUNTIME.md)")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"largest max_tokens served (default {DEFAULT_MAX_NEW_TOKENS}): a context server decodes a "
                         f"few tokens with the KV cache; long outputs belong to a decode engine (kv_transfer_params)")

@@ -26,7 +26,8 @@ from dwdp_runtime.contract import Backend, ModelDtype, Transfer
 
 from . import timeouts
 from .kv.options import settings_from_args
-from .launch import FrontPlan, add_serving_arguments, cuda_count, free_port, run_front, synthetic_checkpoint
+from .launch import (FrontPlan, add_serving_arguments, check_cuda_graphs, cuda_count, free_port, run_front,
+                     synthetic_checkpoint)
 from .protocol import RankSpec
 
 
@@ -58,7 +59,7 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
                       transfer: str = Transfer.COPY_ENGINE.value, backend: str = Backend.AUTO.value, dtype: str | None = None,
                       threads_per_rank: int | None = None,
                       rendezvous_timeout_s: float = timeouts.RENDEZVOUS_LOCAL_S,
-                      num_experts: int | None = None) -> list[RankSpec]:
+                      num_experts: int | None = None, cuda_graphs: int = 0) -> list[RankSpec]:
     """The G×D rank specs; raises ValueError with the fix on a bad shape."""
     if groups < 1:
         raise ValueError(f"--groups={groups}: must be >= 1")
@@ -73,6 +74,7 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     gpus = 0 if backend == "host" else cuda_count()
     if backend == "cuda" and gpus == 0:
         raise ValueError("--backend cuda: no CUDA GPU is visible (use --backend host or auto)")
+    check_cuda_graphs(cuda_graphs, gpus)
     n = groups * dwdp_size
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))
     specs = []
@@ -83,7 +85,8 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
             specs.append(RankSpec(model_dir=str(model_dir), config=config.to_dict(), rank=r, group=g, global_id=gid,
                                   store_host="127.0.0.1", store_port=port, job="local", attempt=0, token=token,
                                   backend="host" if not gpus else backend, device=f"cuda:{gid % gpus}" if gpus else None,
-                                  dtype=dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s))
+                                  dtype=dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s,
+                                  cuda_graphs=cuda_graphs))
     return specs
 
 
@@ -95,7 +98,8 @@ def plan_local(args: argparse.Namespace, stack: contextlib.ExitStack) -> FrontPl
                               experts_per_worker=args.experts_per_worker, prefetch_stride=args.prefetch_stride,
                               prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
                               transfer=args.transfer, backend=args.backend, dtype=args.dtype,
-                              threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s)
+                              threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s,
+                              cuda_graphs=args.cuda_graphs)
     name = args.synthetic or pathlib.Path(model_dir).resolve().name
     return FrontPlan(specs=specs, model_dir=model_dir, model_name=name, port=args.port, kv=settings_from_args(args),
                      banner=f"serving {args.served_model_name or name} with {args.groups} group(s) × "

@@ -18,6 +18,8 @@ Names (all prefixed ``dwdp_``):
   prefetch_restarts_total{rank}        counter    prefetch schedule restarts (rank stats)
   forwards_total{rank}                 counter    engine forwards incl. warm-up (rank stats)
   remote_bytes_per_forward{rank}       gauge      remote expert bytes one forward pulls
+  prefill_graph_replays_total{rank}    counter    prefill forwards replayed from CUDA graphs (--cuda-graphs)
+  prefill_graph_failures_total{rank}   counter    CUDA-graph captures that failed (those shapes run eagerly)
   rank_ready{rank} / ready / draining / group_attempt   gauge
 """
 
@@ -48,15 +50,22 @@ class _RankCollector:
             "prefetch_restarts": CounterMetricFamily("dwdp_prefetch_restarts", "prefetch schedule restarts", labels=["rank"]),
             "forwards": CounterMetricFamily("dwdp_forwards", "engine forwards including warm-up", labels=["rank"]),
         }
+        graphs = {"replayed": CounterMetricFamily("dwdp_prefill_graph_replays", "prefill forwards replayed from CUDA graphs",
+                                                  labels=["rank"]),
+                  "failed": CounterMetricFamily("dwdp_prefill_graph_failures", "CUDA-graph captures that failed",
+                                                labels=["rank"])}
         remote = GaugeMetricFamily("dwdp_remote_bytes_per_forward", "remote expert bytes per forward", labels=["rank"])
         ready = GaugeMetricFamily("dwdp_rank_ready", "1 when the rank is ready", labels=["rank"])
         for r in snap["ranks"]:
             label = [str(r["global_id"])]
             for key, fam in fams.items():
                 fam.add_metric(label, float(r.get(key) or 0))
+            for key, fam in graphs.items():
+                fam.add_metric(label, float((r.get("prefill_graphs") or {}).get(key) or 0))
             remote.add_metric(label, float(r.get("remote_bytes_per_forward") or 0))
             ready.add_metric(label, 1.0 if r["phase"] == "ready" and r["alive"] else 0.0)
         yield from fams.values()
+        yield from graphs.values()
         yield remote
         yield ready
         for name, value, doc in (("dwdp_ready", snap.get("ready", False), "1 when /readyz is true"),

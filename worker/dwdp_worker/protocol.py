@@ -35,6 +35,7 @@ from . import timeouts
 from .scoring import PromptScores
 from .kv.service import KvSettings
 from .kv.store import KvStats
+from .prefill_graphs import GraphCounters
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,7 @@ class RankSpec:
     peer_dead_after_s: float = timeouts.PEER_DEAD_AFTER_S
     log_level: str = "WARNING"       # the front's level: load progress reaches the log at info
     kv: KvSettings = field(default_factory=KvSettings)  # KV handoff (docs/KV_TRANSFER.md); budget 0 = off
+    cuda_graphs: int = 0             # prefill batch shapes replayed from CUDA graphs (prefill_graphs); 0 = off
     env: dict = field(default_factory=dict)
 
 
@@ -88,6 +90,7 @@ class RankStats:
     last_forward_s: float = 0.0
     backend: str | None = None
     kv: KvStats | None = None    # the rank's KV store counters (None without a KV budget)
+    graphs: GraphCounters | None = None  # prefill from CUDA graphs (None: --cuda-graphs 0)
     error: str | None = None     # stats could not be read (never takes the rank down)
 
 

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import threading
@@ -156,6 +157,7 @@ class RankHandle:
             "remote_bytes_per_forward": s.remote_bytes_per_forward,
             "backend": s.backend,
             "kv": s.kv.as_dict() if s.kv is not None else None,
+            "prefill_graphs": dataclasses.asdict(s.graphs) if s.graphs is not None else None,
             "compute_s": round(self.compute_s, 6), "prefetch_wait_s": round(self.prefetch_wait_s, 6),
             "sequences_served": self.dispatched,
             "last_forward_age_s": (round(now - self.last_forward_end, 3)

@@ -154,7 +154,7 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
             engine = Engine.build(model_dir=spec.model_dir, config=config, rank=spec.rank, rendezvous=rdzv,
                                   backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
                                   progress=True, copy_delay_s=_test_copy_delay(), kv=spec.kv,
-                                  identity=_kv_identity(spec))
+                                  identity=_kv_identity(spec), cuda_graphs=spec.cuda_graphs)
         rep = engine.load_report
         link.send(p.LoadProgress("weights", (
             f"{len(rep.layers)} MoE layers, dense {rep.dense_bytes / 2**20:.1f} MiB, local experts "
@@ -248,7 +248,8 @@ def _stats(engine) -> p.RankStats:
                            prefetch_bytes=int(s.get("prefetch_bytes", 0) or 0),
                            remote_bytes_per_forward=int(s.get("remote_bytes_per_forward", 0) or 0),
                            last_forward_s=float(s.get("last_forward_s", 0.0) or 0.0), backend=s.get("backend"),
-                           kv=engine.kv.stats() if engine.kv is not None else None)
+                           kv=engine.kv.stats() if engine.kv is not None else None,
+                           graphs=dataclasses.replace(engine.graphs.counters) if engine.graphs is not None else None)
     except Exception as exc:  # noqa: BLE001 - stats must never take the rank down
         return p.RankStats(error=str(exc))
 
