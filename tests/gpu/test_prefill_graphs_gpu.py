@@ -4,19 +4,9 @@ DWDP copies captured with the forward (worker/dwdp_worker/prefill_graphs.py)."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
-torch = pytest.importorskip("torch")
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-for p in (ROOT / "worker", ROOT):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+torch = pytest.importorskip("torch")  # marked gpu and skipped without CUDA by tests/gpu/conftest.py
 
 ARCHS = ("qwen3_moe", "deepseek_v3")
 VOCAB = 256  # the synthetic checkpoints' (hidden_size 256)
