@@ -7,11 +7,15 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from dwdp_worker.kv.nixl_api import nixl_installed
 import torch
 
 from .serving_helpers import Server
 
-pytest.importorskip("nixl", reason="KV transfer tests need NIXL (the kv extra)")
+# the kv extra installs nixl-cu13, whose module is nixl_cu13 (only the `nixl` meta package provides `nixl`)
+if not nixl_installed():
+    pytest.skip("KV transfer tests need NIXL (the kv extra)", allow_module_level=True)
 
 from dwdp_worker.kv_client import KvPuller, KvPullError, decode_from_params  # noqa: E402
 from dwdp_worker.oracle import Reference  # noqa: E402

@@ -6,11 +6,15 @@ import multiprocessing as mp
 import time
 
 import pytest
+
+from dwdp_worker.kv.nixl_api import nixl_installed
 import torch
 
 from .kv_programs import kv_server_program, mapped_regions, open_fds
 
-pytest.importorskip("nixl", reason="KV transfer tests need NIXL (the kv extra)")
+# the kv extra installs nixl-cu13, whose module is nixl_cu13 (only the `nixl` meta package provides `nixl`)
+if not nixl_installed():
+    pytest.skip("KV transfer tests need NIXL (the kv extra)", allow_module_level=True)
 
 from dwdp_worker.kv_client import KvPuller, KvPullError  # noqa: E402
 

@@ -7,10 +7,14 @@ import multiprocessing as mp
 
 import pytest
 
+from dwdp_worker.kv.nixl_api import nixl_installed
+
 from ..runtime.group import free_port, run_group
 from .kv_programs import decode_program, prefill_program
 
-pytest.importorskip("nixl", reason="KV transfer tests need NIXL (the kv extra)")
+# the kv extra installs nixl-cu13, whose module is nixl_cu13 (only the `nixl` meta package provides `nixl`)
+if not nixl_installed():
+    pytest.skip("KV transfer tests need NIXL (the kv extra)", allow_module_level=True)
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 #: prompts of different lengths, packed together in one prefill

@@ -24,6 +24,14 @@ class NixlUnavailableError(RuntimeError):
 NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
 
+def nixl_installed() -> bool:
+    """Whether one of ``NIXL_MODULES``' packages is installed, found without importing it (an import here
+    would bind NIXL's C++ types before ``load_nixl`` picks the module)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name.partition(".")[0]) is not None for name in NIXL_MODULES)
+
+
 def load_nixl() -> Any:
     import importlib
     import logging
