@@ -58,13 +58,14 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-up
+from dwdp_worker import prefill_graphs  # noqa: E402
 
 #: timed forwards of each kind: one forward's time moves by 10-25 % on a shared H200 host (2026-12-01: the same
 #: unsharded forward 13.75 and 17.20 ms in two runs of one call), so 3 left the ratio to chance
 ITERS = 10
-#: untimed forwards of each kind first: with ``--cuda-graphs`` the first runs eagerly (compiling), the second is
-#: captured, so timing starts at the replays
-WARMUP_FORWARDS = 2
+#: untimed forwards of each kind first: with ``--cuda-graphs`` the warm-up forwards run eagerly (compiling), the
+#: next is captured, so timing starts at the replays (2: one eager, one captured)
+UNTIMED_FORWARDS = prefill_graphs.WARMUP_FORWARDS + 1
 #: the agreement prompts' seed, random ids or held-out windows (2: the seed of the numbers in docs/MODELS.md)
 PROMPT_SEED = 2
 
@@ -248,12 +249,10 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                 bind_fp8_experts(unsharded.model, fp8, device, _t.bfloat16)
                 unsharded_logits = unsharded.logits
                 if args.cuda_graphs:
-                    from dwdp_worker.prefill_graphs import PrefillGraphs
-
-                    unsharded_logits = PrefillGraphs(unsharded.model, device, max_graphs=args.cuda_graphs).logits
+                    unsharded_logits = prefill_graphs.PrefillGraphs(unsharded.model, device, max_graphs=args.cuda_graphs).logits
                 gen = _t.Generator().manual_seed(1)
                 seq = [_t.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()]
-                for _ in range(WARMUP_FORWARDS):
+                for _ in range(UNTIMED_FORWARDS):
                     engine.forward(seq)
                     unsharded_logits(seq)
                     ref.logits(seq)

@@ -21,23 +21,23 @@ def test_only_a_plain_causal_forward_skips_its_mask():
     assert not causal_skip({**PLAIN, "mask_function": masking_utils.and_masks(CAUSAL, CAUSAL)}, CAUSAL)
 
 
-def test_installed_mask_is_none_for_one_sequence_and_dense_for_packed_ones(tmp_path):
+def test_outside_a_capture_one_sequence_changes_no_bit_and_is_undone(tmp_path):
     from dwdp_worker.packing import device_logits, pack
     from dwdp_worker.synth import write_synthetic
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(write_synthetic("qwen3_moe", tmp_path / "m", seed=3),
                                                  attn_implementation="sdpa").eval()
-    one, packed = [list(range(3, 40))], [[5, 6, 7, 8], list(range(9, 30))]
-    before = [device_logits(model, *pack(b)) for b in (one, packed)]
-    capturable_masks.install()
-    capturable_masks.install()  # idempotent: one wrapper, not two
-    wrapper = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
-    assert wrapper.dwdp_wrapped and wrapper(**PLAIN) is None
-    assert wrapper(**{**PLAIN, "allow_is_causal_skip": False}).shape == (1, 1, 16, 16)  # deferred to transformers
-    after = [device_logits(model, *pack(b)) for b in (one, packed)]
-    for b, a in zip(before, after):
-        assert torch.equal(b, a)  # outside a capture the wrapper changes nothing
+    one = pack([list(range(3, 40))])
+    before = device_logits(model, *one)
+    registry = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
+    original, find_packed = registry["sdpa"], masking_utils.find_packed_sequence_indices
+    with capturable_masks.one_sequence():
+        wrapper = registry["sdpa"]
+        assert wrapper is not original and wrapper(**PLAIN) is None
+        assert wrapper(**{**PLAIN, "allow_is_causal_skip": False}).shape == (1, 1, 16, 16)  # deferred
+        assert torch.equal(device_logits(model, *one), before)  # the same bits as transformers alone
+    assert registry["sdpa"] is original and masking_utils.find_packed_sequence_indices is find_packed
 
 
 def test_inside_a_simulated_capture_one_sequence_keeps_the_causal_kernel(monkeypatch):
@@ -45,7 +45,6 @@ def test_inside_a_simulated_capture_one_sequence_keeps_the_causal_kernel(monkeyp
     # tests/gpu/test_prefill_graphs_gpu.py checks the replayed logits bitwise against the eager ones)
     from transformers import AutoConfig
 
-    capturable_masks.install()
     monkeypatch.setattr(masking_utils, "is_tracing", lambda tensor=None: True)
     config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
                                   num_hidden_layers=1, vocab_size=64)
@@ -59,4 +58,4 @@ def test_inside_a_simulated_capture_one_sequence_keeps_the_causal_kernel(monkeyp
     assert mask() is not None  # traced, transformers cannot rule out packing: a dense mask
     with capturable_masks.one_sequence():
         assert mask() is None  # one sequence, known: the causal kernel, as in the eager forward
-    assert masking_utils.find_packed_sequence_indices is not capturable_masks._not_packed  # undone
+    assert mask() is not None  # undone

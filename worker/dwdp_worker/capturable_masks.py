@@ -9,13 +9,13 @@ attention kernel where the eager one ran the causal kernel: different bits and s
 2026-12-02: max |Δ logit| 0.06–0.12 between a replay and the eager forward, first at layer 0's attention
 output). For a graph captured per exact shape of ONE sequence both answers are known: not packed, causal.
 
-``install()`` wraps the ``sdpa`` entry of `transformers`' mask registry (``ALL_MASK_ATTENTION_FUNCTIONS``,
-its documented extension point): the wrapper returns no mask exactly where `transformers` skips the mask
-outside a capture — causal mask function, no padding mask, no sliding window, query length equal to the key
-length, no query offset, skipping allowed (packing disallows it) — and defers to the original otherwise.
-Outside a capture it changes nothing. ``one_sequence()`` (entered by ``prefill_graphs`` around the capture of
-a one-sequence shape) makes ``find_packed_sequence_indices`` answer "not packed" for that capture, which its
-host test would have answered. Both are process-wide and undone or idempotent.
+``one_sequence()`` (entered by ``prefill_graphs`` around the capture of a one-sequence shape, and only
+there) answers both, through `transformers`' own lookups: ``find_packed_sequence_indices`` says "not packed"
+(what its host test says of one sequence), and the ``sdpa`` entry of the mask registry
+(``ALL_MASK_ATTENTION_FUNCTIONS``, its documented extension point) returns no mask exactly where
+`transformers` skips the mask outside a capture — causal mask function, no padding mask, no sliding window,
+query length equal to the key length, no query offset, skipping allowed — and defers to the original
+otherwise. Both are restored on exit.
 """
 
 from __future__ import annotations
@@ -38,35 +38,27 @@ def causal_skip(kwargs: dict[str, Any], causal_mask_function: Callable) -> bool:
 
 @contextlib.contextmanager
 def one_sequence() -> Iterator[None]:
-    """While entered, `transformers` treats the positions as one sequence (no packed mask): only for a forward
-    whose batch is known to be one sequence, captured (where its own host test cannot run)."""
-    from transformers import masking_utils
-
-    original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = _not_packed
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
-def _not_packed(position_ids) -> None:
-    return None
-
-
-def install() -> None:
+    """While entered, `transformers` treats the positions as one sequence and skips its causal mask as it does
+    outside a capture (module docstring): only around the capture of a batch known to be one sequence."""
     from transformers import masking_utils
 
     registry = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
-    original = registry[MASK_KEY]
-    if getattr(original, "dwdp_wrapped", False):
-        return
+    find_packed, sdpa_mask = masking_utils.find_packed_sequence_indices, registry[MASK_KEY]
     causal = masking_utils.causal_mask_function
 
     def sdpa_mask_skipping_causal(*args, **kwargs):
         if not args and causal_skip(kwargs, causal):
             return None
-        return original(*args, **kwargs)
+        return sdpa_mask(*args, **kwargs)
 
-    sdpa_mask_skipping_causal.dwdp_wrapped = True
+    masking_utils.find_packed_sequence_indices = _not_packed
     registry[MASK_KEY] = sdpa_mask_skipping_causal
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find_packed
+        registry[MASK_KEY] = sdpa_mask
+
+
+def _not_packed(position_ids) -> None:
+    return None

@@ -44,6 +44,7 @@ from .generation import check_requests, generate_batch
 from .hooks import install_hooks
 from .loader import load_config, load_sharded, read_config_json, unbind_experts
 from .packing import packed_logits, packed_scored_logits, validate
+from .prefill_graphs import PrefillGraphs, check_max_graphs
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,7 @@ class Engine:
         ``cuda_graphs``: how many prefill batch shapes may be captured in CUDA graphs (0: none; a CUDA device only)."""
         from dwdp_runtime.manager import DwdpManager
 
-        if cuda_graphs < 0:
-            raise ValueError(f"cuda_graphs={cuda_graphs}: must be >= 0 (0 turns CUDA graphs off)")
+        check_max_graphs(cuda_graphs, "cuda_graphs")  # before minutes of loading
         hf_config = load_config(model_dir)
         n = arch.num_experts_in_config(hf_config)
         if config.num_experts != n:
@@ -211,8 +211,6 @@ class Engine:
 def _graphs(model, manager, cuda_graphs: int):
     if cuda_graphs == 0:
         return None
-    from .prefill_graphs import PrefillGraphs
-
     return PrefillGraphs(model, manager.device, max_graphs=cuda_graphs, manager=manager)  # refuses a CPU device
 
 

@@ -28,6 +28,7 @@ from .admission import DEFAULT_MAX_NEW_TOKENS
 from .http_limits import MAX_BODY_BYTES, HttpBounds
 from .kv.options import add_kv_arguments
 from .kv.service import KvSettings
+from .prefill_graphs import check_max_graphs
 from .protocol import RankSpec
 
 
@@ -59,8 +60,7 @@ def cuda_count() -> int:
 
 def check_cuda_graphs(cuda_graphs: int, gpus: int) -> None:
     """``--cuda-graphs``: refused (ValueError, before any rank starts) when negative or without a GPU to use."""
-    if cuda_graphs < 0:
-        raise ValueError(f"--cuda-graphs={cuda_graphs}: must be >= 0 (0 turns CUDA graphs off)")
+    check_max_graphs(cuda_graphs, "--cuda-graphs")
     if cuda_graphs and gpus == 0:
         raise ValueError(f"--cuda-graphs={cuda_graphs}: CUDA graphs need the ranks on GPUs, and these run on the "
                          f"host backend (no GPU visible, or --backend host); drop --cuda-graphs")

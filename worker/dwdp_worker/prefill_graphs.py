@@ -44,6 +44,12 @@ log = logging.getLogger(__name__)
 WARMUP_FORWARDS = 1
 
 
+def check_max_graphs(max_graphs: int, name: str = "max_graphs") -> None:
+    """The one refusal of a graph count below 0 (``name``: how the caller's user spells it)."""
+    if max_graphs < 0:
+        raise ValueError(f"{name}={max_graphs}: must be >= 0 (0 turns CUDA graphs off)")
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A packed batch's shape: what a graph is captured for."""
@@ -75,8 +81,7 @@ class BucketPolicy:
     """Which way the next forward of a bucket runs (module docstring); host-only state, no device."""
 
     def __init__(self, max_graphs: int):
-        if max_graphs < 0:
-            raise ValueError(f"max_graphs={max_graphs}: must be >= 0 (0 turns CUDA graphs off)")
+        check_max_graphs(max_graphs)
         self.max_graphs = max_graphs
         self._eager: dict[Bucket, int] = {}
         self._captured: set[Bucket] = set()
@@ -125,7 +130,6 @@ class PrefillGraphs:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self.policy = BucketPolicy(max_graphs)
-        capturable_masks.install()  # the captured forward keeps the eager forward's causal attention kernel
         self._graphs: dict[Bucket, _Graph] = {}
         self.counters = GraphCounters()
 
@@ -165,7 +169,7 @@ class PrefillGraphs:
         if self.manager is not None:
             self.manager.join_copies()  # eagerly, before torch's capture begins
             dwdp = self.manager.capture()
-        # one sequence: `transformers` must not take the capture for packing (capturable_masks)
+        # one sequence: `transformers` keeps the eager forward's causal attention kernel (capturable_masks)
         masks = capturable_masks.one_sequence() if bucket.sequences == 1 else contextlib.nullcontext()
         try:
             # thread_local: the capture forbids unsafe CUDA calls of this thread only (the HTTP front, the KV
