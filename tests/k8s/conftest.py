@@ -171,9 +171,10 @@ def cluster():
         subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "down"], env=env, capture_output=True)
         pytest.fail(f"scripts/test-cluster up failed:\n{up.stdout}\n{up.stderr}")
     kubeconfig = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    from .kubelet import HealthServer, Kubelet, make_nodes
-    c = Cluster(kubeconfig, tmp, env)
-    try:
+    c = None
+    try:  # from here on the control plane runs: whatever fails (a missing client package too) brings it down
+        from .kubelet import HealthServer, Kubelet, make_nodes
+        c = Cluster(kubeconfig, tmp, env)
         make_nodes(c.core)
         c.kubelet = Kubelet(c.api).start()
         c.health = HealthServer()
@@ -182,13 +183,13 @@ def cluster():
         c.operator.start()
         yield c
     finally:
-        if c.operator:
+        if c is not None and c.operator:
             c.operator.stop()
             if os.environ.get("DWDP_TEST_KEEP_LOGS"):
                 print(f"operator logs in {tmp}", file=sys.stderr)
-        if c.kubelet:
+        if c is not None and c.kubelet:
             c.kubelet.stop()
-        if c.health:
+        if c is not None and c.health:
             c.health.stop()
         subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "down"], env=env, capture_output=True)
         if not os.environ.get("DWDP_TEST_KEEP_LOGS"):
