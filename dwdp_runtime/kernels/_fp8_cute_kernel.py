@@ -56,9 +56,11 @@ rows of A are the routing plan's padded rows (a multiple of 128 per expert), A's
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.tensor_utils import LayoutEnum
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ._fp8_cute_steps import (acquire, act_mul_amax, divide_rows, finish_step, issue, load_scales, mma, scale_products,
@@ -75,7 +77,7 @@ LOAD_REGISTERS = 40
 #: BLOCK_N = 128, plus fragments and addresses; 128·40 + 256·232 ≤ 65,536 registers of the SM
 MMA_REGISTERS = 232
 #: shared memory the ring may use: the SM's 227 KiB minus the mbarriers
-SMEM_CAPACITY = utils.get_smem_capacity_in_bytes("sm_90")
+SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 #: e4m3 saturation: an activation group's scale is its amax / 448 (``fp8_quant``)
 E4M3_MAX = 448.0
 #: columns of an epilogue sub-tile (128 × 32: one ``stmatrix`` pass of the C fragment, the example's); a tile has
@@ -178,9 +180,9 @@ class BlockScaledGroupedGemm:
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = d.element_type
-        self.a_layout = utils.LayoutEnum.from_tensor(a)
-        self.b_layout = utils.LayoutEnum.from_tensor(b)
-        self.c_layout = utils.LayoutEnum.from_tensor(d)
+        self.a_layout = LayoutEnum.from_tensor(a)
+        self.b_layout = LayoutEnum.from_tensor(b)
+        self.c_layout = LayoutEnum.from_tensor(d)
         self._setup()
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         g2s_a = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else g2s
