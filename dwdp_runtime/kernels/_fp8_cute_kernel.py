@@ -60,8 +60,8 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.tensor_utils import LayoutEnum
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 
 from ._fp8_cute_steps import (acquire, act_mul_amax, divide_rows, finish_step, issue, load_scales, mma, scale_products,
                               wait_mma, wait_stage)

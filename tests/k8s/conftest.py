@@ -183,14 +183,15 @@ def cluster():
         c.operator.start()
         yield c
     finally:
-        if c is not None and c.operator:
-            c.operator.stop()
-            if os.environ.get("DWDP_TEST_KEEP_LOGS"):
-                print(f"operator logs in {tmp}", file=sys.stderr)
-        if c is not None and c.kubelet:
-            c.kubelet.stop()
-        if c is not None and c.health:
-            c.health.stop()
+        if c is not None:
+            if c.operator:
+                c.operator.stop()
+                if os.environ.get("DWDP_TEST_KEEP_LOGS"):
+                    print(f"operator logs in {tmp}", file=sys.stderr)
+            if c.kubelet:
+                c.kubelet.stop()
+            if c.health:
+                c.health.stop()
         subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "down"], env=env, capture_output=True)
         if not os.environ.get("DWDP_TEST_KEEP_LOGS"):
             shutil.rmtree(tmp, ignore_errors=True)

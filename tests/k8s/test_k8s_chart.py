@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -74,13 +74,20 @@ def _granted(c, ns: str, watch: str) -> set[tuple[str, str, str]]:
             for v in rule["verbs"]}
 
 
+def _audit_events(audit_log: Path, who: str):
+    """The API server's audit events of ``who``'s requests."""
+    for line in audit_log.read_text().splitlines():
+        ev = json.loads(line)
+        if ev.get("user", {}).get("username") == who:
+            yield ev
+
+
 def _used(audit_log: Path, who: str) -> tuple[set[tuple[str, str, str]], int]:
     """(apiGroup, resource[/subresource], verb) of every API request ``who`` made (apiserver audit log)."""
     used, n = set(), 0
-    for line in audit_log.read_text().splitlines():
-        ev = json.loads(line)
+    for ev in _audit_events(audit_log, who):
         ref = ev.get("objectRef")
-        if ev.get("user", {}).get("username") != who or not ref:
+        if not ref:
             continue  # non-resource URLs (/api, /apis discovery) are granted to everyone by system:discovery
         n += 1
         res = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
@@ -90,12 +97,8 @@ def _used(audit_log: Path, who: str) -> tuple[set[tuple[str, str, str]], int]:
 
 def _forbidden(audit_log: Path, who: str) -> list[str]:
     """Every request by ``who`` that the API server answered 403 (its audit log's responseStatus)."""
-    out = []
-    for line in audit_log.read_text().splitlines():
-        ev = json.loads(line)
-        if ev.get("user", {}).get("username") == who and ev.get("responseStatus", {}).get("code") == HTTP_FORBIDDEN:
-            out.append(f"{ev['verb']} {ev.get('requestURI', '')}")
-    return out
+    return [f"{ev['verb']} {ev.get('requestURI', '')}" for ev in _audit_events(audit_log, who)
+            if ev.get("responseStatus", {}).get("code") == HTTP_FORBIDDEN]
 
 
 #: the status the API server answers a request the caller's roles do not grant
@@ -201,7 +204,8 @@ def test_literal_namespace_reconciles_at_once_with_namespaced_roles_and_no_403(c
             log = op.log()
         finally:
             op.stop()
-        assert not _forbidden(c.audit_log, who), _forbidden(c.audit_log, who)
+        forbidden = _forbidden(c.audit_log, who)
+        assert not forbidden, forbidden
         assert not LOGGED_403.search(log) and "Forbidden" not in log and "Not enough permissions" not in log, log[-3000:]
         used, n = _used(c.audit_log, who)
         docs = yaml.safe_load_all(c.helm("template", rel, CHART, "-n", ns, "--set", f"watchNamespaces={{{ns}}}").stdout)
