@@ -17,7 +17,7 @@
      them. ``--profile`` then profiles one forward of each (``bench/profiling.py``): kernel tables and the
      summed kernel time beside the wall time; ``--host-profile`` runs three of each under cProfile: where the
      host's time goes when the forward is host-bound. ``--cuda-graphs N``: both FP8 models run their prefill
-     from CUDA graphs (``dwdp_worker.prefill_graphs``; the engine's own, and the same class around the
+     from CUDA graphs (``dwdp_worker.rank.prefill_graphs``; the engine's own, and the same class around the
      unsharded model), and the graph's logits are compared with one eager forward of the engine.
 
 ``--train-steps N`` (default 0: the random weights above) measures the agreement on a *trained* model instead:
@@ -58,7 +58,7 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-up
-from dwdp_worker import prefill_graphs  # noqa: E402
+from dwdp_worker.rank import prefill_graphs  # noqa: E402
 
 #: timed forwards of each kind: one forward's time moves by 10-25 % on a shared H200 host (2026-12-01: the same
 #: unsharded forward 13.75 and 17.20 ms in two runs of one call), so 3 left the ratio to chance
@@ -118,7 +118,7 @@ def _model_name(args) -> str:
 
 
 def _synth(args, out, quant):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     return write_synthetic(args.arch, out, seed=0, num_experts=args.num_experts, num_layers=args.num_layers,
                            hidden_size=args.hidden_size, vocab_size=args.vocab_size, dtype="bfloat16",
@@ -136,7 +136,7 @@ def _train_tag(args, corpus) -> str:
 def ensure_models(args, corpus=None) -> tuple[pathlib.Path, pathlib.Path]:
     """The FP8 checkpoint and its dequantized bf16 twin, written once per settings and reused: random weights, or
     with ``corpus`` (``--train-steps``) the same model trained on it first."""
-    from dwdp_worker.fp8_checkpoint import dequantize_checkpoint
+    from dwdp_worker.checkpoint.fp8 import dequantize_checkpoint
 
     name = _model_name(args) + (f"-{_train_tag(args, corpus)}" if corpus is not None else "")
     fp8 = pathlib.Path(args.work_dir) / f"{name}-fp8"
@@ -157,7 +157,7 @@ def _write_trained_fp8(args, corpus, trained: pathlib.Path, fp8: pathlib.Path) -
     """Synthesize the bf16 model (a temporary directory), train it into ``trained`` (reused when its
     ``train.json`` is there) and quantize that to ``fp8``."""
     from bench.tiny_train import train_checkpoint
-    from dwdp_worker.fp8_checkpoint import quantize_checkpoint
+    from dwdp_worker.checkpoint.fp8 import quantize_checkpoint
 
     if not (trained / "train.json").is_file():
         pathlib.Path(args.work_dir).mkdir(parents=True, exist_ok=True)
@@ -207,7 +207,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
     from dwdp_runtime.config import DwdpConfig
     from dwdp_runtime.rendezvous import StoreRendezvous
-    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.rank.engine import Engine, num_experts_of
 
     device = f"cuda:{rank % args.gpus}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
@@ -226,8 +226,8 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
             if rank == 0:
                 import torch as _t
 
-                from dwdp_worker.fp8_checkpoint import bind_fp8_experts
-                from dwdp_worker.oracle import Reference
+                from dwdp_worker.checkpoint.fp8 import bind_fp8_experts
+                from dwdp_worker.launch.oracle import Reference
 
                 ref = Reference(ref_dir, dtype="bfloat16", device=device)
                 t0 = time.perf_counter()
@@ -257,7 +257,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                     unsharded_logits(seq)
                     ref.logits(seq)
                 if args.cuda_graphs:  # the replayed logits against one eager forward of the same engine
-                    from dwdp_worker.packing import packed_logits
+                    from dwdp_worker.model.packing import packed_logits
 
                     eager = packed_logits(engine.model, seq, device)
                     out["graph_vs_eager_max_abs_dlogit"] = float((engine.forward(seq).logits - eager).abs().max())
@@ -278,7 +278,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                 out.update(isl=args.isl, **{f"{k}_s": v for k, v in med.items()},
                            **{f"{k}_range_s": (min(v), max(v)) for k, v in times.items()},
                            sharded_over_unsharded=med["unsharded_fp8"] / med["sharded_fp8"],
-                           sharded_vs_unsharded_fp8_max_abs_dlogit=diff, stats=engine.stats())
+                           sharded_vs_unsharded_fp8_max_abs_dlogit=diff, stats=dataclasses.asdict(engine.stats()))
                 kinds = (("sharded_fp8", lambda: engine.forward(seq)), ("unsharded_fp8", lambda: unsharded_logits(seq)))
                 if args.profile:
                     from bench.profiling import profile_table
@@ -390,8 +390,8 @@ def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
           f"max |dlogit| sharded vs unsharded fp8 {r0['sharded_vs_unsharded_fp8_max_abs_dlogit']:.3g}")
     if "graph_vs_eager_max_abs_dlogit" in r0:
         st = r0["stats"]
-        print(f"CUDA graphs: sharded {st['graphs_captured']} captured, {st['graphs_replayed']} replays, "
-              f"{st['graphs_failed']} failed; replayed vs eager max |dlogit| {r0['graph_vs_eager_max_abs_dlogit']:.3g}")
+        print(f"CUDA graphs: sharded {st['graphs']['captured']} captured, {st['graphs']['replayed']} replays, "
+              f"{st['graphs']['failed']} failed; replayed vs eager max |dlogit| {r0['graph_vs_eager_max_abs_dlogit']:.3g}")
     spread = ", ".join(f"{name} {lo * 1e3:.2f}-{hi * 1e3:.2f}" for name, (lo, hi) in
                        ((k, r0[f"{k}_range_s"]) for k in ("sharded_fp8", "unsharded_fp8", "unsharded_bf16_ref")))
     print(f"  range over {args.iters} forwards each (ms): {spread}")

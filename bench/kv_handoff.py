@@ -59,7 +59,7 @@ def _server(conn, device, budget):
 
 
 def bench_pull(args):
-    from dwdp_worker.kv_client import KvPuller
+    from dwdp_worker.kv.client import KvPuller
 
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     ctx = mp.get_context("spawn")
@@ -94,9 +94,9 @@ def bench_prefill(args):
     from dwdp_worker.kv.prefill import cached_prefill
     from dwdp_worker.kv.region import KvRegion
     from dwdp_worker.kv.store import KvStore
-    from dwdp_worker.oracle import Reference
-    from dwdp_worker.packing import packed_logits
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.launch.oracle import Reference
+    from dwdp_worker.model.packing import packed_logits
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     d = write_synthetic("qwen3_moe", pathlib.Path(tempfile.mkdtemp()) / "m", seed=1, dtype=dtype,

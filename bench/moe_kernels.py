@@ -110,7 +110,7 @@ def floor_fn(mod, x, ids):
 
 def our_gemms_fn(mod, x, ids, w):
     from dwdp_runtime.kernels import moe, tuning
-    from dwdp_worker.experts_impl import layout_of, weights_of
+    from dwdp_worker.model.experts_impl import layout_of, weights_of
 
     layout = layout_of(mod)
     weights = weights_of(mod, layout)
@@ -133,7 +133,7 @@ def bench_one(shape: BlockShape, tokens: int, args, device) -> dict:
     import triton.testing
 
     from dwdp_runtime.kernels import moe
-    from dwdp_worker import experts_impl
+    from dwdp_worker.model import experts_impl
 
     mod = experts_module(shape, device)
     x, ids, w = routed_inputs(shape, tokens, device)

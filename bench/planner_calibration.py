@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     m = parse(args.log.read_text())
     from dwdp_runtime.planner import plan
-    from dwdp_worker.synth import _config
+    from dwdp_worker.checkpoint.synth import _config
 
     cfg = _config(m["arch"], num_experts=m["E"], num_layers=m["L"], hidden_size=m["H"], vocab_size=m["V"],
                   intermediate_size=4 * m["H"], moe_intermediate_size=m["I"], num_heads=max(2, m["H"] // 128),

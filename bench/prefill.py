@@ -33,6 +33,7 @@ CPU smoke test: python bench/prefill.py --device cpu --isl 256 --hidden-size 64 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import pathlib
@@ -49,14 +50,14 @@ for _p in (ROOT / "worker", ROOT):
 
 from dwdp_runtime.contract import DEFAULT_TRANSFER, TRANSFER_MODES  # noqa: E402 - stdlib only, after the path set-up
 
-#: ``--layers`` choices: which fused non-expert layers (worker/dwdp_worker/layers_impl.py) stay installed
+#: ``--layers`` choices: which fused non-expert layers (worker/dwdp_worker/model/layers_impl.py) stay installed
 LAYER_CHOICES = ("all", "norms", "none")
 
 
 def apply_layers(model, choice: str) -> None:
     """Keep the fused layers ``choice`` names on a model the engine's selection gave all of them (DWDP experts
     on CUDA); other models are left alone. RoPE is process-wide: apply the same choice to every model."""
-    from dwdp_worker import layers_impl
+    from dwdp_worker.model import layers_impl
 
     if choice == "all" or model.config._experts_implementation != "dwdp" or model.device.type != "cuda":
         return
@@ -116,7 +117,7 @@ def _free_port() -> int:
 def ensure_model(args) -> pathlib.Path:
     if args.model:
         return pathlib.Path(args.model)
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     heads = args.num_heads or max(2, args.hidden_size // 128)
     name = (f"{args.arch}-L{args.num_layers}-H{args.hidden_size}-E{args.num_experts}-I{args.moe_intermediate_size}"
@@ -153,7 +154,7 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
 
     from dwdp_runtime.config import DwdpConfig
     from dwdp_runtime.rendezvous import StoreRendezvous
-    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.rank.engine import Engine, num_experts_of
 
     device = f"cuda:{rank % args.gpus}" if args.device == "cuda" else "cpu"
     backend = "auto" if args.device == "cuda" else "host"
@@ -171,7 +172,7 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
         out: dict = {"local": engine.manager.local_range}
         try:
             if rank == 0:
-                from dwdp_worker.oracle import Reference
+                from dwdp_worker.launch.oracle import Reference
 
                 ref = Reference(model_dir, device=device, experts=args.experts_impl)
                 apply_layers(ref.model, args.layers)
@@ -195,7 +196,7 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
                     diff = max(diff, (r.logits - want).abs().max().item())
                 out.update(tokens=tokens, experts_impl=engine.model.config._experts_implementation, sharded_s=statistics.median(sharded),
                            unsharded_s=statistics.median(unsharded), wait_s=statistics.median(waits),
-                           restarts=engine.manager.num_restarts, max_abs_diff=diff, stats=engine.stats(),
+                           restarts=engine.manager.num_restarts, max_abs_diff=diff, stats=dataclasses.asdict(engine.stats()),
                            local_expert_bytes=engine.load_report.local_expert_bytes,
                            total_expert_bytes=engine.load_report.total_expert_bytes)
                 del ref
@@ -214,8 +215,8 @@ def prefill_flops(config, seq_lens) -> dict:
 
     import torch
 
-    from dwdp_worker.loader import build_meta_model
-    from dwdp_worker.models import model_layout
+    from dwdp_worker.checkpoint.loader import build_meta_model
+    from dwdp_worker.model.registry import model_layout
 
     layout = model_layout(build_meta_model(copy.deepcopy(config), torch.float32))
 
@@ -316,7 +317,7 @@ def main(argv=None) -> int:
           f"remote bytes/forward {r0['stats']['remote_bytes_per_forward'] / 2**30:.2f} GiB")
     hdr = f"{'ISL':>6} {'tokens':>7} {'unsharded tok/s':>16} {'sharded tok/s':>14} {'ratio':>6} " \
           f"{'unsharded ms':>12} {'sharded ms':>10} {'wait ms':>8} {'restarts':>8} {'max|dlogit|':>11}"
-    from dwdp_worker.loader import load_config
+    from dwdp_worker.checkpoint.loader import load_config
 
     flops = prefill_flops(load_config(model_dir), [args.isl] * args.batch)
     peak = args.peak_tflops * 1e12

@@ -42,25 +42,31 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _set_variant(model, variant: str) -> None:
-    from dwdp_worker import experts_impl, layers_impl
+def _set_variant(model, variant: str):
+    """The model as ``variant`` runs it: an ``Attachment`` to close before the next variant."""
+    from dwdp_worker.model import experts_impl, layers_impl
+    from dwdp_worker.model.attach import attach
 
-    layers_impl.uninstall(model)
     if variant == "grouped_mm":
-        model.set_experts_implementation("grouped_mm")
-        return
-    experts_impl.select(model, "cuda", experts_impl.IMPL_NAME)  # experts + every fused layer
-    if variant == "experts":
-        layers_impl.uninstall(model)
-    elif variant == "experts+norms":
-        layers_impl.uninstall(model)
-        layers_impl.install(model, rope=False)
+        return attach(model, device="cuda", experts="grouped_mm", fused_layers=False)
+    # experts + every fused layer, or only some of them
+    att = attach(model, device="cuda", experts=experts_impl.IMPL_NAME, fused_layers=variant == VARIANTS[-1])
+    if variant == "experts+norms":
+        layers_impl.install(model, rope=False)  # undone by _unset_variant
+    return att
+
+
+def _unset_variant(model, att) -> None:
+    from dwdp_worker.model import layers_impl
+
+    att.close()
+    layers_impl.uninstall(model)  # the norms-only variant's (idempotent for the others)
 
 
 def _time(model, seqs, device, iters: int):
     import torch
 
-    from dwdp_worker.packing import packed_logits
+    from dwdp_worker.model.packing import packed_logits
 
     for _ in range(2):
         logits = packed_logits(model, seqs, device)
@@ -75,7 +81,7 @@ def _time(model, seqs, device, iters: int):
 
 def _profile(model, seqs, device, rows: int, trace: str | None) -> str:
     from bench.profiling import profile_table
-    from dwdp_worker.packing import packed_logits
+    from dwdp_worker.model.packing import packed_logits
 
     return profile_table(lambda: packed_logits(model, seqs, device), device, rows=rows, trace=trace).table
 
@@ -88,13 +94,13 @@ def main(argv=None) -> int:
         print("bench/prefill_layers.py: needs a CUDA GPU", file=sys.stderr)
         return 2
     from bench.prefill import ensure_model, prefill_flops
-    from dwdp_worker.loader import load_config
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.checkpoint.loader import load_config
+    from dwdp_worker.launch.oracle import Reference
 
     model_dir = ensure_model(args)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    ref = Reference(model_dir, device=device, experts="auto")
+    ref = Reference(model_dir, device=device)  # each variant attaches its own kernels
     gen = torch.Generator().manual_seed(1)
     vocab = int(ref.model.config.vocab_size)
     seqs = [torch.randint(0, vocab, (args.isl,), generator=gen).tolist() for _ in range(args.batch)]
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
     peak = args.peak_tflops * 1e12
     rows, logits, tables = [], {}, {}
     for variant in VARIANTS:
-        _set_variant(ref.model, variant)
+        att = _set_variant(ref.model, variant)
         s, logits[variant] = _time(ref.model, seqs, device, args.iters)
         rows.append({"variant": variant, "ms": s * 1e3, "mfu": flops / s / peak})
         print(f"{variant}: {s * 1e3:.2f} ms, MFU {flops / s / peak:.1%}", flush=True)
@@ -110,6 +116,7 @@ def main(argv=None) -> int:
             trace = str(pathlib.Path(args.trace_dir) / f"trace-{variant}.json") if args.trace_dir else None
             tables[variant] = _profile(ref.model, seqs, device, args.rows, trace)
             print(f"\n## profile: {variant}\n{tables[variant]}", flush=True)
+        _unset_variant(ref.model, att)
     base = logits["experts"]
     for r in rows:
         r["max_abs_dlogit_vs_experts"] = float((logits[r["variant"]] - base).abs().max())

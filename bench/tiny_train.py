@@ -190,12 +190,10 @@ def _load_for_training(src, device):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dwdp_worker.experts_impl import select
-
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(device)
     for p in model.parameters():
         p.requires_grad_(True)
-    select(model, device, "eager")
+    model.set_experts_implementation("eager")  # a training copy, not a served model: no DWDP attachment
     model.train()
     return model
 

@@ -8,7 +8,7 @@ Invariants:
   * ``PodEnvVar`` lists the pod environment the operator sets on every worker pod, in the order the
     operator renders it (``manifests.worker_env``) and the table of docs/ENV_CONTRACT.md lists it.
     ``POD_ENV`` is that order as a tuple. Tests pin the operator's rendered env, the worker's parser
-    (``dwdp_worker.envcontract``) and the doc table against it.
+    (``dwdp_worker.launch.envcontract``) and the doc table against it.
   * ``TuningEnv`` lists the other ``DWDP_*`` variables a process reads. They are not part of the pod
     contract: the operator never sets them, and a user may pass them through ``spec.template.env``.
   * Each closed set of values that crosses a boundary (transfer mode, model dtype, memory backend

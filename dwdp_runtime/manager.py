@@ -10,7 +10,7 @@ Lifecycle::
     mgr.setup()                                           # exchange handles, map composites, fill edges
     # per forward:
     mgr.start_forward()
-    for each MoE layer:  tensors = mgr.wait_and_bind(layer, module)   # binds param.data = composite
+    for each MoE layer:  tensors = mgr.wait_and_bind(layer)   # {weight name: composite}; the model binds them
                          ... enqueue the MoE kernels ...
                          mgr.finish_layer(layer)
     mgr.release()                                         # idempotent; also on __exit__
@@ -163,16 +163,10 @@ class DwdpManager:
     def start_forward(self) -> None:
         self._ready().start_forward()
 
-    def wait_and_bind(self, layer: Hashable, module: Any = None) -> dict[str, Any]:
-        """Wait for the layer's copies (stream wait, not host sync) and bind the composites.
-
-        With ``module``, sets ``module.<name>.data = composite`` for every registered weight name.
-        """
-        tensors = self._ready().wait_and_bind(layer)
-        if module is not None:
-            for name, tensor in tensors.items():
-                getattr(module, name).data = tensor
-        return tensors
+    def wait_and_bind(self, layer: Hashable) -> dict[str, Any]:
+        """Wait for the layer's copies (stream wait, not host sync) and bind its slot: ``{weight name:
+        composite}``. The runtime never touches a model; the worker's hook rebinds the parameters."""
+        return self._ready().wait_and_bind(layer)
 
     def finish_layer(self, layer: Hashable) -> None:
         """Call after the MoE kernels of ``layer`` were enqueued (records the WAR event)."""

@@ -10,7 +10,7 @@ works on a machine without triton):
   * ``tuning``       — default tile table, warm-up tuner, per-shape cache (imports without triton);
   * ``moe``          — ``fused_experts`` composing them, ``ExpertsLayout`` / ``ExpertWeights``;
   * ``rmsnorm``      — one-pass RMSNorm (``rms_norm``), ``rope`` — one-launch q/k rotary embedding
-                       (``apply_rope``); swapped into models by ``worker/dwdp_worker/layers_impl.py``.
+                       (``apply_rope``); swapped into models by ``worker/dwdp_worker/model/layers_impl.py``.
 
 ``available(device)`` says whether the kernels can run for tensors on ``device`` (``support``: the
 triton-free facts the kernel modules share, so none of them imports this package back).

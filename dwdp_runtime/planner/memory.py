@@ -31,6 +31,7 @@ from .. import layout, quant
 
 from .model_shapes import ModelShape, load_model
 from .presets import ACT_BYTES, GIB, MIB, Hardware, WeightDtype, get_dtype, get_hardware
+from ..serving_options import DEFAULTS as SERVING_DEFAULTS
 
 GRANULARITY = 2 * MIB  # HARDWARE.md: minimum = recommended VMM granularity on H200
 POOL_PAGE = layout.pool_page_bytes(GRANULARITY)  # 16 MiB: the runtime's pool page
@@ -143,7 +144,7 @@ def activation_bytes(shape: ModelShape, *, tokens: float) -> float:
 
 
 def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_per_worker: int,
-              prefetch_slots: int, dense_dtype=None, max_num_tokens: float = 8192,
+              prefetch_slots: int, dense_dtype=None, max_num_tokens: float = SERVING_DEFAULTS.max_num_tokens,
               kv_tokens: float = 0) -> MemoryBreakdown:
     shape = load_model(model)
     hw: Hardware = get_hardware(hardware)
@@ -167,7 +168,7 @@ def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_
 
 
 def memory_fit(*, model, dtype, hardware, dwdp_size: int, experts_per_worker: int, prefetch_stride: int,
-               prefetch_slots: int, dense_dtype=None, max_num_tokens: int = 8192,
+               prefetch_slots: int, dense_dtype=None, max_num_tokens: int = SERVING_DEFAULTS.max_num_tokens,
                min_kv_gib: float = 0.0) -> tuple[bool, str, MemoryBreakdown | None]:
     """Can this DWDP group's weights, experts and pool slots fit one GPU?
 

@@ -36,7 +36,7 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, PortName, ServingEnv
+from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, PortName
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
@@ -192,11 +192,7 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
             (KvEnv.TTL_S, kv.ttlSeconds), (KvEnv.LEASE_S, kv.leaseSeconds),
             (KvEnv.UCX_TCP_PORT_RANGE, f"{kv.tcpPortBase}-{kv.tcpPortBase + KV_TCP_PORTS - 1}"))]
     if (sv := spec.serving) is not None:  # the front's limits (contract.ServingEnv), only when the spec has them
-        env += [{"name": str(k), "value": str(v)} for k, v in (
-            (ServingEnv.MAX_QUEUE, sv.maxQueue), (ServingEnv.MAX_NUM_TOKENS, sv.maxNumTokens),
-            (ServingEnv.MAX_NUM_SEQS, sv.maxNumSeqs),
-            (ServingEnv.MAX_NEW_TOKENS, sv.maxNewTokens), (ServingEnv.SERVED_MODEL_NAME, sv.servedModelName or ""),
-            (ServingEnv.CUDA_GRAPHS, sv.cudaGraphs))]
+        env += [{"name": str(k), "value": v} for k, v in sv.options().env()]
     return env
 
 

@@ -26,7 +26,8 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dwdp_runtime.config import sharding_errors
-from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
+from dwdp_runtime.serving_options import ServingOptions, camel, camel_field
+from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
                                    MAX_CUDA_GRAPHS, POD_ENV,
                                    RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode)
 
@@ -96,15 +97,19 @@ class KvTransfer(_Model):
 
 
 class Serving(_Model):
-    """The workers' HTTP front (``contract.ServingEnv``); absent = the worker's defaults."""
+    """The workers' HTTP front (``contract.ServingEnv``); absent = the worker's defaults. Each field is
+    ``dwdp_runtime.serving_options.ServingOptions``' of the same name in snake_case: its default, bounds and
+    description are copied from there (one definition for the CLI, the env contract and this spec)."""
 
-    maxQueue: int = Field(default=256, ge=1, le=1_000_000)
-    maxNumTokens: int = Field(default=8192, ge=1, le=10_000_000)
-    maxNumSeqs: int = Field(default=256, ge=1, le=65536)
-    maxNewTokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000)
-    servedModelName: str | None = Field(default=None, min_length=1)
-    #: prefill batch shapes per rank replayed from CUDA graphs (each keeps its activations' memory); 0 = off
-    cudaGraphs: int = Field(default=0, ge=0, le=MAX_CUDA_GRAPHS)
+    maxQueue: int = camel_field("max_queue")
+    maxNumTokens: int = camel_field("max_num_tokens")
+    maxNumSeqs: int = camel_field("max_num_seqs")
+    maxNewTokens: int = camel_field("max_new_tokens")
+    servedModelName: str | None = camel_field("served_model_name")
+    cudaGraphs: int = camel_field("cuda_graphs")
+
+    def options(self) -> ServingOptions:
+        return ServingOptions(**{f: getattr(self, camel(f)) for f in ServingOptions.model_fields})
 
 
 class EndpointPicker(_Model):

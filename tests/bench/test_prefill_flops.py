@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 
 
 def _cfg(tmp_path, arch, **kw):
-    from dwdp_worker.loader import load_config
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.loader import load_config
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     return load_config(write_synthetic(arch, tmp_path / arch, **kw))
 

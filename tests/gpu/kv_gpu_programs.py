@@ -33,7 +33,7 @@ def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budg
     import torch
 
     from dwdp_runtime.config import DwdpConfig
-    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.rank.engine import Engine, num_experts_of
     from dwdp_worker.kv.prefill import cached_prefill
     from dwdp_worker.kv.service import KvSettings, RankIdentity
 
@@ -92,8 +92,8 @@ def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result, devi
     import torch
 
     from dwdp_worker.kv.prefill import cached_prefill
-    from dwdp_worker.kv_client import KvPuller, decode_from_params
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.kv.client import KvPuller, decode_from_params
+    from dwdp_worker.launch.oracle import Reference
 
     exchange = pathlib.Path(exchange)
     try:

@@ -45,8 +45,8 @@ def test_fp8_kernels_on_gpu_match_block_math():
 
 @pytest.fixture(scope="module")
 def fp8_checkpoints(tmp_path_factory):
-    from dwdp_worker.fp8_checkpoint import dequantize_checkpoint
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.fp8 import dequantize_checkpoint
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     base = tmp_path_factory.mktemp("gpu-fp8")
     out = {}
@@ -60,8 +60,8 @@ def fp8_checkpoints(tmp_path_factory):
 def test_gpu_fp8_sharded_equals_unsharded_fp8(fp8_checkpoints):
     from tests.worker.oracle_group import run_oracle_group
 
-    from dwdp_worker.fp8_checkpoint import bind_fp8_experts
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.checkpoint.fp8 import bind_fp8_experts
+    from dwdp_worker.launch.oracle import Reference
 
     runs = [(f"{a}-fp8", str(fp8_checkpoints[a][0]), 5, 3, None) for a in ARCHS]
     res = run_oracle_group(2, runs, BATCHES, backend="auto", gpus=torch.cuda.device_count(), harness_timeout_s=600)
@@ -73,7 +73,7 @@ def test_gpu_fp8_sharded_equals_unsharded_fp8(fp8_checkpoints):
         del ref
         for rank, value in res.items():
             got = value[f"{a}-fp8"]
-            assert got["stats"]["backend"] != "host"
+            assert got["stats"].backend != "host"
             for n, (g, w) in enumerate(zip(got["logits"], want)):
                 g = torch.from_numpy(g)
                 print(f"{a} fp8 rank {rank} forward {n}: max|diff| {(g - w).abs().max().item():.3g} "

@@ -75,7 +75,7 @@ def test_layouts_against_float64(layout, cuda_device):
 def test_qwen3_block_shape_against_transformers(tokens, cuda_device):
     from bench.moe_kernels import SHAPES, experts_module, routed_inputs
 
-    from dwdp_worker import experts_impl
+    from dwdp_worker.model import experts_impl
 
     shape = SHAPES["qwen3"]
     mod = experts_module(shape, cuda_device)
@@ -117,7 +117,7 @@ def test_experts_batch_invariance(cuda_device):
 
 @pytest.fixture(scope="module")
 def bf16_models(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     base = tmp_path_factory.mktemp("kernels-gpu-ckpt")
     return {a: write_synthetic(a, base / a, seed=21, hidden_size=512, num_layers=4, num_experts=16,
@@ -138,7 +138,7 @@ def test_model_agreement_on_random_prompts(arch, bf16_models, cuda_device):
     Tiny random models amplify bf16 rounding (a flipped expert choice moves a logit by O(1)), so ours vs
     `transformers` alone cannot show which one is off; the float32 model can: ours must agree with it at
     least as well as `transformers`' own bf16 experts do (top-1 within 1 %, mean |Δlogit| within 25 %)."""
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
 
     n = 1000
     prompts = _prompts(n, 2048, seed=ARCHS.index(arch))
@@ -198,8 +198,8 @@ def test_model_batch_invariance(arch, bf16_models, cuda_device):
     model is `transformers` + cuBLAS, whose dense GEMMs may pick another kernel for another row count. So:
     bitwise equal logits pass; otherwise the first module whose output rows differ must not be an experts
     module (the message names it: the op that breaks invariance, and it is not ours)."""
-    from dwdp_worker.oracle import Reference
-    from dwdp_worker.packing import pack
+    from dwdp_worker.launch.oracle import Reference
+    from dwdp_worker.model.packing import pack
 
     ref = Reference(bf16_models[arch], device=cuda_device, experts="dwdp")
     prompts = _prompts(21, 2048, seed=100 + ARCHS.index(arch))
@@ -224,7 +224,7 @@ def test_tma_weight_tiles_equal_pointer_loads_on_gpu(cuda_device):
     from bench.moe_kernels import SHAPES, experts_module, routed_inputs
 
     from dwdp_runtime.kernels import fused_experts, moe, tuning
-    from dwdp_worker import experts_impl
+    from dwdp_worker.model import experts_impl
 
     shape = SHAPES["qwen3"]
     mod = experts_module(shape, cuda_device)

@@ -20,7 +20,7 @@ SEQ_LEN, NUM_SEQS, NEW_TOKENS = 2048, 4, 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     return write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "kv", seed=5, dtype="bfloat16",
                            hidden_size=1024, num_layers=8, num_heads=16, num_experts=8, vocab_size=4096,

@@ -88,7 +88,7 @@ def test_rope_bitwise_on_gpu(heads, kv_heads, d, cos_batch, cuda_device):
 
 @pytest.fixture(scope="module")
 def bf16_models(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     base = tmp_path_factory.mktemp("layers-gpu")
     return {a: write_synthetic(a, base / a, seed=5, hidden_size=512, num_layers=3, num_experts=16,
@@ -97,8 +97,8 @@ def bf16_models(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_whole_model_fused_layers_on_gpu(arch, bf16_models, cuda_device):
-    from dwdp_worker import layers_impl
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.model import layers_impl
+    from dwdp_worker.launch.oracle import Reference
 
     ref = Reference(bf16_models[arch], device=cuda_device, experts="auto")   # experts + fused layers (engine's)
     done = layers_impl.install(ref.model)

@@ -32,7 +32,7 @@ ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 @pytest.fixture(scope="module")
 def gpu_checkpoints(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     base = tmp_path_factory.mktemp("gpu-ckpt")
     # hidden 256: expert sizes are multiples of 64 bytes, like real models
@@ -44,7 +44,7 @@ def gpu_checkpoints(tmp_path_factory):
 def test_gpu_sharded_logits_match_unsharded(d, gpu_checkpoints):
     from tests.worker.oracle_group import run_oracle_group
 
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
 
     k, s = SHARDING[d]
     runs = [(f"{a}-d{d}", str(gpu_checkpoints[a]), k, s, None) for a in ARCHS]
@@ -55,7 +55,7 @@ def test_gpu_sharded_logits_match_unsharded(d, gpu_checkpoints):
         del ref
         for rank, value in res.items():
             got = value[f"{a}-d{d}"]
-            assert got["stats"]["backend"] != "host"
+            assert got["stats"].backend != "host"
             for i, (g, w) in enumerate(zip(got["logits"], want)):
                 g = torch.from_numpy(g)
                 scale = w.abs().max().item()

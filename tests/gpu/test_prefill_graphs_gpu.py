@@ -1,6 +1,6 @@
 """Prefill from CUDA graphs on a GPU (``pytest -m gpu``): a d = 2 group on CUDA, FP8 checkpoints, the engine
 built with ``cuda_graphs=2`` against the same engine eager — bitwise the same logits in every forward, the
-DWDP copies captured with the forward (worker/dwdp_worker/prefill_graphs.py)."""
+DWDP copies captured with the forward (worker/dwdp_worker/rank/prefill_graphs.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ BATCHES = [ONE] * 5 + [PACKED] * 3 + [OTHER] * 3 + [ONE] * 2
 
 @pytest.fixture(scope="module")
 def fp8_checkpoints(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     base = tmp_path_factory.mktemp("gpu-graphs")
     return {a: write_synthetic(a, base / a, seed=5, hidden_size=256, moe_intermediate_size=256, num_layers=4,
@@ -36,13 +36,13 @@ def test_prefill_graphs_replay_the_eager_logits_bitwise(fp8_checkpoints):
         for a in ARCHS:
             eager, graphs = value[f"{a}-eager"], value[f"{a}-graphs"]
             st = graphs["stats"]
-            print(f"{a} rank {rank}: {({k: v for k, v in st.items() if k.startswith('graphs_')})}, "
+            print(f"{a} rank {rank}: {st.graphs}, "
                   f"restarts {graphs['restarts'][-1]}")
-            assert st["backend"] != "host"
+            assert st.backend != "host"
             for n, (g, w) in enumerate(zip(graphs["logits"], eager["logits"])):
                 assert (g == w).all(), f"{a} rank {rank} forward {n}: max |diff| {abs(g - w).max():.3g}"
-            assert st["graphs_captured"] == 2 and st["graphs_failed"] == 0
+            assert st.graphs.captured == 2 and st.graphs.failed == 0
             # ONE: its capture (replayed once for its own output), 3 replays, 2 at the end; PACKED: capture, 1 replay
-            assert st["graphs_replayed"] == (1 + 3 + 2) + (1 + 1)
-            assert st["graphs_eager"] == 1 + 1 + 3
+            assert st.graphs.replayed == (1 + 3 + 2) + (1 + 1)
+            assert st.graphs.eager == 1 + 1 + 3
             assert graphs["restarts"][-1] == eager["restarts"][-1] == 0

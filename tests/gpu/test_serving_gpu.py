@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     return write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m", seed=5)  # no tokenizer: logprob keys are token ids
 
@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory):
 def test_cuda_local_group_matches_transformers_on_gpu(model_dir):
     import torch
 
-    from dwdp_worker.oracle import reference_logits
+    from dwdp_worker.launch.oracle import reference_logits
     from ..worker.serving_helpers import Server
 
     srv = Server(["--local", "--model", str(model_dir), "--groups", "1", "--dwdp-size", "2", "--backend", "cuda"])

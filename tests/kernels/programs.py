@@ -10,7 +10,7 @@ def dwdp_engine_program(rank, world, port, *, model_dir, batches, experts):
     torch.set_num_threads(1)
     from dwdp_runtime.config import DwdpConfig
     from dwdp_runtime.rendezvous import StoreRendezvous
-    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.rank.engine import Engine, num_experts_of
 
     cfg = DwdpConfig.even(dwdp_size=world, num_experts=num_experts_of(model_dir), num_prefetch_slots=2)
     with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="kernels", token="tok",

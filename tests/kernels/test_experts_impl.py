@@ -18,7 +18,7 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], list(range(40, 75)), [7]]
 
 @pytest.fixture(scope="module")
 def bf16_checkpoints(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     base = tmp_path_factory.mktemp("kernels-ckpt")
     return {a: write_synthetic(a, base / a, seed=3, hidden_size=64, num_layers=2, num_experts=6,
@@ -27,16 +27,16 @@ def bf16_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dwdp_experts_match_transformers(arch, bf16_checkpoints):
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
 
     plain = Reference(bf16_checkpoints[arch])
     assert plain.model.config._experts_implementation == "grouped_mm"
     want = plain.logits(PROMPTS)
     ours = Reference(bf16_checkpoints[arch], experts="dwdp")
     assert ours.model.config._experts_implementation == "dwdp"
-    from dwdp_worker import experts_impl, models
+    from dwdp_worker.model import experts_impl, registry as models
 
-    for e in models.model_layout(ours.model):  # the kernels read the discovered layout, attached by select
+    for e in models.model_layout(ours.model):  # the kernels read the discovered layout, set by attach
         module = ours.model.get_submodule(e.path)
         assert module._dwdp_kernels == experts_impl.kernel_layout(e, "silu")
     got = ours.logits(PROMPTS)
@@ -49,12 +49,12 @@ def test_dwdp_experts_match_transformers(arch, bf16_checkpoints):
 
 
 def test_auto_on_cpu_keeps_transformers_bitwise(bf16_checkpoints):
-    from dwdp_worker import experts_impl
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
+    from dwdp_worker.model.attach import attach
 
     ref = Reference(bf16_checkpoints["qwen3_moe"])
     want = ref.logits(PROMPTS)
-    assert experts_impl.select(ref.model, "cpu", "auto") == "grouped_mm"
+    assert attach(ref.model, device="cpu", experts="auto").experts == "grouped_mm"
     assert torch.equal(ref.logits(PROMPTS), want)
 
 
@@ -62,9 +62,9 @@ def test_uncovered_module_falls_back_bitwise(bf16_checkpoints):
     """A custom ``_apply_gate`` (e.g. GPT-OSS's clamped gate) is not what the epilogue computes: fall back."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    from dwdp_worker import experts_impl
-    from dwdp_worker.models import experts_sites
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.model import experts_impl
+    from dwdp_worker.model.registry import experts_sites
+    from dwdp_worker.launch.oracle import Reference
 
     module = experts_sites(Reference(bf16_checkpoints["mixtral"]).model)[0].module
     gen = torch.Generator().manual_seed(0)
@@ -84,11 +84,11 @@ def test_uncovered_module_falls_back_bitwise(bf16_checkpoints):
 
 
 def test_unknown_choice_is_refused(bf16_checkpoints):
-    from dwdp_worker import experts_impl
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.model import experts_impl
+    from dwdp_worker.launch.oracle import Reference
 
     with pytest.raises(ValueError, match="not one of"):
-        experts_impl.select(Reference(bf16_checkpoints["qwen3_moe"]).model, "cpu", "fastest")
+        experts_impl.choose(Reference(bf16_checkpoints["qwen3_moe"]).model, "cpu", "fastest")
 
 
 def test_kernels_package_imports_without_triton(tmp_path):
@@ -99,7 +99,7 @@ def test_kernels_package_imports_without_triton(tmp_path):
     code = ("import sys; sys.modules['triton'] = None\n"
             "import importlib.util as u; u.find_spec = (lambda f: (lambda n, *a: None if n == 'triton' else f(n, *a)))"
             "(u.find_spec)\n"
-            "import dwdp_runtime.kernels as k, dwdp_runtime.kernels.tuning as t, dwdp_worker.experts_impl\n"
+            "import dwdp_runtime.kernels as k, dwdp_runtime.kernels.tuning as t, dwdp_worker.model.experts_impl\n"
             "assert not k.available('cuda') and not k.available('cpu')\n"
             "print(t.default_config(t.ShapeKey('gate_up', 768, 2048, 128, 8, 'bfloat16', 1024)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -113,7 +113,7 @@ def test_engine_runs_the_kernels_over_dwdp_composites(bf16_checkpoints):
     from tests.kernels.programs import dwdp_engine_program
     from tests.runtime.group import run_group
 
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
 
     path = str(bf16_checkpoints["qwen3_moe"])
     res = run_group(dwdp_engine_program, 2, model_dir=path,

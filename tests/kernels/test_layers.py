@@ -128,7 +128,7 @@ def test_recognised_variants():
     from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-    from dwdp_worker import layers_impl
+    from dwdp_worker.model import layers_impl
 
     assert all(layers_impl.norm_is_canonical(c) for c in (Qwen3MoeRMSNorm, MixtralRMSNorm, DeepseekV3RMSNorm))
     assert not layers_impl.norm_is_canonical(GemmaRMSNorm)          # (1 + weight): keeps its own
@@ -155,7 +155,7 @@ def tiny_qwen3():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p.float()))
     yield model
-    from dwdp_worker import layers_impl
+    from dwdp_worker.model import layers_impl
 
     layers_impl.uninstall(model)
 
@@ -168,7 +168,7 @@ def _logits(model, ids):
 def test_install_on_a_model_and_uninstall(tiny_qwen3):
     import transformers.models.qwen3_moe.modeling_qwen3_moe as modeling
 
-    from dwdp_worker import layers_impl
+    from dwdp_worker.model import layers_impl
 
     original = modeling.apply_rotary_pos_emb
     done = layers_impl.install(tiny_qwen3)
@@ -186,7 +186,7 @@ def test_install_on_a_model_and_uninstall(tiny_qwen3):
 def test_whole_model_through_the_kernels(tiny_qwen3):
     """A real Qwen3-MoE forward with the kernels in place (interpreter): RoPE alone changes no bit, the
     norms stay within bf16 rounding of transformers' own."""
-    from dwdp_worker import layers_impl
+    from dwdp_worker.model import layers_impl
 
     ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(3))
     want = _logits(tiny_qwen3, ids)
@@ -201,7 +201,7 @@ def test_whole_model_through_the_kernels(tiny_qwen3):
 
 def test_cpu_without_interpreter_takes_transformers_forward(tiny_qwen3, monkeypatch):
     """Outside the interpreter a CPU tensor reaching an installed forward runs transformers' own, bitwise."""
-    from dwdp_worker import layers_impl
+    from dwdp_worker.model import layers_impl
 
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
     want = _logits(tiny_qwen3, ids)

@@ -6,8 +6,8 @@ from dwdp_operator import manifests as M
 from dwdp_operator.desired import desired_state
 from dwdp_operator.spec import DwdpGroupSpec
 from .dwdp_op_util import cr, spec
-from dwdp_worker.envcontract import parse_env
-from dwdp_worker.gpu_map import rank_devices
+from dwdp_worker.launch.envcontract import parse_env
+from dwdp_worker.launch.gpu_map import rank_devices
 
 HGX = spec(numGroups=2, dwdpSize=8, gpusPerPod=8, imex={"mode": "None"},
            experts={"numExperts": 16, "numExpertsPerWorker": 2, "numPrefetchExperts": 2})

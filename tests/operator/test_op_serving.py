@@ -8,7 +8,7 @@ from dwdp_operator import manifests as M
 from dwdp_operator.spec import DwdpGroupSpec, validate_spec
 from .dwdp_op_util import spec
 from dwdp_runtime.contract import ServingEnv
-from dwdp_worker.envcontract import EnvContractError, serving_overrides
+from dwdp_worker.launch.envcontract import EnvContractError, serving_overrides
 
 
 def _env(**over) -> dict[str, str]:

@@ -16,7 +16,7 @@ for p in (ROOT / "worker", ROOT):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from dwdp_worker.synth import SUPPORTED_ARCHS, write_synthetic  # noqa: E402
+from dwdp_worker.checkpoint.synth import SUPPORTED_ARCHS, write_synthetic  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +61,7 @@ def fuse_experts(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def tiny_api_model_dir(tmp_path_factory):
     """The tiny tokenized qwen3_moe checkpoint the HTTP API tests serve (written once per session)."""
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     return write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m", seed=3, tokenizer=True,
                            max_positions=64)

@@ -39,7 +39,7 @@ def prefill_program(rank, world, port, *, runs, store_ports, prompts, exchange, 
 
     torch.set_num_threads(1)
     from dwdp_runtime.config import DwdpConfig
-    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.rank.engine import Engine, num_experts_of
     from dwdp_worker.kv.service import KvSettings, RankIdentity
     from .programs import _rdzv
 
@@ -92,8 +92,8 @@ def decode_program(*, runs, world, prompts, exchange, new_tokens, result):
 
     torch.set_num_threads(1)
     from dwdp_worker.kv.prefill import cached_prefill
-    from dwdp_worker.kv_client import KvPuller, decode_from_params
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.kv.client import KvPuller, decode_from_params
+    from dwdp_worker.launch.oracle import Reference
 
     exchange = pathlib.Path(exchange)
     report = {}

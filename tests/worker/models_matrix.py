@@ -42,7 +42,7 @@ class Row:
 def _reference(path, batches):
     import torch
 
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -57,10 +57,10 @@ def _precheck(path) -> None:
     """The loader's refusals, in this process: layout discovery and checkpoint sources (no group needed)."""
     import torch
 
-    from dwdp_worker import models
-    from dwdp_worker.checkpoint_names import CheckpointMap, resolve_sources
-    from dwdp_worker.loader import build_meta_model, load_config
-    from dwdp_worker.safetensors_index import SafetensorsIndex
+    from dwdp_worker.model import registry as models
+    from dwdp_worker.checkpoint.names import CheckpointMap, resolve_sources
+    from dwdp_worker.checkpoint.loader import build_meta_model, load_config
+    from dwdp_worker.checkpoint.safetensors_index import SafetensorsIndex
 
     config = load_config(path)
     model = build_meta_model(config, torch.float32)
@@ -77,8 +77,8 @@ def _one_line(exc: BaseException) -> str:
 def build_matrix(base: pathlib.Path, model_types) -> list[Row]:
     import torch
 
-    from dwdp_worker.architectures import probe
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.model.architectures import probe
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     rows: dict[str, Row] = {}
     candidates: dict[str, tuple[str, list, str]] = {}
@@ -103,7 +103,7 @@ def build_matrix(base: pathlib.Path, model_types) -> list[Row]:
         except Exception as exc:  # noqa: BLE001 - UnsupportedModelError / CheckpointError: the refusal itself
             rows[model_type] = Row(model_type, Status.REFUSED, _one_line(exc))
             continue
-        from dwdp_worker.engine import num_experts_of
+        from dwdp_worker.rank.engine import num_experts_of
 
         if num_experts_of(path) != 8:  # config.json's stated count (the supervisor's) must be the discovered one
             rows[model_type] = Row(model_type, Status.FAILS, f"config.json states {num_experts_of(path)} experts")
@@ -131,7 +131,7 @@ def build_matrix(base: pathlib.Path, model_types) -> list[Row]:
                     problem = problem or f"d={d} rank {rank}: the rank ended ({status}: {str(value)[:200]})"
                 elif "error" in got:
                     problem = problem or f"d={d} rank {rank}: {got['error']}"
-                elif tuple(got["local"]) != ranges[rank] or got["stats"]["prefetch_bytes"] <= 0:
+                elif tuple(got["local"]) != ranges[rank] or got["stats"].prefetch_bytes <= 0:
                     problem = problem or f"d={d} rank {rank}: local range {got['local']} / no remote experts pulled"
                 else:
                     for i, (g, w) in enumerate(zip(got["logits"], want)):

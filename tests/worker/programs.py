@@ -30,7 +30,7 @@ def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backen
 
     torch.set_num_threads(threads)
     from dwdp_runtime.config import DwdpConfig
-    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.rank.engine import Engine, num_experts_of
 
     out = {}
     for job, model_dir, k, s, dtype in runs:
@@ -81,12 +81,12 @@ def memory_program(rank, world, port, *, model_dir, k, s):
 
     torch.set_num_threads(1)
     from dwdp_runtime.config import DwdpConfig
-    from dwdp_worker.engine import Engine, num_experts_of
-    from dwdp_worker.loader import build_meta_model, load_config
+    from dwdp_worker.rank.engine import Engine, num_experts_of
+    from dwdp_worker.checkpoint.loader import build_meta_model, load_config
 
     # import the modeling code (~130 MiB of interpreter/library state) and build transformers' conversion-rule
     # table (a process-wide cache of every architecture's rules, a few MiB) before measuring weights
-    from dwdp_worker.checkpoint_names import conversion_rules
+    from dwdp_worker.checkpoint.names import conversion_rules
 
     conversion_rules(build_meta_model(load_config(model_dir), torch.float32))
 
@@ -117,8 +117,8 @@ def engine_api_program(rank, world, port, *, model_dir):
 
     torch.set_num_threads(1)
     from dwdp_runtime.config import DwdpConfig
-    from dwdp_worker.engine import Engine, num_experts_of
-    from dwdp_worker.packing import BadBatchError
+    from dwdp_worker.rank.engine import Engine, num_experts_of
+    from dwdp_worker.model.packing import BadBatchError
 
     cfg = DwdpConfig.even(dwdp_size=world, num_experts=num_experts_of(model_dir))
     out = {"errors": []}
@@ -151,7 +151,7 @@ def matrix_program(rank, world, port, *, runs, batches, ports, rendezvous_timeou
 
     torch.set_num_threads(1)
     from dwdp_runtime.config import DwdpConfig
-    from dwdp_worker.engine import Engine, num_experts_of
+    from dwdp_worker.rank.engine import Engine, num_experts_of
 
     out = {}
     for job, model_dir, k, s in runs:

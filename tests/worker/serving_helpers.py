@@ -1,6 +1,6 @@
 """Helpers for the serving tests: real `dwdp-worker` processes on free loopback ports.
 
-``Server`` runs ``python -m dwdp_worker.cli …`` with this checkout first on ``PYTHONPATH``, waits
+``Server`` runs ``python -m dwdp_worker.launch.cli …`` with this checkout first on ``PYTHONPATH``, waits
 (bounded) for a probe, and always kills what it started. Nothing here fakes the engine.
 """
 
@@ -42,7 +42,7 @@ class Server:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="dwdp-test-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "dwdp_worker.cli", *args]
+        cmd = [sys.executable, "-m", "dwdp_worker.launch.cli", *args]
         if "pod" not in args[:1]:
             cmd += ["--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, env=child_env(env), stdout=self._log, stderr=subprocess.STDOUT,
@@ -108,7 +108,7 @@ def greedy_reference(model_dir, tokens: list[int], steps: int):
     """(token ids, their logprobs, top-5 logprobs per step) from the unsharded transformers model."""
     import torch
 
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
 
     ref = Reference(model_dir)
     seq, ids, lps, tops = list(tokens), [], [], []

@@ -69,7 +69,7 @@ def test_default_is_one_context_forward(server, oracle):
 
 
 def test_text_prompt_uses_the_tokenizer(server, model_dir, oracle):
-    from dwdp_worker.text import encode, load_tokenizer
+    from dwdp_worker.front.text import encode, load_tokenizer
 
     tok = load_tokenizer(model_dir)
     prompt = "hello world the expert layer of a model"

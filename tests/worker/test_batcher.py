@@ -1,4 +1,4 @@
-"""Pure packing and admission rules (``dwdp_worker.batcher``, ``dwdp_worker.admission``), property-tested."""
+"""Pure packing and admission rules (``dwdp_worker.front.batcher``, ``dwdp_worker.front.admission``), property-tested."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from .serving_helpers import ROOT  # noqa: F401 - puts this checkout on sys.path
 
-from dwdp_worker.admission import Limits, admit
-from dwdp_worker.batcher import pack, queued_tokens, requeue_front
+from dwdp_worker.front.admission import Limits, Param, admit, text_fits
+from dwdp_worker.front.batcher import pack, queued_tokens, requeue_front
 
 LIMITS = Limits(max_num_tokens=32, vocab_size=100, max_positions=24)
 
@@ -36,9 +36,9 @@ def test_pack_takes_the_longest_fitting_prefix(lengths, max_seqs):
 
 
 def test_pack_empty_queue_and_custom_length():
-    assert pack(deque(), max_num_tokens=8) == []
+    assert pack(deque(), max_num_tokens=8, max_num_seqs=4) == []
     q = deque(["aaaa", "bbbb", "cc"])
-    assert pack(q, max_num_tokens=9, length=len) == ["aaaa", "bbbb"]
+    assert pack(q, max_num_tokens=9, max_num_seqs=4, length=len) == ["aaaa", "bbbb"]
     assert list(q) == ["cc"]
 
 
@@ -57,13 +57,21 @@ def test_admit_accepts_exactly_what_a_forward_can_take(tokens, max_tokens):
             and len(tokens) + max_tokens - 1 <= min(LIMITS.max_positions, LIMITS.max_num_tokens))
     assert (why is None) == fits, (tokens, max_tokens, why)
     if why is not None:
-        assert len(why) > 20  # a sentence, not a code
+        assert len(why.message) > 20 and why.param is Param.PROMPT  # a sentence naming the field, not a code
 
 
 def test_admit_messages_say_what_to_change():
-    assert "empty" in admit([], 1, LIMITS)
-    assert "[0, 100)" in admit([3, 100], 1, LIMITS) and "100" in admit([3, 100], 1, LIMITS)
-    assert "positions" in admit([1] * 20, 6, LIMITS) and "max_tokens" in admit([1] * 20, 6, LIMITS)
+    assert "empty" in admit([], 1, LIMITS).message
+    assert "[0, 100)" in admit([3, 100], 1, LIMITS).message and "100" in admit([3, 100], 1, LIMITS).message
+    long = admit([1] * 20, 6, LIMITS)
+    assert "positions" in long.message and "max_tokens" in long.message and long.param is Param.PROMPT
     packing = Limits(max_num_tokens=10, vocab_size=100, max_positions=24)
-    assert "--max-num-tokens=10" in admit([1] * 8, 4, packing)
+    assert "--max-num-tokens=10" in admit([1] * 8, 4, packing).message
     assert admit([1] * 8, 3, packing) is None
+
+
+def test_text_fits_names_the_field_to_change():
+    packing = Limits(max_num_tokens=10, vocab_size=100, max_positions=24)
+    assert text_fits("x" * 10, 11, packing, 4).param is Param.MAX_TOKENS   # no room for any prompt
+    assert text_fits("x" * 41, 1, packing, 4).param is Param.PROMPT        # 10 tokens × 4 characters < 41
+    assert text_fits("x" * 40, 1, packing, 4) is None

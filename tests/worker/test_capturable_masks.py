@@ -1,11 +1,11 @@
-"""capturable_masks (worker/dwdp_worker/capturable_masks.py): `transformers`' causal mask skipped exactly where it
+"""capturable_masks (worker/dwdp_worker/model/capturable_masks.py): `transformers`' causal mask skipped exactly where it
 skips it outside a capture, through the real mask registry and a real model."""
 
 import torch
 from transformers import masking_utils
 
-from dwdp_worker import capturable_masks
-from dwdp_worker.capturable_masks import causal_skip
+from dwdp_worker.model import capturable_masks
+from dwdp_worker.model.capturable_masks import causal_skip
 
 CAUSAL = masking_utils.causal_mask_function
 PLAIN = dict(batch_size=1, q_length=16, kv_length=16, q_offset=0, kv_offset=0, mask_function=CAUSAL,
@@ -22,8 +22,8 @@ def test_only_a_plain_causal_forward_skips_its_mask():
 
 
 def test_outside_a_capture_one_sequence_changes_no_bit_and_is_undone(tmp_path):
-    from dwdp_worker.packing import device_logits, pack
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.model.packing import device_logits, pack
+    from dwdp_worker.checkpoint.synth import write_synthetic
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(write_synthetic("qwen3_moe", tmp_path / "m", seed=3),

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from dwdp_worker.demo import add_demo_arguments
-from dwdp_worker.launcher import add_local_arguments
-from dwdp_worker.pod import add_pod_arguments
-from dwdp_worker.synth import add_synth_arguments
+from dwdp_worker.launch.demo import add_demo_arguments
+from dwdp_worker.launch.local import add_local_arguments
+from dwdp_worker.launch.pod import add_pod_arguments
+from dwdp_worker.checkpoint.synth import add_synth_arguments
 
 from .serving_helpers import ROOT, child_env
 
@@ -43,8 +43,8 @@ def test_every_flag_has_help(name):
     assert not missing, f"{name}: flags without help: {missing}"
 
 
-@pytest.mark.parametrize("argv,needle", [(["-m", "dwdp_worker.cli", "--local", "--help"], "--max-num-tokens"),
-                                         (["-m", "dwdp_worker.cli", "pod", "--help"], "--rendezvous-timeout-s"),
+@pytest.mark.parametrize("argv,needle", [(["-m", "dwdp_worker.launch.cli", "--local", "--help"], "--max-num-tokens"),
+                                         (["-m", "dwdp_worker.launch.cli", "pod", "--help"], "--rendezvous-timeout-s"),
                                          (["-m", "dwdp_operator.cli", "--help"], "--metrics-port")])
 def test_help_prints_and_exits_zero(argv, needle):
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60,

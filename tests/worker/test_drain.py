@@ -56,7 +56,7 @@ def _start_group(group: int) -> Server:
 
 
 def test_sigterm_one_group_under_load_loses_nothing(tmp_path):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     ckpt = write_synthetic("qwen3_moe", tmp_path / "same", seed=0, num_experts=8, dtype="float32")
     want = {(tuple(p), n): greedy_reference(ckpt, p, n)[0] for p in PROMPTS for n in (1, 4)}

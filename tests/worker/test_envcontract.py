@@ -8,8 +8,8 @@ import pytest
 
 from .serving_helpers import ROOT
 
-from dwdp_worker.envcontract import ENV_VARS, EnvContractError, parse_env
-from dwdp_worker.pod import build_pod_specs
+from dwdp_worker.launch.envcontract import ENV_VARS, EnvContractError, parse_env
+from dwdp_worker.launch.pod import build_pod_specs
 
 GOOD = {
     "DWDP_JOB": "r1", "DWDP_NAMESPACE": "default", "DWDP_GROUP": "2", "DWDP_POD_INDEX": "1",
@@ -81,7 +81,7 @@ def test_pod_with_bad_env_exits_2_naming_the_variable():
     import sys
 
     env = child_env({k: v for k, v in GOOD.items() if k != "DWDP_STORE_ADDR"})
-    p = subprocess.run([sys.executable, "-m", "dwdp_worker.cli", "pod"], env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "dwdp_worker.launch.cli", "pod"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2
     assert "DWDP_STORE_ADDR" in p.stderr and "Traceback" not in p.stderr
@@ -124,7 +124,7 @@ def _spec(spec_mod, **experts_and_model):
 
 def test_rendered_pod_env_is_the_contract_in_order():
     from dwdp_runtime import contract
-    from dwdp_worker.envcontract import PodEnv
+    from dwdp_worker.launch.envcontract import PodEnv
 
     manifests, spec_mod = _operator()
     rendered = manifests.worker_env(name="r1", ns="prod", g=0, i=1, attempt=0, spec=_spec(spec_mod))

@@ -52,7 +52,7 @@ def _start_pod(pod_index: int, store_port: int, *, extra_env: dict | None = None
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
     """The unsharded transformers answer for the pods' checkpoint (synthetic qwen3_moe, seed 0, 8 experts)."""
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     ckpt = write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "same", seed=0, num_experts=8,
                            dtype="float32")

@@ -21,11 +21,11 @@ from tests.worker.programs import memory_program
 
 from dwdp_runtime import quant
 from dwdp_runtime.layout import peer_ranges
-from dwdp_worker.fp8_checkpoint import dequantize_checkpoint
-from dwdp_worker.loader import load_config
-from dwdp_worker.models import UnsupportedModelError
-from dwdp_worker.oracle import Reference
-from dwdp_worker.synth import write_synthetic
+from dwdp_worker.checkpoint.fp8 import dequantize_checkpoint
+from dwdp_worker.checkpoint.loader import load_config
+from dwdp_worker.model.registry import UnsupportedModelError
+from dwdp_worker.launch.oracle import Reference
+from dwdp_worker.checkpoint.synth import write_synthetic
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 SIZES = dict(hidden_size=256, moe_intermediate_size=192, intermediate_size=256, num_heads=4)

@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from dwdp_worker import timeouts
+from dwdp_worker.rank import timeouts
 from .serving_helpers import Server, free_port, pod_env
 
 HEARTBEAT_TIMEOUT_S = timeouts.PEER_DEAD_AFTER_S + 5   # pod 0: after pod 1 has met the frozen store

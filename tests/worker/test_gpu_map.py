@@ -2,7 +2,7 @@
 
 import pytest
 
-from dwdp_worker.gpu_map import rank_devices
+from dwdp_worker.launch.gpu_map import rank_devices
 
 
 def test_hgx_pod_maps_local_rank_to_device_index():

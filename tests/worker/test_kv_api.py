@@ -17,8 +17,8 @@ from .serving_helpers import Server
 if not nixl_installed():
     pytest.skip("KV transfer tests need NIXL (the kv extra)", allow_module_level=True)
 
-from dwdp_worker.kv_client import KvPuller, KvPullError, decode_from_params  # noqa: E402
-from dwdp_worker.oracle import Reference  # noqa: E402
+from dwdp_worker.kv.client import KvPuller, KvPullError, decode_from_params  # noqa: E402
+from dwdp_worker.launch.oracle import Reference  # noqa: E402
 
 BUDGET, BLOCK = 64 * 4096, 4096
 PROMPTS = [[5, 17, 42], [9, 1, 200, 33, 7, 64, 120], [3, 250, 11, 90, 18, 6, 77, 140, 2, 8, 51, 99]]
@@ -78,7 +78,7 @@ def test_the_cli_is_a_router_flow_in_one_command(kv_server, reference, checkpoin
     from .serving_helpers import child_env
 
     prompt = PROMPTS[2]
-    out = subprocess.run([sys.executable, "-m", "dwdp_worker.kv_client", "--url", kv_server.url, "--model",
+    out = subprocess.run([sys.executable, "-m", "dwdp_worker.kv.client", "--url", kv_server.url, "--model",
                           str(checkpoints["mixtral"]), "--prompt-ids", ",".join(map(str, prompt)),
                           "--max-new-tokens", "16"], env=child_env({"OMP_NUM_THREADS": "1"}),
                          capture_output=True, text=True, timeout=180)
@@ -136,11 +136,13 @@ def test_budget_holds_under_100_concurrent_requests_then_ttl_frees(kv_server):
 
 
 def test_remote_decode_and_max_tokens_admission():
-    from dwdp_worker.admission import Limits, new_tokens_fit
+    from dwdp_worker.front.admission import Limits, Param, new_tokens_fit
 
     off = Limits(max_num_tokens=64, vocab_size=256, max_positions=64, max_new_tokens=8)
     on = Limits(max_num_tokens=64, vocab_size=256, max_positions=64, max_new_tokens=8, kv_enabled=True)
-    assert "KV transfer is off" in new_tokens_fit(1, True, off)
+    assert "KV transfer is off" in new_tokens_fit(1, True, off).message
+    assert new_tokens_fit(1, True, off).param is Param.KV_TRANSFER_PARAMS
     assert new_tokens_fit(1, True, on) is None and new_tokens_fit(8, False, off) is None
-    assert "max_tokens=1" in new_tokens_fit(2, True, on)
-    assert "--max-new-tokens=8" in new_tokens_fit(9, False, on)
+    assert "max_tokens=1" in new_tokens_fit(2, True, on).message
+    too_many = new_tokens_fit(9, False, on)
+    assert "--max-new-tokens=8" in too_many.message and too_many.param is Param.MAX_TOKENS

@@ -16,7 +16,7 @@ from .kv_programs import kv_server_program, mapped_regions, open_fds
 if not nixl_installed():
     pytest.skip("KV transfer tests need NIXL (the kv extra)", allow_module_level=True)
 
-from dwdp_worker.kv_client import KvPuller, KvPullError  # noqa: E402
+from dwdp_worker.kv.client import KvPuller, KvPullError  # noqa: E402
 
 
 class Server:
@@ -147,7 +147,7 @@ def _pull_with_kill(params, pid, conn):
     import os
     import signal
 
-    from dwdp_worker.kv_client import KvPuller, KvPullError
+    from dwdp_worker.kv.client import KvPuller, KvPullError
 
     t0 = time.monotonic()
     puller = KvPuller()

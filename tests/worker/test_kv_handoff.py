@@ -63,5 +63,5 @@ def test_round_trip_every_arch(world, checkpoints, tmp_path):
             assert full["errors"] and all("KV budget full" in e for e in full["errors"])
             assert full["kept"] > 0 and full["peak"] <= full["budget"] and full["full_total"] == len(full["errors"])
             st = served["stats"]
-            assert st["kv_pulls_total"] == len(PROMPTS) and st["kv_held_sequences"] == 0
-            assert st["kv_held_bytes"] == 0 and st["kv_expirations_total"] == 0
+            assert st.kv.pulls_total == len(PROMPTS) and st.kv.held_sequences == 0
+            assert st.kv.held_bytes == 0 and st.kv.expirations_total == 0

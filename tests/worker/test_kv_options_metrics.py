@@ -7,7 +7,7 @@ import argparse
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from dwdp_worker.kv.metrics import KvCollector, budget_summary, rank_kv
+from dwdp_worker.kv.metrics import KvCollector, budget_summary
 from dwdp_worker.kv.options import add_kv_arguments, settings_from_args, settings_from_env
 from dwdp_worker.kv.region import KvRegion
 from dwdp_worker.kv.store import KvStore
@@ -75,9 +75,8 @@ def test_metrics_and_budget_summary_are_what_the_ranks_reported():
     store.put("b", [(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8))], 4)
     store.claim("b", "dec", "n")
     store.release("b", claimer="dec", nonce="n", pulled=True)
-    stats = {f"kv_{k}": v for k, v in store.stats().as_dict().items()} | {"forwards": 3}
-    ranks = [{"global_id": 0, "kv": rank_kv(stats)}, {"global_id": 1, "kv": rank_kv({"forwards": 1})}]
-    assert ranks[1]["kv"] is None
+    # as the front's snapshot shows them (rank_handle.snapshot: RankStats.kv as a dict, None without a budget)
+    ranks = [{"global_id": 0, "kv": store.stats().as_dict()}, {"global_id": 1, "kv": None}]
     summary = budget_summary(ranks)
     assert summary == {"budget_bytes": 8192, "held_bytes": 1024, "use": 0.125, "held_sequences": 1,
                        "pulls": 1, "expirations": 0}

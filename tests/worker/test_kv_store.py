@@ -149,8 +149,8 @@ def test_region_refuses_a_budget_below_one_block():
 
 
 def test_engine_requests_are_checked_before_any_forward():
-    from dwdp_worker.generation import KvDisabledError, check_requests
-    from dwdp_worker.packing import BadBatchError
+    from dwdp_worker.rank.generation import KvDisabledError, check_requests
+    from dwdp_worker.model.packing import BadBatchError
 
     assert check_requests([[1, 2]], None, None, max_positions=8, kv_enabled=False) == ([1], [None])
     with pytest.raises(KvDisabledError, match="KV transfer is off"):

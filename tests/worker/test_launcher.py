@@ -13,7 +13,7 @@ from .serving_helpers import Server, child_env, free_port, greedy_reference
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     return write_synthetic("mixtral", tmp_path_factory.mktemp("ckpt") / "mx", seed=11, num_experts=6)
 
@@ -65,7 +65,7 @@ def test_two_groups_spread_requests_and_queue_answers_429(model_dir):
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dwdp_worker.cli", *args], env=child_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dwdp_worker.launch.cli", *args], env=child_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -100,7 +100,7 @@ def test_cli_errors(tmp_path, model_dir):
 def test_synth_subcommand_delegates(tmp_path):
     p = _cli("synth", "qwen3_moe", "--out", str(tmp_path / "s"), "--num-experts", "4")
     assert p.returncode == 0, p.stderr
-    from dwdp_worker.engine import num_experts_of
+    from dwdp_worker.rank.engine import num_experts_of
 
     assert num_experts_of(tmp_path / "s") == 4
 
@@ -117,7 +117,7 @@ def test_listening_socket_gives_nagle_free_connections():
     import asyncio
     import socket
 
-    from dwdp_worker.serve import bind
+    from dwdp_worker.front.serve import bind
 
     async def main():
         seen = {}

@@ -16,7 +16,7 @@ import pytest
 from tests.runtime.group import run_group
 from tests.worker.programs import memory_program
 
-from dwdp_worker.synth import write_synthetic
+from dwdp_worker.checkpoint.synth import write_synthetic
 
 MiB = 2**20
 

@@ -24,7 +24,7 @@ MIN_SERVING = 25
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    from dwdp_worker.architectures import experts_model_types
+    from dwdp_worker.model.architectures import experts_model_types
 
     return build_matrix(tmp_path_factory.mktemp("matrix"), experts_model_types())
 
@@ -74,7 +74,7 @@ def test_synth_list_agrees_with_the_matrix(matrix, capsys):
     the matrix served or refused later than the tiny build (checkpoint rules, save_pretrained)."""
     import argparse
 
-    from dwdp_worker.synth import add_synth_arguments, synth_main
+    from dwdp_worker.checkpoint.synth import add_synth_arguments, synth_main
 
     parser = argparse.ArgumentParser()
     add_synth_arguments(parser)

@@ -15,8 +15,8 @@ import torch
 from tests.worker.oracle_group import run_oracle_group
 
 from dwdp_runtime.layout import peer_ranges
-from dwdp_worker.models import experts_sites
-from dwdp_worker.oracle import Reference
+from dwdp_worker.model.registry import experts_sites
+from dwdp_worker.launch.oracle import Reference
 
 BATCHES = [
     [[5, 17, 42, 3, 99, 7, 8]],
@@ -74,7 +74,7 @@ def test_sharded_logits_equal_unsharded_bitwise(d, checkpoints, references):
             got = value[f"{name}-d{d}"]
             assert tuple(got["local"]) == ranges[rank]
             assert got["restarts"] == [0] * len(BATCHES)
-            assert got["stats"]["prefetch_bytes"] > 0
+            assert got["stats"].prefetch_bytes > 0
             for i, (g, w) in enumerate(zip(got["logits"], want)):
                 g = torch.from_numpy(g)
                 assert g.shape == w.shape == (len(BATCHES[i]), 256)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dwdp_worker import models as arch
-from dwdp_worker.loader import build_meta_model, load_config
-from dwdp_worker.safetensors_index import SafetensorsIndex
-from dwdp_worker.synth import add_synth_arguments, synth_main, write_synthetic
+from dwdp_worker.model import registry as arch
+from dwdp_worker.checkpoint.loader import build_meta_model, load_config
+from dwdp_worker.checkpoint.safetensors_index import SafetensorsIndex
+from dwdp_worker.checkpoint.synth import add_synth_arguments, synth_main, write_synthetic
 
 # MoE layers per architecture in the default 3-layer synthetic config (dense layers run unchanged)
 MOE_LAYERS = {"qwen3_moe": [0, 2], "mixtral": [0, 1, 2], "deepseek_v3": [1, 2]}
@@ -25,8 +25,8 @@ CKPT_PARTS = {"qwen3_moe": {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj
 
 @pytest.mark.parametrize("name", sorted(MOE_LAYERS))
 def test_discovered_layout_and_checkpoint_keys(name, checkpoints):
-    from dwdp_worker.checkpoint_names import CheckpointMap, resolve_sources
-    from dwdp_worker.experts_layout import ParamRole, SourceKind
+    from dwdp_worker.checkpoint.names import CheckpointMap, resolve_sources
+    from dwdp_worker.model.experts_layout import ParamRole, SourceKind
 
     config = load_config(checkpoints[name])
     model = build_meta_model(config, torch.float32)
@@ -56,8 +56,8 @@ def test_discovered_layout_and_checkpoint_keys(name, checkpoints):
 
 
 def test_fused_checkpoint_is_one_byte_range(checkpoints):
-    from dwdp_worker.checkpoint_names import CheckpointMap, resolve_sources
-    from dwdp_worker.experts_layout import SourceKind
+    from dwdp_worker.checkpoint.names import CheckpointMap, resolve_sources
+    from dwdp_worker.model.experts_layout import SourceKind
 
     model = build_meta_model(load_config(checkpoints["qwen3_moe_fused"]), torch.float32)
     with SafetensorsIndex(checkpoints["qwen3_moe_fused"]) as ckpt:
@@ -69,7 +69,7 @@ def test_fused_checkpoint_is_one_byte_range(checkpoints):
 
 def test_layout_takes_extra_per_expert_tensors(checkpoints):
     """A quantization method adds its per-expert tensors (e.g. FP8 scales) as more sharded parameters."""
-    from dwdp_worker.experts_layout import ExpertParam, ParamRole
+    from dwdp_worker.model.experts_layout import ExpertParam, ParamRole
 
     model = build_meta_model(load_config(checkpoints["qwen3_moe"]), torch.float32)
     e = arch.model_layout(model).experts[0]
@@ -145,10 +145,10 @@ def test_unsupported_and_quantized_models_are_refused():
 @pytest.mark.parametrize("name", sorted(MOE_LAYERS))
 def test_dense_weights_match_from_pretrained_in_bf16(name, checkpoints):
     """Values and dtypes of every dense tensor equal from_pretrained's (incl. DeepSeek-V3's fp32-kept bias)."""
-    from dwdp_worker.loader import load_dense
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.checkpoint.loader import load_dense
+    from dwdp_worker.launch.oracle import Reference
 
-    from dwdp_worker.checkpoint_names import CheckpointMap
+    from dwdp_worker.checkpoint.names import CheckpointMap
 
     config = load_config(checkpoints[name])
     model = build_meta_model(config, torch.bfloat16)
@@ -191,8 +191,8 @@ def test_transposed_fused_checkpoint_goes_through_transformers_ops(tmp_path):
     original releases use) is read per expert through transformers' own op, to the same model tensors."""
     from safetensors.torch import load_file, save_file
 
-    from dwdp_worker.checkpoint_names import CheckpointMap, resolve_sources
-    from dwdp_worker.loader import _expert_reader
+    from dwdp_worker.checkpoint.names import CheckpointMap, resolve_sources
+    from dwdp_worker.checkpoint.loader import _expert_reader
 
     # expert FFN 48: [2I, H] = [96, 64] is not square, so the stored (transposed) shape tells transformers to transpose
     src = write_synthetic("qwen3_vl_moe", tmp_path / "v", seed=2,

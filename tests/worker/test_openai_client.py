@@ -39,7 +39,7 @@ def tok(model_dir):
 
 @pytest.fixture(scope="module")
 def ref(model_dir):
-    from dwdp_worker.oracle import Reference
+    from dwdp_worker.launch.oracle import Reference
 
     return Reference(model_dir)
 

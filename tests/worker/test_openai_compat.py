@@ -9,18 +9,18 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from dwdp_worker import chat
-from dwdp_worker.openai_format import FinishReason, PromptOutcome, TextStream, completion_response, sse
-from dwdp_worker.openai_requests import OpenAIRequestError, plan_chat, plan_completion
-from dwdp_worker.openai_schemas import ChatCompletionRequest, CompletionRequest, Timings
-from dwdp_worker.serving_metrics import RequestLoad, ServingMetrics
+from dwdp_worker.front.openai import chat
+from dwdp_worker.front.openai.format import FinishReason, PromptOutcome, TextStream, completion_response, sse
+from dwdp_worker.front.openai.requests import OpenAIRequestError, plan_chat, plan_completion
+from dwdp_worker.front.openai.schemas import ChatCompletionRequest, CompletionRequest, Timings
+from dwdp_worker.front.serving_metrics import RequestLoad, ServingMetrics
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from dwdp_worker.synth import write_tokenizer
+    from dwdp_worker.checkpoint.synth import write_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     write_tokenizer(d, vocab_size=256)

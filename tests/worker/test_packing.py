@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dwdp_worker.packing import BadBatchError, pack, validate
+from dwdp_worker.model.packing import BadBatchError, pack, validate
 
 
 @settings(max_examples=60, deadline=None)

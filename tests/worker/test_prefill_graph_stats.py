@@ -1,9 +1,9 @@
 """A rank's prefill-graph counters reach /healthz (the rank snapshot) and /metrics as the rank reported them."""
 
-from dwdp_worker.metrics import Metrics
-from dwdp_worker.prefill_graphs import GraphCounters
-from dwdp_worker.protocol import RankSpec, RankStats
-from dwdp_worker.rank_handle import RankHandle
+from dwdp_worker.front.metrics import Metrics
+from dwdp_worker.rank.prefill_graphs import GraphCounters
+from dwdp_worker.rank.protocol import RankSpec, RankStats
+from dwdp_worker.front.rank_handle import RankHandle
 
 
 def _snapshot(gid: int, graphs: GraphCounters | None) -> dict:

@@ -1,8 +1,8 @@
-"""BucketPolicy (worker/dwdp_worker/prefill_graphs.py): which way each prefill forward runs, on the host alone."""
+"""BucketPolicy (worker/dwdp_worker/rank/prefill_graphs.py): which way each prefill forward runs, on the host alone."""
 
 import pytest
 
-from dwdp_worker.prefill_graphs import WARMUP_FORWARDS, Bucket, BucketPolicy, Mode, PrefillGraphs
+from dwdp_worker.rank.prefill_graphs import WARMUP_FORWARDS, Bucket, BucketPolicy, Mode, PrefillGraphs
 
 
 def _run(policy: BucketPolicy, bucket: Bucket, *, capture_ok: bool = True) -> Mode:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwdp_worker.oracle import Reference
-from dwdp_worker.packing import packed_scored_logits
-from dwdp_worker.scoring import next_tokens, prompt_scores
+from dwdp_worker.launch.oracle import Reference
+from dwdp_worker.model.packing import packed_scored_logits
+from dwdp_worker.rank.scoring import next_tokens, prompt_scores
 
 
 @pytest.fixture(scope="module")

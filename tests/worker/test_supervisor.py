@@ -16,7 +16,7 @@ PROBE_KEYS = ("prefetch_restarts", "group_attempt", "forwards", "last_forward_ag
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     return write_synthetic("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m", seed=5)
 
@@ -40,7 +40,7 @@ def _start_pod(pod_index: int, store_port: int) -> Server:
 
 
 def test_two_pods_form_a_group_probes_before_and_after_ready_then_a_pod_crash_fails_the_other(tmp_path):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     store_port = free_port()
     pod0 = _start_pod(0, store_port)
@@ -178,7 +178,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_rank_that_cannot_load_fails_the_front_with_its_reason(tmp_path):
-    from dwdp_worker.synth import write_synthetic
+    from dwdp_worker.checkpoint.synth import write_synthetic
 
     ckpt = write_synthetic("qwen3_moe", tmp_path / "broken", seed=1)
     weights = next(ckpt.glob("*.safetensors"))

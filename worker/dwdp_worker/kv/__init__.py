@@ -4,5 +4,5 @@ Modules, one job each: ``params`` (typed wire models), ``blocks`` (pure block al
 (a sequence's KV stream), ``region`` (the registered buffer), ``store`` (budget, TTL, claims),
 ``nixl_api`` (the one NIXL import), ``server`` (the rank's NIXL service thread), ``service`` (all of it
 for one rank), ``prefill`` (packed prefill with the model's cache; greedy continuation). The decode
-side is ``dwdp_worker.kv_client``. Importing this package needs neither torch nor NIXL.
+side is ``dwdp_worker.kv.client``. Importing this package needs neither torch nor NIXL.
 """

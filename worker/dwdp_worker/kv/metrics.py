@@ -1,8 +1,9 @@
 """KV handoff metrics and the ``/healthz`` budget summary, read from the ranks' reported stats.
 
-A rank's ``Engine.stats()`` carries its KV store counters as ``kv_<field>`` (``store.KvStats``); the front
-keeps them per rank (``rank_kv``) and this module turns them into Prometheus families at scrape time —
-exactly what the ranks reported, never re-counted — and into the budget summary of ``/healthz``.
+A rank's stats record (``protocol.RankStats.kv``, a ``store.KvStats``) carries its KV store counters; the
+front shows them per rank in its snapshot (``/healthz`` ``ranks[i].kv``) and this module turns that into
+Prometheus families at scrape time — exactly what the ranks reported, never re-counted — and into the budget
+summary of ``/healthz``.
 
 Names (prefixed ``dwdp_kv_``, label ``rank``):
   budget_bytes                 gauge    size of the rank's registered KV region
@@ -21,19 +22,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-PREFIX = "kv_"
 GAUGES = {"budget_bytes": "size of the registered KV region", "held_bytes": "KV bytes held for decode engines",
           "held_sequences": "sequences whose KV is held"}
 COUNTERS = {"stored": "sequences whose KV was kept", "pulls": "pulls confirmed by the decode side",
             "pulled_bytes": "bytes of confirmed pulls", "pull_seconds": "claim to completion, summed",
             "expirations": "KV freed unclaimed after its TTL or a lapsed pull lease",
             "refusals": "claims refused", "full": "sequences refused for a full KV budget"}
-
-
-def rank_kv(stats: dict[str, Any]) -> dict[str, float] | None:
-    """The KV fields of one rank's stats (``kv_*``), or None when the rank has no KV budget."""
-    kv = {k[len(PREFIX):]: v for k, v in stats.items() if k.startswith(PREFIX)}
-    return kv or None
 
 
 def budget_summary(ranks: Iterable[dict[str, Any]]) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 from typing import Sequence
 
-from ..packing import pack
+from ..model.packing import pack
 
 
 def cache_kwarg(model) -> str:

@@ -1,0 +1,105 @@
+"""``ServingOptions``: the HTTP front's serving settings, each default, bound and meaning written once.
+
+Who reads it (and nothing else spells these defaults):
+  * the worker's CLI: ``dwdp_worker.launch.group.add_serving_arguments`` makes one flag per field
+    (``--max-num-tokens`` for ``max_num_tokens``), its default and help from here;
+  * the pod environment: ``from_env`` reads ``contract.ServingEnv`` (``DWDP_MAX_NUM_TOKENS`` for
+    ``max_num_tokens``: the member named like the field), which the operator sets from ``spec.serving``;
+  * the operator's ``spec.serving`` (``dwdp_operator.spec.Serving``): the same fields camelCased, their
+    bounds, defaults and descriptions copied from here (``camel_field``), so the CRD schema follows;
+  * the planner's memory figure (``planner.memory``: activations for ``max_num_tokens`` in flight);
+  * the front (``Supervisor(options=…)``): admission, packing, the queue bound.
+
+Pure Python and pydantic only: the operator image imports it without torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .contract import DEFAULT_MAX_NEW_TOKENS, MAX_CUDA_GRAPHS, ServingEnv
+
+#: ``max_num_tokens`` default: one packed forward of 8K tokens keeps a H200's GEMMs at full efficiency
+#: (docs/PLANNER.md) while one long prompt's first token is not delayed by many others
+DEFAULT_MAX_NUM_TOKENS = 8192
+#: ``max_num_seqs`` / ``max_queue`` default: a context server's prompts are long, so 256 short ones per forward
+#: or waiting is already far past a forward's worth; more waiting only adds latency (a 429 is retried elsewhere)
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_QUEUE = 256
+
+
+class ServingOptions(BaseModel):
+    """The front's settings (module docstring). ``ServingOptions()`` is the defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_queue: int = Field(default=DEFAULT_MAX_QUEUE, ge=1, le=1_000_000,
+                           description="requests waiting for a forward before the front answers 429")
+    max_num_tokens: int = Field(default=DEFAULT_MAX_NUM_TOKENS, ge=1, le=10_000_000,
+                                description="tokens packed into one forward")
+    max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=65536,
+                              description="sequences packed into one forward")
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000,
+                                description="largest max_tokens served: a context server decodes a few tokens with "
+                                            "the KV cache; long outputs belong to a decode engine (kv_transfer_params)")
+    served_model_name: str | None = Field(default=None, min_length=1,
+                                          description="the model id in the API (default: the checkpoint directory's name)")
+    cuda_graphs: int = Field(default=0, ge=0, le=MAX_CUDA_GRAPHS,
+                             description="prefill batch shapes per rank replayed from CUDA graphs (each keeps its "
+                                         "activations' memory; 0 = off, CUDA only)")
+
+    @classmethod
+    def env_var(cls, field: str) -> ServingEnv:
+        """The pod variable of ``field`` (``contract.ServingEnv`` member of the same name)."""
+        return ServingEnv[field.upper()]
+
+    @classmethod
+    def flag(cls, field: str) -> str:
+        return "--" + field.replace("_", "-")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> dict[str, Any]:
+        """The fields the operator set in the pod environment, validated by their bounds; only those present
+        (an empty ``DWDP_SERVED_MODEL_NAME`` is absent). Raises ``ValueError`` naming the variable, the
+        value and the bound."""
+        raw = {f: environ[cls.env_var(f).value] for f in cls.model_fields if cls.env_var(f).value in environ}
+        if raw.get("served_model_name") == "":
+            del raw["served_model_name"]
+        try:
+            checked = cls.model_validate(raw)
+        except ValidationError as exc:
+            bad = sorted({str(e["loc"][0]) for e in exc.errors()})
+            raise ValueError("; ".join(f"{cls.env_var(f).value}={raw[f]!r}: must be {cls.expected(f)} (spec.serving)"
+                                       for f in bad)) from None
+        return {f: getattr(checked, f) for f in raw}
+
+    @classmethod
+    def expected(cls, field: str) -> str:
+        """What ``field`` accepts, in words (``an integer >= 1 and <= 256``)."""
+        info = cls.model_fields[field]
+        if info.annotation is not int:
+            return "a non-empty string"
+        bounds = [f">= {m.ge}" for m in info.metadata if getattr(m, "ge", None) is not None]
+        bounds += [f"<= {m.le}" for m in info.metadata if getattr(m, "le", None) is not None]
+        return "an integer " + " and ".join(bounds)
+
+    def env(self) -> list[tuple[ServingEnv, str]]:
+        """This object as pod environment (the operator's rendering): every field, in declaration order."""
+        return [(self.env_var(f), "" if getattr(self, f) is None else str(getattr(self, f))) for f in type(self).model_fields]
+
+
+def camel(field: str) -> str:
+    head, *rest = field.split("_")
+    return head + "".join(w.title() for w in rest)
+
+
+def camel_field(field: str):
+    """A copy of ``ServingOptions``' field ``field`` (default, bounds, description) for a camelCase model."""
+    return copy.deepcopy(ServingOptions.model_fields[field])
+
+
+#: the defaults, for readers that need one number (the planner's activation estimate)
+DEFAULTS = ServingOptions()

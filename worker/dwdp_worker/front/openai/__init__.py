@@ -1,0 +1,1 @@
+"""OpenAI-compatible requests and responses: schemas, request planning, formatting, streaming, routes."""
