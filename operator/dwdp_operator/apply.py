@@ -16,8 +16,8 @@ status (``status.refusals`` and condition ChildrenAccepted, ``status.with_refusa
 every other child was accepted (a pod without its Secret, Services or ComputeDomain cannot run).
 
 One writer of status: ``Applier._status`` is the only code that writes a DwdpGroup's status, at most
-twice a pass (the intent before the deletes and creates, then the refusals the creates met) and once
-for a ``status_last`` plan (its status with the refusals folded in).
+twice a pass (the intent before the deletes and creates, then, after the events, the refusals the
+creates met) and once for a ``status_last`` plan (its status with the refusals folded in).
 
 Whole gangs (``Plan.whole_gangs``, desired invariant 2a): their pods are created together, without
 the scheduling gate; if any of them is refused or fails, the pods of that gang created in this call
@@ -104,7 +104,7 @@ class ApplyResult:
     written: dict | None = None              # the DwdpGroup as the last status write returned it
     created_pods: list[str] = field(default_factory=list)   # pods that exist now (created, or already there)
     rolled_back: list[str] = field(default_factory=list)    # pods of a failed whole gang, deleted again
-    error: Exception | None = None           # a create failed (transient): the rest of the plan was not applied
+    error: Exception | None = None           # a create (the rest of the plan not applied) or the refusals' write failed
 
 
 class Applier:
@@ -158,13 +158,22 @@ class Applier:
         if last:  # with a refusal the creates did not all happen: the status before them
             status = plan.status if out.refusals else plan.status_after_creates
             self._status(out, ns, name, with_refusals(status, refusals, now=when) or status)
-        elif plan.valid:  # an invalid plan creates nothing: the refusals on record stay as they are
-            recorded = with_refusals(out.status or {}, refusals, now=when)
-            if recorded is not None:
-                self._status(out, ns, name, recorded)
         for etype, reason, message in plan.events:
             out.counts["events"] += self.event(cr, etype, reason, message)
+        if not last and plan.valid:  # an invalid plan creates nothing: the refusals on record stay as they are
+            self._record_refusals(out, ns, name, refusals, now=when)
         return out
+
+    def _record_refusals(self, out: ApplyResult, ns: str, name: str, refusals: list[dict], *, now: float) -> None:
+        """The refusals the creates met, after the status written first: a failed write is the pass's
+        ``error`` (retried), so the reconciler still records the pods this pass created."""
+        recorded = with_refusals(out.status or {}, refusals, now=now)
+        if recorded is None:
+            return
+        try:
+            self._status(out, ns, name, recorded)
+        except ApiError as e:
+            out.error = e
 
     def _status(self, out: ApplyResult, ns: str, name: str, status: dict[str, Any]) -> None:
         """The one writer of status (module docstring): merge-patched when it changes anything."""
