@@ -1,9 +1,9 @@
 """Every manifest we ship, checked strictly without a server (issue 33): the CRD (both copies) and the
 chart's rendered templates (``helm template`` over the value sets that switch templates on) against the
 ``kubernetes`` client's models, with a round trip that refuses any key a model would drop; the chart's
-example DwdpGroup against the generated CRD schema and ``validate_spec``; and the children the operator
-creates, the same way. The API server drops an unknown field of a built-in kind and prunes one of a
-custom resource without a word: these checks are where such a typo shows.
+example DwdpGroup and ``examples/*.yaml`` against the generated CRD schema and ``validate_spec``; and
+the children the operator creates, the same way. The API server drops an unknown field of a built-in
+kind and prunes one of a custom resource without a word: these checks are where such a typo shows.
 
 Not checked beyond their metadata: the Prometheus Operator's ServiceMonitor and PodMonitor (no schema
 of theirs is available offline) and the ComputeDomain (NVIDIA's CRD; tests/k8s has only a schemaless
@@ -110,6 +110,12 @@ def test_every_template_is_rendered_by_some_value_set(tmp_path):
                for line in _helm_template(args, tmp_path).splitlines() if line.startswith("# Source: ")}
     templates = {f"dwdp-operator/templates/{p.name}" for p in (CHART / "templates").glob("*.yaml")}
     assert "dwdp-operator/crds/dwdpgroup.yaml" in sources and templates - sources == set()
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT) for p in (ROOT / "examples").glob("*.yaml")), ids=str)
+def test_every_example_is_strictly_valid(path):
+    docs = [d for d in yaml.safe_load_all((ROOT / path).read_text()) if d]
+    assert docs and [strict_errors(d) for d in docs] == [[] for _ in docs]
 
 
 def test_the_check_sees_a_misspelt_field_of_a_rendered_deployment(tmp_path):
