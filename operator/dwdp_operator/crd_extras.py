@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .spec import GROUP, HGX_FIX, KIND, PLURAL, VERSION
+from .spec import GROUP, HGX_FIX, KIND, PLURAL
 
 SINGULAR = KIND.lower()
 LIST_KIND = f"{KIND}List"

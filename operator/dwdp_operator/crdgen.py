@@ -207,9 +207,8 @@ def render() -> str:
     return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=YAML_WIDTH, allow_unicode=True)
 
 
-def stale(root: Path = ROOT) -> list[Path]:
-    """The output files under ``root`` whose text is not ``render()``'s (missing ones included)."""
-    text = render()
+def stale(root: Path, text: str) -> list[Path]:
+    """The output files under ``root`` whose text is not ``text`` (missing ones included)."""
     return [p for p in OUTPUTS if not (root / p).is_file() or (root / p).read_text() != text]
 
 
@@ -224,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        old = stale(args.root)
         text = render()
     except CrdGenError as e:
         print(f"{REGENERATE}: {e}", file=sys.stderr)
         return 2
+    old = stale(args.root, text)
     if args.check:
         for p in old:
             print(f"{p} is not current: run {REGENERATE}", file=sys.stderr)
