@@ -59,6 +59,8 @@ def test_prefill_here_decode_there_equals_generate(kv_server, reference):
             params = choice["kv_transfer_params"]
             assert params["prompt_token_ids"] == prompt and params["seq_len"] == len(prompt)
             assert params["model"] == "mixtral" and params["dwdp_group"] == 0
+            # where a decode engine reaches this server: the bound address and port (never a wildcard)
+            assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", kv_server.port)
             assert len(choice["token_ids"]) == 1 and choice["logprobs"]["token_logprobs"]
             pulled = puller.pull(params)
             tokens, _ = decode_from_params(reference, prompt, choice["token_ids"][0], pulled, max_new_tokens=16)
@@ -133,6 +135,21 @@ def test_budget_holds_under_100_concurrent_requests_then_ttl_frees(kv_server):
     assert 'dwdp_kv_budget_bytes{rank="0"}' in metrics and "dwdp_kv_expirations_total" in metrics
     assert "dwdp_kv_pulls_total" in metrics and "dwdp_kv_full_total" in metrics
     assert 'dwdp_requests_total{code="429"}' in metrics
+
+
+def test_a_wildcard_advertise_host_is_refused_before_any_rank_starts(checkpoints):
+    import subprocess
+    import sys
+
+    from .serving_helpers import child_env
+
+    out = subprocess.run([sys.executable, "-m", "dwdp_worker.launch.cli", "--local", "--model",
+                          str(checkpoints["mixtral"]), "--kv-budget-bytes", str(BUDGET), "--kv-block-bytes", str(BLOCK)],
+                         env=child_env({"DWDP_KV_ADVERTISE_HOST": "0.0.0.0"}), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "--kv-advertise-host='0.0.0.0' is a wildcard" in out.stderr and "Traceback" not in out.stderr
+    assert "started" not in out.stderr            # refused at planning: no rank process was spawned
 
 
 def test_remote_decode_and_max_tokens_admission():
