@@ -125,7 +125,7 @@ def bench_prefill(args):
         for kv in per_seq:
             n[0] += 1
             store.put(f"p{n[0]}", kv, args.isl)
-            store.release(f"p{n[0]}", pulled=False)
+            store.discard(f"p{n[0]}")
         sync()
 
     times = {}

@@ -65,7 +65,7 @@ def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budg
                 _sync()
                 kept.append(time.perf_counter() - t)
                 for j in range(len(prompts)):             # free them again (never pulled)
-                    engine.kv.store.release(f"warm{i}-{j}", pulled=False)
+                    engine.kv.store.discard(f"warm{i}-{j}")
             res = engine.generate(prompts, keep_kv=[f"r{j}" for j in range(len(prompts))], model_name="kvgpu")
             # the kept bytes, recomputed the same way, to check the pull bit for bit
             _, per_seq = cached_prefill(engine.model, prompts, engine.device)

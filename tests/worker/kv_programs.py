@@ -82,7 +82,7 @@ def _fill_until_full(engine, prompts, job):
         if errors:
             break
     for rid in kept:
-        engine.kv.store.release(rid, pulled=False)
+        engine.kv.store.discard(rid)
     return {"errors": errors, "kept": len(kept), "peak": peak, "budget": engine.kv.stats().budget_bytes,
             "full_total": engine.kv.stats().full_total, "held_after": engine.kv.stats().held_bytes}
 
@@ -137,7 +137,7 @@ def mapped_regions() -> int:
         return sum(1 for _ in f)
 
 
-def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, peer_idle_s=5.0):
+def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, grace_s=5.0, peer_idle_s=5.0):
     """A KV service on CPU in its own process, driven over a pipe: ("keep", request_id, seq_len, seed) → params
     (and the tensors kept), ("stats",) → store stats + fds + mapped regions + NIXL peers, ("stop",)."""
     import torch
@@ -147,7 +147,7 @@ def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, p
     from dwdp_worker.kv.store import KvBudgetFull
 
     svc = KvService.start(KvSettings(budget_bytes=budget_bytes, block_bytes=block_bytes, ttl_s=ttl_s,
-                                     lease_s=lease_s), device="cpu", identity=RankIdentity(job="faults"),
+                                     lease_s=lease_s, grace_s=grace_s), device="cpu", identity=RankIdentity(job="faults"),
                           peer_idle_s=peer_idle_s)
     conn.send(("ready", svc.engine_id))
     while True:
@@ -168,3 +168,48 @@ def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, p
             svc.close()
             conn.send(("stopped", open_fds()))
             return
+
+
+class KvServerProcess:
+    """``kv_server_program`` in a spawned process, driven from the test over a pipe."""
+
+    def __init__(self, **kw):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=kv_server_program, args=(child,), kwargs=kw, daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "KV server did not start"
+        self.engine_id = self.conn.recv()[1]
+
+    def keep(self, rid, seq_len=5, seed=0):
+        self.conn.send(("keep", rid, seq_len, seed))
+        return self.conn.recv()
+
+    def stats(self):
+        self.conn.send(("stats",))
+        return self.conn.recv()
+
+    def kill(self):
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            out = self.conn.recv()
+            self.proc.join(10)
+            return out
+        return None
+
+
+def settle(server, timeout_s=10.0):
+    """Stats once the last PULLED notifications are handled and idle peers unloaded (both asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = server.stats()
+        if (s["held_sequences"] == 0 and s["peers"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)

@@ -61,6 +61,7 @@ def test_prefill_here_decode_there_equals_generate(kv_server, reference):
             assert params["model"] == "mixtral" and params["dwdp_group"] == 0
             # where a decode engine reaches this server: the bound address and port (never a wildcard)
             assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", kv_server.port)
+            assert params["protocol"] == "dwdp-kv/2" and params["ttl_s"] == 8 and params["lease_s"] == 30
             assert len(choice["token_ids"]) == 1 and choice["logprobs"]["token_logprobs"]
             pulled = puller.pull(params)
             tokens, _ = decode_from_params(reference, prompt, choice["token_ids"][0], pulled, max_new_tokens=16)
@@ -87,6 +88,7 @@ def test_the_cli_is_a_router_flow_in_one_command(kv_server, reference, checkpoin
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["tokens"] == generate(reference, prompt, 16)
+    assert (got["remote_host"], got["remote_port"]) == ("127.0.0.1", kv_server.port) and got["verdict_s"] > 0
     assert got["pulled_bytes"] > 0 and got["read_gbps"] > 0 and got["engine"].startswith("dwdp-local-g0-r")
 
 

@@ -30,6 +30,9 @@ def test_flags_take_units_and_default_off():
         settings_from_args(parser().parse_args(["--kv-block-bytes", "100"]))
     with pytest.raises(ValueError, match="smaller than one block"):
         settings_from_args(parser().parse_args(["--kv-budget-bytes", "1KiB"]))
+    assert settings_from_args(parser().parse_args(["--kv-grace-s", "0"])).grace_s == 0
+    with pytest.raises(ValueError, match="grace period must be >= 0"):
+        settings_from_args(parser().parse_args(["--kv-grace-s", "-1"]))
 
 
 def test_env_names_the_bad_variable():
@@ -125,12 +128,13 @@ def test_metrics_and_budget_summary_are_what_the_ranks_reported():
     store.put("a", [(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8))], 4)
     store.put("b", [(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8))], 4)
     store.claim("b", "dec", "n")
-    store.release("b", claimer="dec", nonce="n", pulled=True)
+    assert store.confirm("b", "dec", "n").valid
+    assert not store.confirm("b", "dec", "n").valid          # a second confirmation: stale
     # as the front's snapshot shows them (rank_handle.snapshot: RankStats.kv as a dict, None without a budget)
     ranks = [{"global_id": 0, "kv": store.stats().as_dict()}, {"global_id": 1, "kv": None}]
     summary = budget_summary(ranks)
     assert summary == {"budget_bytes": 8192, "held_bytes": 1024, "use": 0.125, "held_sequences": 1,
-                       "pulls": 1, "expirations": 0}
+                       "pulls": 1, "expirations": 0, "stale": 1}
     assert budget_summary([{"global_id": 0, "kv": None}]) is None
     reg = CollectorRegistry()
     reg.register(KvCollector(lambda: {"ranks": ranks}))
@@ -138,4 +142,5 @@ def test_metrics_and_budget_summary_are_what_the_ranks_reported():
     assert 'dwdp_kv_held_bytes{rank="0"} 1024.0' in text
     assert 'dwdp_kv_pulls_total{rank="0"} 1.0' in text
     assert 'dwdp_kv_budget_bytes{rank="0"} 8192.0' in text
+    assert 'dwdp_kv_stale_total{rank="0"} 1.0' in text and 'dwdp_kv_quarantined_bytes{rank="0"} 0.0' in text
     assert 'rank="1"' not in text
