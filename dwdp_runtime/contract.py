@@ -117,6 +117,7 @@ class TuningEnv(StrEnum):
     # the KV responses' remote_host, when neither the bound address nor the pod IP is what a decode engine
     # reaches (a NAT, a node port, a DNS name): --kv-advertise-host; a user sets it through spec.template.env
     KV_ADVERTISE_HOST = "DWDP_KV_ADVERTISE_HOST"
+    KV_REGION_MEMORY = "DWDP_KV_REGION_MEMORY"  # how a CUDA rank allocates its KV region (kv.region.RegionMemory)
 
 
 class Transfer(StrEnum):

@@ -213,3 +213,55 @@ def settle(server, timeout_s=10.0):
         if (s["held_sequences"] == 0 and s["peers"] == 0) or time.monotonic() > deadline:
             return s
         time.sleep(0.05)
+
+
+# -- does a continuation follow from its cache? (teacher forcing; used by the GPU test, checked on CPU) ---------
+#: the median position's max |Δlogit| a right cache stays under. Measured on the GPU test's random bf16 model (CPU,
+#: 2026-12-04): ~0.05 at most positions (bf16 noise, ~5 % of the logits' std of 1.0); a position where bf16 noise
+#: flips a token's top-k experts moves by up to ~1.3; a wrong cache (another sequence's, layers swapped, values
+#: zeroed) moves the median position by 2.5–3.5
+TF_MEDIAN_ATOL = 0.25
+#: positions whose logits point the same way (cosine ≥ TF_COS) — all but the rare expert flips for a right cache
+#: (≥ 0.93 even there); a wrong cache stays ≤ 0.86 at every position
+TF_COS, TF_MIN_AGREEING = 0.99, 0.75
+
+
+def forced_logits(model, tokens, *, cache=None, start: int = 0):
+    """float32 CPU logits of one forward over ``tokens`` (after ``cache``, at positions ``start``…), no sampling."""
+    import torch
+
+    from dwdp_worker.kv.prefill import cache_kwarg
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(tokens)], device=device)
+    kw = {} if cache is None else {cache_kwarg(model): cache,
+                                   "position_ids": torch.arange(start, start + len(tokens), device=device)[None]}
+    with torch.inference_mode():
+        return model(input_ids=ids, use_cache=cache is not None, **kw).logits[0].float().cpu()
+
+
+def teacher_forced(model, prompt, continuation):
+    """The logits that should have chosen ``continuation[1:]`` (its first token came from the prefill): one
+    plain forward of the prompt alone, no cache, over ``prompt + continuation[:-1]``."""
+    return forced_logits(model, list(prompt) + list(continuation[:-1]))[len(prompt):]
+
+
+def logit_agreement(got, reference) -> dict:
+    """How closely ``got`` follows ``reference`` ([positions, vocab] each) and whether that passes."""
+    import torch
+
+    per_pos = (got - reference).abs().amax(dim=1)
+    cos = torch.nn.functional.cosine_similarity(got, reference, dim=1)
+    out = {"median_max_abs": float(per_pos.median()), "max_abs": float(per_pos.max()),
+           "agreeing": float((cos >= TF_COS).float().mean()), "min_cos": float(cos.min())}
+    out["ok"] = out["median_max_abs"] <= TF_MEDIAN_ATOL and out["agreeing"] >= TF_MIN_AGREEING
+    return out
+
+
+def wrong_cache(kv, other_kv):
+    """A plausible wrong cache for ``kv``: another sequence's (truncated to this length) when it is long enough,
+    else this one's layers rotated by one (both: right shapes, wrong content)."""
+    n = kv[0][0].shape[2]
+    if other_kv[0][0].shape[2] >= n:
+        return [(k[:, :, :n].contiguous(), v[:, :, :n].contiguous()) for k, v in other_kv]
+    return [(kv[(i + 1) % len(kv)][0].clone(), kv[(i + 1) % len(kv)][1].clone()) for i in range(len(kv))]

@@ -236,3 +236,21 @@ def test_engine_requests_are_checked_before_any_forward():
         check_requests([[1]], [0], None, max_positions=8, kv_enabled=True)
     with pytest.raises(BadBatchError, match="one entry per sequence"):
         check_requests([[1], [2]], [1], None, max_positions=8, kv_enabled=True)
+
+
+def test_region_memory_and_ucx_cuda_defaults_are_switches_with_clear_errors():
+    from dwdp_worker.kv.nixl_api import apply_ucx_defaults
+    from dwdp_worker.kv.region import RegionMemory, region_memory_from_env
+
+    assert region_memory_from_env({}) is RegionMemory.CUDA_MALLOC
+    assert region_memory_from_env({"DWDP_KV_REGION_MEMORY": "torch"}) is RegionMemory.TORCH
+    with pytest.raises(ValueError, match="DWDP_KV_REGION_MEMORY='vmm': one of cuda_malloc, torch"):
+        region_memory_from_env({"DWDP_KV_REGION_MEMORY": "vmm"})
+    region = KvRegion(4096, block_bytes=1024, memory="cuda_malloc")   # a CPU rank: host memory either way
+    assert region.buffer.device.type == "cpu" and region.mem == "DRAM"
+    region.close()
+    env = {}
+    assert apply_ucx_defaults(env, cuda=True) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert apply_ucx_defaults({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}, cuda=True) == \
+        {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}                   # the user's setting wins
+    assert apply_ucx_defaults({}, cuda=False) == {}                  # no CUDA: UCX would warn of an unused variable

@@ -75,4 +75,5 @@ class KvService:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.server.close()
+            self.server.close()          # deregisters the region first …
+            self.store.region.close()    # … then frees it
