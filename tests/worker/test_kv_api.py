@@ -106,6 +106,8 @@ def test_max_tokens_decodes_with_the_cache_and_is_capped(kv_server, reference):
     assert r.status_code == 400 and "max_tokens=1" in r.text
     r = kv_server.post({"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True, "typo": 1}})
     assert r.status_code == 422
+    r = kv_server.post({"prompt": prompt, "stream": True, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "needs stream=false" in r.text and "kv_transfer_params" in r.text
 
 
 def test_budget_holds_under_100_concurrent_requests_then_ttl_frees(kv_server):
