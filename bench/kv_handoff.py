@@ -32,7 +32,6 @@ import argparse
 import multiprocessing as mp
 import os
 import pathlib
-import re
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 for _p in (ROOT / "worker", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+from bench.ucx_report import read_lanes, read_protocols  # noqa: E402
 
 #: per config: the environment both processes start with (on top of this process's)
 CONFIGS = {
@@ -174,51 +175,6 @@ def _decode(conn, device):
         same = bool(torch.equal(flat, dst[:flat.numel()])) if pulled.kv[0][0].is_contiguous() else None
         conn.send({"raw_s": raw_s, "read_s": pulled.read_s, "total_s": total, "claim_s": pulled.claim_s,
                    "register_s": pulled.register_s, "verdict_s": pulled.verdict_s, "same_bytes": same})
-
-
-# -- UCX's own account of the transports ----------------------------------------------------------------------
-_PREFIX = re.compile(r"^\[[^\]]*\]\s+\[[^\]]*\]\s*")
-
-
-def read_protocols(text: str) -> dict[str, list[str]]:
-    """``{agent: ["zero-copy cuda_ipc/cuda ×12", …]}`` from ``UCX_PROTO_INFO`` tables of remote-memory reads."""
-    out: dict[str, list[str]] = {}
-    title: list[str] = []
-    columns: list[str] | None = None
-    for raw in text.splitlines():
-        line = _PREFIX.sub("", raw).strip()
-        if line.startswith("+"):
-            continue
-        if not line.startswith("|"):
-            title, columns = [], None
-            continue
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 1:
-            if columns is not None:
-                title, columns = [], None
-            title.append(cells[0])
-        elif "Range" in cells and "Config" in cells:
-            columns = cells
-        elif columns is not None and len(cells) == len(columns) and len(title) >= 2:
-            row = dict(zip(columns, cells))
-            if "remote memory read" not in title[1] or row.get("Count", "1") in ("0", ""):
-                continue
-            agent = title[0].split()[0]
-            count = f" ×{row['Count']}" if "Count" in row else ""
-            out.setdefault(agent, []).append(f"{row['Description']} {row['Config']}{count}")
-    return out
-
-
-def read_lanes(text: str) -> dict[str, list[str]]:
-    """``{agent: ["intra-node cfg#2 rma_am(tcp/lo) …"]}`` from the endpoint configurations UCX logs at info."""
-    out: dict[str, list[str]] = {}
-    for raw in text.splitlines():
-        m = re.search(r"UCX\s+INFO\s+(\S+)\s+((?:intra|inter)-node cfg#\d+.*)$", raw)
-        if m and "rma" in m.group(2):
-            out.setdefault(m.group(1), [])
-            if m.group(2) not in out[m.group(1)]:
-                out[m.group(1)].append(m.group(2).strip())
-    return out
 
 
 # -- one config: two fresh processes --------------------------------------------------------------------------
