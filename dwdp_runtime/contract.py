@@ -81,6 +81,9 @@ class KvEnv(StrEnum):
     # UCX's own variable: its TCP transport listens in this range, which the group's NetworkPolicy
     # opens (decode engines reach a rank's NIXL agent there; RDMA and NVLink paths bypass it)
     UCX_TCP_PORT_RANGE = "UCX_TCP_PORT_RANGE"
+    # the pod's own IP, from the downward API (``valueFrom.fieldRef: status.podIP``, never a literal): the
+    # ``remote_host`` of every KV response, the address a decode engine or router reaches this pod at
+    POD_IP = "DWDP_POD_IP"
 
 
 #: TCP ports a pod's NIXL/UCX agents may listen on, from ``spec.kvTransfer.tcpPortBase`` (each rank's
@@ -111,6 +114,10 @@ class TuningEnv(StrEnum):
     LOG_LEVEL = "DWDP_LOG_LEVEL"                # rank processes' log level (default WARNING)
     TEST_COPY_DELAY_S = "DWDP_TEST_COPY_DELAY_S"  # fault-injection test hook: slow copy thread
     FP8_BACKEND = "DWDP_FP8_BACKEND"            # FP8 experts kernels on CUDA: auto | triton | cute (kernels.fp8_moe)
+    # the KV responses' remote_host, when neither the bound address nor the pod IP is what a decode engine
+    # reaches (a NAT, a node port, a DNS name): --kv-advertise-host; a user sets it through spec.template.env
+    KV_ADVERTISE_HOST = "DWDP_KV_ADVERTISE_HOST"
+    KV_REGION_MEMORY = "DWDP_KV_REGION_MEMORY"  # how a CUDA rank allocates its KV region (kv.region.RegionMemory)
 
 
 class Transfer(StrEnum):

@@ -50,6 +50,7 @@ WORKER_HOME = "/home/dwdp"
 # writable scratch on a read-only root: (volume name, mount path)
 SCRATCH = (("dwdp-tmp", "/tmp"), ("dwdp-home", WORKER_HOME))
 STARTUP_FAILURE_THRESHOLD = 360  # x 10 s = 1 h for weight loading before liveness takes over
+POD_IP_FIELD = "status.podIP"    # downward API field of the pod's IP (KvEnv.POD_IP)
 
 
 def token_secret_name(name: str) -> str:
@@ -191,6 +192,8 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
             (KvEnv.BUDGET_BYTES, kv.budgetBytes), (KvEnv.BLOCK_BYTES, kv.blockBytes),
             (KvEnv.TTL_S, kv.ttlSeconds), (KvEnv.LEASE_S, kv.leaseSeconds),
             (KvEnv.UCX_TCP_PORT_RANGE, f"{kv.tcpPortBase}-{kv.tcpPortBase + KV_TCP_PORTS - 1}"))]
+        # the KV responses' remote_host: the pod's IP, known only once the pod is scheduled (downward API)
+        env.append({"name": str(KvEnv.POD_IP), "valueFrom": {"fieldRef": {"fieldPath": POD_IP_FIELD}}})
     if (sv := spec.serving) is not None:  # the front's limits (contract.ServingEnv), only when the spec has them
         env += [{"name": str(k), "value": v} for k, v in sv.options().env()]
     return env

@@ -8,7 +8,7 @@ import pathlib
 import statistics
 import time
 
-from ..worker.kv_programs import _wait_for, _write
+from ..worker.kv_programs import _wait_for, _write, forced_logits, logit_agreement, teacher_forced, wrong_cache
 
 
 def digest(kv) -> str:
@@ -65,7 +65,7 @@ def gpu_prefill_program(rank, world, port, *, model_dir, prompts, exchange, budg
                 _sync()
                 kept.append(time.perf_counter() - t)
                 for j in range(len(prompts)):             # free them again (never pulled)
-                    engine.kv.store.release(f"warm{i}-{j}", pulled=False)
+                    engine.kv.store.discard(f"warm{i}-{j}")
             res = engine.generate(prompts, keep_kv=[f"r{j}" for j in range(len(prompts))], model_name="kvgpu")
             # the kept bytes, recomputed the same way, to check the pull bit for bit
             _, per_seq = cached_prefill(engine.model, prompts, engine.device)
@@ -88,11 +88,16 @@ def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result, devi
     Its unsharded model runs the same experts forward as the engine (``experts="auto"``: DWDP's Triton
     kernels on CUDA), as the GPU oracle does: DWDP must not change the math, so the pulled K/V equal this
     model's own cache bit for bit (with transformers' grouped_mm experts they differ by bf16 noise, ~2 on
-    a random tiny model, measured on H200)."""
+    a random tiny model, measured on H200).
+
+    The continuation is checked twice: against the same greedy decode from a cache computed here (the same
+    packed prefill, the same kernels: tokens and logits bitwise), and against ``generate``'s model by teacher
+    forcing (one plain forward of the prompt alone over prompt + continuation: ``logit_agreement`` within the
+    bf16 tolerance of ``kv_programs``), next to the same check of a wrong cache, which must fail it."""
     import torch
 
-    from dwdp_worker.kv.prefill import cached_prefill
     from dwdp_worker.kv.client import KvPuller, decode_from_params
+    from dwdp_worker.kv.prefill import cache_from, cached_prefill, continue_greedy
     from dwdp_worker.launch.oracle import Reference
 
     exchange = pathlib.Path(exchange)
@@ -112,11 +117,22 @@ def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result, devi
                 pulled = puller.pull(params)
                 _sync()
                 max_diff = max(float((a.float() - c.float()).abs().max()) for (a, _), (c, _) in zip(pulled.kv, ref_kv[i]))
-                tokens, _ = decode_from_params(model, prompts[i], got["first"][i], pulled, max_new_tokens=new_tokens)
+                first = got["first"][i]
+                tokens, logits = decode_from_params(model, prompts[i], first, pulled, max_new_tokens=new_tokens)
+                local = [(k.contiguous(), v.contiguous()) for k, v in ref_kv[i]]
+                local_tokens, local_logits = continue_greedy(model, prompts[i], first, cache_from(model, local),
+                                                             new_tokens)
+                forced = teacher_forced(model, prompts[i], tokens)
+                bad = wrong_cache(ref_kv[i], ref_kv[(i + 1) % len(prompts)])
+                bad_logits = forced_logits(model, tokens[:-1], cache=cache_from(model, bad), start=len(prompts[i]))
                 rows.append({"bitwise": digest(pulled.kv) == got["digests"][i], "nbytes": pulled.nbytes,
                              "read_s": pulled.read_s, "claim_s": pulled.claim_s, "gbps": pulled.read_gbps,
+                             "register_s": pulled.register_s, "verdict_s": pulled.verdict_s,
                              "device": str(pulled.kv[0][0].device), "max_diff_vs_unsharded": max_diff,
-                             "tokens": tokens, "expected": expected[i]})
+                             "tokens": tokens, "expected": expected[i], "local_tokens": local_tokens,
+                             "continuation_bitwise": tokens == local_tokens and torch.equal(logits, local_logits),
+                             "teacher_forced": logit_agreement(logits, forced),
+                             "wrong_cache": logit_agreement(bad_logits, forced)})
         pathlib.Path(result).write_text(json.dumps({"rows": rows}))
     finally:
         (exchange / "done").write_text("1")

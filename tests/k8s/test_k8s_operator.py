@@ -322,5 +322,7 @@ def test_kv_transfer_defaults_env_and_ucx_ports(cluster, ns):
     env = {e.name: e.value for e in pods[0].spec.containers[0].env}
     assert [e.name for e in pods[0].spec.containers[0].env] == CONTRACT_ENV + [v.value for v in KvEnv]
     assert env["DWDP_KV_BUDGET_BYTES"] == str(1 << 30) and env["UCX_TCP_PORT_RANGE"] == "30000-30063"
+    pod_ip = next(e for e in pods[0].spec.containers[0].env if e.name == "DWDP_POD_IP")
+    assert pod_ip.value is None and pod_ip.value_from.field_ref.field_path == "status.podIP"  # the downward API
     ports = [p.port for r in c.net.read_namespaced_network_policy("kv", ns).spec.ingress for p in r.ports]
     assert 30000 in ports

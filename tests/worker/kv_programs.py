@@ -82,7 +82,7 @@ def _fill_until_full(engine, prompts, job):
         if errors:
             break
     for rid in kept:
-        engine.kv.store.release(rid, pulled=False)
+        engine.kv.store.discard(rid)
     return {"errors": errors, "kept": len(kept), "peak": peak, "budget": engine.kv.stats().budget_bytes,
             "full_total": engine.kv.stats().full_total, "held_after": engine.kv.stats().held_bytes}
 
@@ -137,7 +137,7 @@ def mapped_regions() -> int:
         return sum(1 for _ in f)
 
 
-def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, peer_idle_s=5.0):
+def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, grace_s=5.0, peer_idle_s=5.0):
     """A KV service on CPU in its own process, driven over a pipe: ("keep", request_id, seq_len, seed) → params
     (and the tensors kept), ("stats",) → store stats + fds + mapped regions + NIXL peers, ("stop",)."""
     import torch
@@ -147,7 +147,7 @@ def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, p
     from dwdp_worker.kv.store import KvBudgetFull
 
     svc = KvService.start(KvSettings(budget_bytes=budget_bytes, block_bytes=block_bytes, ttl_s=ttl_s,
-                                     lease_s=lease_s), device="cpu", identity=RankIdentity(job="faults"),
+                                     lease_s=lease_s, grace_s=grace_s), device="cpu", identity=RankIdentity(job="faults"),
                           peer_idle_s=peer_idle_s)
     conn.send(("ready", svc.engine_id))
     while True:
@@ -168,3 +168,100 @@ def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, p
             svc.close()
             conn.send(("stopped", open_fds()))
             return
+
+
+class KvServerProcess:
+    """``kv_server_program`` in a spawned process, driven from the test over a pipe."""
+
+    def __init__(self, **kw):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=kv_server_program, args=(child,), kwargs=kw, daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "KV server did not start"
+        self.engine_id = self.conn.recv()[1]
+
+    def keep(self, rid, seq_len=5, seed=0):
+        self.conn.send(("keep", rid, seq_len, seed))
+        return self.conn.recv()
+
+    def stats(self):
+        self.conn.send(("stats",))
+        return self.conn.recv()
+
+    def kill(self):
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            out = self.conn.recv()
+            self.proc.join(10)
+            return out
+        return None
+
+
+def settle(server, timeout_s=10.0):
+    """Stats once the last PULLED notifications are handled and idle peers unloaded (both asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = server.stats()
+        if (s["held_sequences"] == 0 and s["peers"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+# -- does a continuation follow from its cache? (teacher forcing; used by the GPU test, checked on CPU) ---------
+#: the median position's max |Δlogit| a right cache stays under. Measured on the GPU test's random bf16 model (CPU,
+#: 2026-12-04): ~0.05 at most positions (bf16 noise, ~5 % of the logits' std of 1.0); a position where bf16 noise
+#: flips a token's top-k experts moves by up to ~1.3; a wrong cache (another sequence's, layers swapped, values
+#: zeroed) moves the median position by 2.5–3.5
+TF_MEDIAN_ATOL = 0.25
+#: positions whose logits point the same way (cosine ≥ TF_COS) — all but the rare expert flips for a right cache
+#: (≥ 0.93 even there); a wrong cache stays ≤ 0.86 at every position
+TF_COS, TF_MIN_AGREEING = 0.99, 0.75
+
+
+def forced_logits(model, tokens, *, cache=None, start: int = 0):
+    """float32 CPU logits of one forward over ``tokens`` (after ``cache``, at positions ``start``…), no sampling."""
+    import torch
+
+    from dwdp_worker.kv.prefill import cache_kwarg
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(tokens)], device=device)
+    kw = {} if cache is None else {cache_kwarg(model): cache,
+                                   "position_ids": torch.arange(start, start + len(tokens), device=device)[None]}
+    with torch.inference_mode():
+        return model(input_ids=ids, use_cache=cache is not None, **kw).logits[0].float().cpu()
+
+
+def teacher_forced(model, prompt, continuation):
+    """The logits that should have chosen ``continuation[1:]`` (its first token came from the prefill): one
+    plain forward of the prompt alone, no cache, over ``prompt + continuation[:-1]``."""
+    return forced_logits(model, list(prompt) + list(continuation[:-1]))[len(prompt):]
+
+
+def logit_agreement(got, reference) -> dict:
+    """How closely ``got`` follows ``reference`` ([positions, vocab] each) and whether that passes."""
+    import torch
+
+    per_pos = (got - reference).abs().amax(dim=1)
+    cos = torch.nn.functional.cosine_similarity(got, reference, dim=1)
+    out = {"median_max_abs": float(per_pos.median()), "max_abs": float(per_pos.max()),
+           "agreeing": float((cos >= TF_COS).float().mean()), "min_cos": float(cos.min())}
+    out["ok"] = out["median_max_abs"] <= TF_MEDIAN_ATOL and out["agreeing"] >= TF_MIN_AGREEING
+    return out
+
+
+def wrong_cache(kv, other_kv):
+    """A plausible wrong cache for ``kv``: another sequence's (truncated to this length) when it is long enough,
+    else this one's layers rotated by one (both: right shapes, wrong content)."""
+    n = kv[0][0].shape[2]
+    if other_kv[0][0].shape[2] >= n:
+        return [(k[:, :, :n].contiguous(), v[:, :, :n].contiguous()) for k, v in other_kv]
+    return [(kv[(i + 1) % len(kv)][0].clone(), kv[(i + 1) % len(kv)][1].clone()) for i in range(len(kv))]

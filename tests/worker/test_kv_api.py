@@ -59,6 +59,9 @@ def test_prefill_here_decode_there_equals_generate(kv_server, reference):
             params = choice["kv_transfer_params"]
             assert params["prompt_token_ids"] == prompt and params["seq_len"] == len(prompt)
             assert params["model"] == "mixtral" and params["dwdp_group"] == 0
+            # where a decode engine reaches this server: the bound address and port (never a wildcard)
+            assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", kv_server.port)
+            assert params["protocol"] == "dwdp-kv/2" and params["ttl_s"] == 8 and params["lease_s"] == 30
             assert len(choice["token_ids"]) == 1 and choice["logprobs"]["token_logprobs"]
             pulled = puller.pull(params)
             tokens, _ = decode_from_params(reference, prompt, choice["token_ids"][0], pulled, max_new_tokens=16)
@@ -85,6 +88,7 @@ def test_the_cli_is_a_router_flow_in_one_command(kv_server, reference, checkpoin
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["tokens"] == generate(reference, prompt, 16)
+    assert (got["remote_host"], got["remote_port"]) == ("127.0.0.1", kv_server.port) and got["verdict_s"] > 0
     assert got["pulled_bytes"] > 0 and got["read_gbps"] > 0 and got["engine"].startswith("dwdp-local-g0-r")
 
 
@@ -102,6 +106,8 @@ def test_max_tokens_decodes_with_the_cache_and_is_capped(kv_server, reference):
     assert r.status_code == 400 and "max_tokens=1" in r.text
     r = kv_server.post({"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True, "typo": 1}})
     assert r.status_code == 422
+    r = kv_server.post({"prompt": prompt, "stream": True, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "needs stream=false" in r.text and "kv_transfer_params" in r.text
 
 
 def test_budget_holds_under_100_concurrent_requests_then_ttl_frees(kv_server):
@@ -133,6 +139,21 @@ def test_budget_holds_under_100_concurrent_requests_then_ttl_frees(kv_server):
     assert 'dwdp_kv_budget_bytes{rank="0"}' in metrics and "dwdp_kv_expirations_total" in metrics
     assert "dwdp_kv_pulls_total" in metrics and "dwdp_kv_full_total" in metrics
     assert 'dwdp_requests_total{code="429"}' in metrics
+
+
+def test_a_wildcard_advertise_host_is_refused_before_any_rank_starts(checkpoints):
+    import subprocess
+    import sys
+
+    from .serving_helpers import child_env
+
+    out = subprocess.run([sys.executable, "-m", "dwdp_worker.launch.cli", "--local", "--model",
+                          str(checkpoints["mixtral"]), "--kv-budget-bytes", str(BUDGET), "--kv-block-bytes", str(BLOCK)],
+                         env=child_env({"DWDP_KV_ADVERTISE_HOST": "0.0.0.0"}), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "--kv-advertise-host='0.0.0.0' is a wildcard" in out.stderr and "Traceback" not in out.stderr
+    assert "started" not in out.stderr            # refused at planning: no rank process was spawned
 
 
 def test_remote_decode_and_max_tokens_admission():

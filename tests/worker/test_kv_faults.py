@@ -10,49 +10,14 @@ import pytest
 from dwdp_worker.kv.nixl_api import nixl_installed
 import torch
 
-from .kv_programs import kv_server_program, mapped_regions, open_fds
+from .kv_programs import KvServerProcess as Server
+from .kv_programs import mapped_regions, open_fds, settle
 
 # the kv extra installs nixl-cu13, whose module is nixl_cu13 (only the `nixl` meta package provides `nixl`)
 if not nixl_installed():
     pytest.skip("KV transfer tests need NIXL (the kv extra)", allow_module_level=True)
 
 from dwdp_worker.kv.client import KvPuller, KvPullError  # noqa: E402
-
-
-class Server:
-    def __init__(self, **kw):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=kv_server_program, args=(child,), kwargs=kw, daemon=True)
-        self.proc.start()
-        assert self.conn.poll(120), "KV server did not start"
-        self.engine_id = self.conn.recv()[1]
-
-    def keep(self, rid, seq_len=5, seed=0):
-        self.conn.send(("keep", rid, seq_len, seed))
-        return self.conn.recv()
-
-    def stats(self):
-        self.conn.send(("stats",))
-        return self.conn.recv()
-
-    def stop(self):
-        if self.proc.is_alive():
-            self.conn.send(("stop",))
-            out = self.conn.recv()
-            self.proc.join(10)
-            return out
-        return None
-
-
-def settle(server, timeout_s=10.0):
-    """Stats once the last PULLED notifications are handled and idle peers unloaded (both asynchronous)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = server.stats()
-        if (s["held_sequences"] == 0 and s["peers"] == 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.05)
 
 
 #: the default entries' TTL: far longer than a test's keep → connect → claim on a loaded 2-core machine (a new

@@ -11,7 +11,7 @@ from dwdp_worker.kv.blocks import BlockAllocator, DoubleFreeError, runs
 from dwdp_worker.kv.layout import plan_for, read_stream
 from dwdp_worker.kv.params import STREAM_ALIGN, AgentMessage, AgentOp, KvTransferParams
 from dwdp_worker.kv.region import KvRegion
-from dwdp_worker.kv.store import KvBudgetFull, KvStore, Refusal
+from dwdp_worker.kv.store import KvBudgetFull, KvStore, Refusal, Stale
 
 
 class Clock:
@@ -58,7 +58,7 @@ def test_fragmented_blocks_still_round_trip():
     store = KvStore(region)
     held = [store.put(f"f{i}", kv_of(1, layers=1, heads=1, kdim=16, vdim=16), 1) for i in range(64)]
     for e in held[::2]:                               # free every other block
-        store.release(e.request_id, pulled=False)
+        assert store.discard(e.request_id)
     kv = kv_of(7, layers=2)                          # needs several blocks: no run of them is free
     e = store.put("big", kv, 7)
     assert len(runs(e.block_ids)) > 1
@@ -66,9 +66,9 @@ def test_fragmented_blocks_still_round_trip():
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(kv, back))
 
 
-def test_ttl_frees_unclaimed_and_counts_it_and_late_claims_say_expired():
+def test_ttl_frees_unclaimed_and_counts_it_and_late_claims_say_expired_or_lapsed():
     clock = Clock()
-    store = KvStore(KvRegion(1 << 16, block_bytes=1024), ttl_s=10, lease_s=15, clock=clock)
+    store = KvStore(KvRegion(1 << 16, block_bytes=1024), ttl_s=10, lease_s=15, grace_s=0, clock=clock)
     store.put("a", kv_of(4), 4)
     store.put("b", kv_of(4), 4)
     assert store.claim("b", "dec", "n1").entry is not None
@@ -77,27 +77,102 @@ def test_ttl_frees_unclaimed_and_counts_it_and_late_claims_say_expired():
     assert store.claim("a", "dec", "n2").refusal is Refusal.EXPIRED
     assert store.claim("zz", "dec", "n3").refusal is Refusal.UNKNOWN
     assert store.claim("b", "other", "n4").refusal is Refusal.CLAIMED
+    assert store.claim("b", "dec", "n5").refusal is Refusal.CLAIMED   # the same agent's second pull too
+    again = store.claim("b", "dec", "n1")                             # the same pull asking again: not extended
+    assert again.entry is not None and again.lease_s == pytest.approx(5.0)
     clock.t = 16.0                                   # the lease lapsed: the decode side died mid-pull
     assert store.sweep() == ["b"]
+    assert store.claim("b", "dec", "n1").refusal is Refusal.LAPSED
     s = store.stats()
-    assert (s.expirations_total, s.held_bytes, s.held_sequences, s.refusals_total) == (2, 0, 0, 3)
+    assert (s.expirations_total, s.held_bytes, s.held_sequences, s.refusals_total) == (2, 0, 0, 5)
 
 
-def test_pulled_frees_at_once_only_for_the_claim_holder():
+def test_confirm_inside_the_lease_is_valid_and_frees_at_once_only_for_the_claim_holder():
     clock = Clock()
     store = KvStore(KvRegion(1 << 16, block_bytes=1024), clock=clock)
     e = store.put("a", kv_of(4), 4)
     assert store.stats().held_bytes == len(e.block_ids) * 1024
-    assert store.claim("a", "dec", "n1").entry is e
-    assert not store.release("a", claimer="dec", nonce="wrong", pulled=True)
+    assert store.confirm("a", "dec", "n1") == store.confirm("a", "dec", "n1")  # not claimed yet: stale, untouched
+    assert store.confirm("a", "dec", "n1").stale is Stale.NOT_CLAIMED
+    claimed = store.claim("a", "dec", "n1")
+    assert claimed.entry is e and claimed.lease_s == pytest.approx(store.lease_s)
+    assert store.confirm("a", "dec", "wrong").stale is Stale.NOT_YOUR_CLAIM      # an old nonce: the claim stays
+    assert store.confirm("a", "stranger", "n1").stale is Stale.NOT_YOUR_CLAIM
+    assert not store.abort("a", "stranger", "n1")
     clock.t = 0.25
-    assert store.release("a", claimer="dec", nonce="n1", pulled=True)
+    assert store.confirm("a", "dec", "n1").valid
     s = store.stats()
-    assert (s.pulls_total, s.held_bytes, s.pulled_bytes_total) == (1, 0, e.stream_bytes)
-    assert s.pull_seconds_total == pytest.approx(0.25)
+    assert (s.pulls_total, s.held_bytes, s.pulled_bytes_total, s.stale_total) == (1, 0, e.stream_bytes, 5)
+    assert s.pull_seconds_total == pytest.approx(0.25) and s.quarantined_bytes == 0   # valid: no grace needed
     assert store.claim("a", "dec", "n2").refusal is Refusal.PULLED
+    assert store.confirm("a", "dec", "n1").stale is Stale.RELEASED                  # a second READ: stale
     with pytest.raises(ValueError, match="already stored"):
         store.put("b", kv_of(1), 1) and store.put("b", kv_of(1), 1)
+
+
+def test_a_confirmation_after_the_lapse_is_stale_even_before_the_sweep():
+    """The verdict uses the rank's clock at confirmation time, not the sweep's schedule."""
+    clock = Clock()
+    store = KvStore(KvRegion(1 << 16, block_bytes=1024), ttl_s=10, lease_s=2, grace_s=1, clock=clock)
+    store.put("a", kv_of(4), 4)
+    store.claim("a", "dec", "n1")
+    clock.t = 1.999
+    assert store.get("a") is not None
+    clock.t = 2.0                                    # the lease ends here; no sweep has run
+    assert store.confirm("a", "dec", "n1").stale is Stale.LAPSED
+    assert store.confirm("a", "dec", "n1").stale is Stale.LAPSED   # and stays so
+    assert store.confirm("a", "other", "n9").stale is Stale.NOT_YOUR_CLAIM
+    s = store.stats()
+    assert (s.pulls_total, s.expirations_total, s.stale_total) == (0, 1, 3)
+
+
+def test_blocks_a_read_may_still_read_are_not_reused_during_the_grace_period():
+    clock = Clock()
+    region = KvRegion(2 * 1536, block_bytes=1536)    # room for exactly one 2-block sequence
+    store = KvStore(region, ttl_s=10, lease_s=1, grace_s=3, clock=clock)
+    kv = kv_of(12, layers=2, heads=2, kdim=8, vdim=8)  # 4 tensors × 768 B → 2 blocks of 1536 B
+    old = store.put("old", kv, 12)
+    store.claim("old", "dec", "n1")
+    clock.t = 1.0
+    assert store.sweep() == ["old"]                  # lapsed: into quarantine, not free
+    s = store.stats()
+    assert (s.held_bytes, s.quarantined_bytes, s.held_sequences) == (3072, 3072, 0)
+    clock.t = 3.999
+    with pytest.raises(KvBudgetFull, match="grace period"):
+        store.put("new", kv, 12)
+    clock.t = 4.0                                    # lapse + grace: the blocks may hold a new owner now
+    new = store.put("new", kv_of(12, layers=2, heads=2, kdim=8, vdim=8, seed=9), 12)
+    assert new.block_ids == old.block_ids and store.stats().quarantined_bytes == 0
+    assert store.confirm("old", "dec", "n1").stale is Stale.LAPSED   # the late READ read the new owner's bytes
+    assert store.get("new").state == "held"                        # …and the new owner is untouched
+    assert store.claim("new", "dec2", "m").entry is new and store.confirm("new", "dec2", "m").valid
+
+
+def test_an_abort_quarantines_and_a_discard_does_not():
+    clock = Clock()
+    store = KvStore(KvRegion(1 << 16, block_bytes=1024), grace_s=2, clock=clock)
+    store.put("a", kv_of(4), 4)
+    store.put("b", kv_of(4), 4)
+    assert not store.discard("zz") and store.discard("b")
+    store.claim("a", "dec", "n")
+    assert not store.discard("a")                    # claimed: only its holder frees it
+    assert store.abort("a", "dec", "n") and store.stats().quarantined_bytes > 0
+    assert store.confirm("a", "dec", "n").stale is Stale.ABORTED
+    assert store.claim("b", "dec", "n2").refusal is Refusal.DISCARDED
+    clock.t = 2.0
+    store.sweep()
+    assert store.stats().held_bytes == 0
+
+
+def test_allocator_quarantine_is_neither_free_nor_allocated():
+    a = BlockAllocator(4)
+    ids = a.allocate(2)
+    a.quarantine(ids, until=5.0)
+    assert (a.num_free, a.num_quarantined) == (2, 2)
+    assert a.allocate(3) is None and a.allocate(2) == [2, 3]
+    with pytest.raises(DoubleFreeError):
+        a.free(ids)
+    assert a.thaw(4.9) == 0 and a.thaw(5.0) == 2 and a.allocate(2) == ids
 
 
 def test_budget_is_never_exceeded_under_100_concurrent_puts():
@@ -115,7 +190,7 @@ def test_budget_is_never_exceeded_under_100_concurrent_puts():
             store.put(f"r{i}", kv, 12)
             if i % 3 == 0:                            # some are pulled (and freed) at once
                 store.claim(f"r{i}", "dec", "n")
-                store.release(f"r{i}", claimer="dec", nonce="n", pulled=True)
+                assert store.confirm(f"r{i}", "dec", "n").valid
         except KvBudgetFull as exc:
             assert "retry later" in str(exc)
             full[0] += 1
@@ -135,7 +210,7 @@ def test_budget_is_never_exceeded_under_100_concurrent_puts():
 
 
 def test_wire_models_refuse_unknown_fields():
-    msg = AgentMessage(op=AgentOp.CLAIM, request_id="r", nonce="n", metadata="QUJD")
+    msg = AgentMessage(op=AgentOp.CLAIM, request_id="r", nonce="n", protocol="dwdp-kv/2", metadata="QUJD")
     assert AgentMessage.decode(msg.encode()) == msg
     with pytest.raises(ValueError):
         AgentMessage.decode(b'{"op": "claim", "request_id": "r", "typo": 1}')
@@ -161,3 +236,21 @@ def test_engine_requests_are_checked_before_any_forward():
         check_requests([[1]], [0], None, max_positions=8, kv_enabled=True)
     with pytest.raises(BadBatchError, match="one entry per sequence"):
         check_requests([[1], [2]], [1], None, max_positions=8, kv_enabled=True)
+
+
+def test_region_memory_and_ucx_cuda_defaults_are_switches_with_clear_errors():
+    from dwdp_worker.kv.nixl_api import apply_ucx_defaults
+    from dwdp_worker.kv.region import RegionMemory, region_memory_from_env
+
+    assert region_memory_from_env({}) is RegionMemory.CUDA_MALLOC
+    assert region_memory_from_env({"DWDP_KV_REGION_MEMORY": "torch"}) is RegionMemory.TORCH
+    with pytest.raises(ValueError, match="DWDP_KV_REGION_MEMORY='vmm': one of cuda_malloc, torch"):
+        region_memory_from_env({"DWDP_KV_REGION_MEMORY": "vmm"})
+    region = KvRegion(4096, block_bytes=1024, memory="cuda_malloc")   # a CPU rank: host memory either way
+    assert region.buffer.device.type == "cpu" and region.mem == "DRAM"
+    region.close()
+    env = {}
+    assert apply_ucx_defaults(env, cuda=True) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert apply_ucx_defaults({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}, cuda=True) == \
+        {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}                   # the user's setting wins
+    assert apply_ucx_defaults({}, cuda=False) == {}                  # no CUDA: UCX would warn of an unused variable

@@ -123,5 +123,6 @@ def serve(sup: Supervisor, *, host: str, port: int, log_level: str = "info",
     except OSError as exc:
         print(f"dwdp-worker: error: {exc}", file=sys.stderr)
         return 2
+    sup.http_port = sock.getsockname()[1]   # the real port (also for --port 0): remote_port of KV responses
     with sock:
         return asyncio.run(_run(sup, sock, log_level=log_level, bounds=bounds))

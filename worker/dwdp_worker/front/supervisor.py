@@ -51,13 +51,16 @@ class Supervisor:
     def __init__(self, specs: list[p.RankSpec], *, model_dir: str, options: ServingOptions, group_attempt: int = 0,
                  batch_wait_s: float = 0.0, heartbeat_timeout_s: float = timeouts.HEARTBEAT_TIMEOUT_S,
                  forward_timeout_s: float = timeouts.FORWARD_TIMEOUT_S,
-                 drain_timeout_s: float = timeouts.DRAIN_TIMEOUT_S, stop_timeout_s: float = timeouts.STOP_TIMEOUT_S):
+                 drain_timeout_s: float = timeouts.DRAIN_TIMEOUT_S, stop_timeout_s: float = timeouts.STOP_TIMEOUT_S,
+                 kv_advertise_host: str | None = None):
         if not specs:
             raise ValueError("a front needs at least one rank")
         self.ranks = [RankHandle(s) for s in specs]
         self.model_dir, self.group_attempt, self.options = str(model_dir), group_attempt, options
         self.model_name = options.served_model_name or pathlib.Path(model_dir).name
         self.kv_enabled = any(h.spec.kv.enabled for h in self.ranks)
+        self.kv_advertise_host = kv_advertise_host   # remote_host of KV responses (launch: kv.address)
+        self.http_port: int | None = None            # the bound port, set by serve() once it listens
         self.heartbeat_timeout_s, self.forward_timeout_s = heartbeat_timeout_s, forward_timeout_s
         self.drain_timeout_s, self.stop_timeout_s = drain_timeout_s, stop_timeout_s
         self.draining = False
@@ -283,6 +286,11 @@ class Supervisor:
         self.dispatch.cancel(job)
 
     # -- views ----------------------------------------------------------------------------------------
+    @property
+    def kv_origin(self) -> tuple[str | None, int | None]:
+        """(``remote_host``, ``remote_port``) of this server's KV responses."""
+        return self.kv_advertise_host, self.http_port
+
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         snap = {"draining": self.draining, "failure": self.failure, "group_attempt": self.group_attempt,

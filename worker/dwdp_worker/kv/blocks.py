@@ -12,11 +12,20 @@ Invariants:
     device copy instead of one per block. When the free space is fragmented it takes the lowest
     free ids (still correct: the decode side reads run by run).
   * ``free(ids)`` of an id that is not allocated raises (a double free is a bug, never ignored).
+  * ``quarantine(ids, until)`` takes allocated blocks out of use without making them free: no
+    ``allocate`` hands them out before ``thaw(now)`` with ``now >= until`` frees them. The KV store
+    quarantines blocks a READ may still be reading (a lapsed lease, an abort), so a READ in flight
+    reads its own request's bytes, never a new owner's. A quarantined block is neither free nor
+    allocated (freeing it raises); ``num_free`` never counts it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+
+
+_FREE, _ALLOCATED, _QUARANTINED = 1, 0, 2   # a block's state byte (``find`` looks for runs of _FREE)
 
 
 class DoubleFreeError(RuntimeError):
@@ -41,12 +50,18 @@ class BlockAllocator:
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
             raise ValueError(f"a KV region needs at least one block (got {self.num_blocks})")
-        self._free = bytearray(b"\x01") * self.num_blocks  # 1 = free
+        self._free = bytearray(b"\x01") * self.num_blocks  # 1 = free, 0 = allocated, 2 = quarantined
         self._num_free = self.num_blocks
+        self._quarantine: deque[tuple[float, list[int]]] = deque()   # (free again at, blocks), FIFO
+        self._num_quarantined = 0
 
     @property
     def num_free(self) -> int:
         return self._num_free
+
+    @property
+    def num_quarantined(self) -> int:
+        return self._num_quarantined
 
     def allocate(self, n: int) -> list[int] | None:
         if n < 1:
@@ -68,12 +83,40 @@ class BlockAllocator:
             pos += 1
         return ids
 
-    def free(self, block_ids: list[int]) -> None:
+    def _check_allocated(self, block_ids: list[int]) -> None:
         if len(set(block_ids)) != len(block_ids):
             raise DoubleFreeError(f"blocks freed twice in one call: {sorted(block_ids)}")
         for b in block_ids:
-            if not 0 <= b < self.num_blocks or self._free[b]:
+            if not 0 <= b < self.num_blocks or self._free[b] != _ALLOCATED:
                 raise DoubleFreeError(f"block {b} is not allocated")
+
+    def free(self, block_ids: list[int]) -> None:
+        self._check_allocated(block_ids)
         for b in block_ids:
-            self._free[b] = 1
+            self._free[b] = _FREE
         self._num_free += len(block_ids)
+
+    def quarantine(self, block_ids: list[int], until: float) -> None:
+        """Allocated → out of use until ``thaw(now >= until)`` (never handed out before)."""
+        self._check_allocated(block_ids)
+        for b in block_ids:
+            self._free[b] = _QUARANTINED
+        self._num_quarantined += len(block_ids)
+        self._quarantine.append((until, list(block_ids)))
+
+    def thaw(self, now: float) -> int:
+        """Free every quarantined block whose time has come; how many were freed."""
+        freed = 0
+        kept: deque[tuple[float, list[int]]] = deque()
+        while self._quarantine:
+            until, ids = self._quarantine.popleft()
+            if now < until:
+                kept.append((until, ids))
+                continue
+            for b in ids:
+                self._free[b] = _FREE
+            freed += len(ids)
+        self._quarantine = kept
+        self._num_quarantined -= freed
+        self._num_free += freed
+        return freed

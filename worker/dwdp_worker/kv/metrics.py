@@ -7,14 +7,16 @@ summary of ``/healthz``.
 
 Names (prefixed ``dwdp_kv_``, label ``rank``):
   budget_bytes                 gauge    size of the rank's registered KV region
-  held_bytes / held_sequences  gauge    KV waiting for a decode engine
+  held_bytes / held_sequences  gauge    KV waiting for a decode engine (held_bytes counts quarantined blocks)
+  quarantined_bytes            gauge    blocks waiting out the grace period after a lapsed lease or an abort
   stored_total                 counter  sequences whose KV was kept
   pulls_total                  counter  pulls confirmed by the decode side (freed at once)
   pulled_bytes_total           counter  bytes of those pulls
   pull_seconds_total           counter  claim → completion notification, summed
                                         (pull bandwidth = rate(pulled_bytes) / rate(pull_seconds))
   expirations_total            counter  KV freed unclaimed after its TTL, or after a lapsed pull lease
-  refusals_total               counter  claims refused (unknown / expired / already pulled)
+  refusals_total               counter  claims refused (unknown / expired / lapsed / already pulled / protocol)
+  stale_total                  counter  pulled confirmations answered stale (the decode side discards its READ)
   full_total                   counter  sequences refused for a full budget (answered 429)
 """
 
@@ -23,11 +25,13 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 GAUGES = {"budget_bytes": "size of the registered KV region", "held_bytes": "KV bytes held for decode engines",
-          "held_sequences": "sequences whose KV is held"}
+          "held_sequences": "sequences whose KV is held",
+          "quarantined_bytes": "KV blocks waiting out the grace period after a lapsed lease or an abort"}
 COUNTERS = {"stored": "sequences whose KV was kept", "pulls": "pulls confirmed by the decode side",
             "pulled_bytes": "bytes of confirmed pulls", "pull_seconds": "claim to completion, summed",
             "expirations": "KV freed unclaimed after its TTL or a lapsed pull lease",
-            "refusals": "claims refused", "full": "sequences refused for a full KV budget"}
+            "refusals": "claims refused", "stale": "pulled confirmations answered stale",
+            "full": "sequences refused for a full KV budget"}
 
 
 def budget_summary(ranks: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
@@ -40,7 +44,8 @@ def budget_summary(ranks: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     return {"budget_bytes": budget, "held_bytes": held, "use": round(held / budget, 4) if budget else 0.0,
             "held_sequences": sum(int(k.get("held_sequences", 0)) for k in per),
             "pulls": sum(int(k.get("pulls_total", 0)) for k in per),
-            "expirations": sum(int(k.get("expirations_total", 0)) for k in per)}
+            "expirations": sum(int(k.get("expirations_total", 0)) for k in per),
+            "stale": sum(int(k.get("stale_total", 0)) for k in per)}
 
 
 class KvCollector:

@@ -8,6 +8,18 @@ progress thread spins (measured here: ~0.5 core per idle agent, on a 2-core CI m
 quarter of it per rank); every agent in this project is progressed by the thread that polls it
 (notifications on the prefill side, transfer state on the decode side) instead, and UCX's shared
 memory and RDMA transports move a READ without the target's CPU.
+
+``UCX_CUDA_DEFAULTS`` are UCX settings ``new_agent`` puts into the environment before the process's first
+agent (UCX reads them when NIXL creates its UCX context), each only where the user has not set it, and only
+where a CUDA device is visible (elsewhere UCX's cuda module is absent and warns of an unused variable):
+
+  * ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on``: UCX's ``auto`` turns cuda_ipc GET (our READ) off on a GPU whose
+    NVLinks NVML does not report active ("cuda-ipc get zcopy disabled as no nvlinks detected", openucx/ucx
+    #7566: concurrent reads over PCIe were slower than writes), and the READ then runs as software
+    emulation over TCP loopback: 0.4–0.5 GB/s measured on a single-GPU H200 VM (issue #36; vLLM #52607
+    saw the same, 0.5 GB/s READ against 49 GB/s WRITE). A same-node copy by the copy engine is faster
+    than TCP on any PCIe or NVLink system; NIXL's own UCX plugin turns it on from a later release
+    (ai-dynamo/nixl #2208). Set ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`` to get UCX's heuristic back.
 """
 
 from __future__ import annotations
@@ -51,7 +63,34 @@ def load_nixl() -> Any:
                                + "; ".join(errors))
 
 
+#: UCX settings every agent of this project gets on a CUDA machine unless the environment sets them (see the
+#: module docstring)
+UCX_CUDA_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no torch, or a broken CUDA install: no CUDA settings
+        return False
+
+
+def apply_ucx_defaults(environ=None, *, cuda: bool | None = None) -> dict[str, str]:
+    """Put ``UCX_CUDA_DEFAULTS`` into ``environ`` (``os.environ``) where unset, on a CUDA machine; the UCX
+    settings now in force."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    if _cuda_visible() if cuda is None else cuda:
+        for key, value in UCX_CUDA_DEFAULTS.items():
+            environ.setdefault(key, value)
+    return {k: v for k, v in environ.items() if k.startswith("UCX_")}
+
+
 def new_agent(name: str):
+    apply_ucx_defaults()
     api = load_nixl()
     config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
                                    sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)

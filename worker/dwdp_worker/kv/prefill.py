@@ -10,7 +10,7 @@ packed cache.
 
 ``continue_greedy`` is plain ``model.generate`` (greedy) on ``prompt + [first_token]`` with the cache of
 the prompt: generate runs only the uncached token(s). The engine (``max_tokens > 1``) and the reference
-decode client (``kv_client``) both use it, so both decode exactly like ``transformers``.
+decode client (``kv.client``) both use it, so both decode exactly like ``transformers``.
 
 Works on transformers 5.17 (``past_key_values=``) and 5.24 (``cache=``): the keyword is read from the
 model's signature.

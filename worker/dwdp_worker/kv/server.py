@@ -1,17 +1,25 @@
 """The prefill rank's KV service: its region registered once with its own NIXL agent, and the thread
-that answers decode agents (claim → claimed/refused; the READ's completion notification frees).
+that answers decode agents (claim → claimed/refused; the READ's ``pulled`` → the verdict, released/stale).
 
 A decode agent loads ``remote_agent_metadata`` from the response, sends ``CLAIM`` (with its own
 metadata, so this agent can answer — no listener port, no side channel), waits for ``CLAIMED``, READs
 the blocks with ``PULLED`` as the transfer's notification (NIXL delivers it after the data), and this
-side frees the blocks on that notification. See docs/KV_TRANSFER.md.
+side answers that notification with the store's verdict (``KvStore.confirm``): ``RELEASED`` (valid: the
+blocks were held for that claim throughout, now freed) or ``STALE`` with the reason. See
+docs/KV_TRANSFER.md.
 
 Invariants:
   * After ``__init__`` only the service thread touches the NIXL agent (it also progresses UCX for the
     agent: the agent has no progress thread, ``nixl_api``); ``close`` stops the thread, then
     deregisters the region, then drops the agent.
+  * Every ``pulled`` from a loaded agent gets exactly one verdict. One from an agent this rank never
+    loaded (it never claimed) cannot be answered (there is no address to answer to): the decode side's
+    bounded wait for a verdict fails, which it must treat as stale.
+  * A claim that does not name ``params.PROTOCOL`` is refused with the reason, in fields a ``dwdp-kv/1``
+    consumer decodes; it never gets a lease.
   * A remote agent is loaded for the first claim it sends and unloaded once it holds no claim and has
-    been idle ``PEER_IDLE_S`` (bounded connections across any number of decode clients).
+    been idle ``PEER_IDLE_S`` since its last message or its last claim's end (a lapse included), so a
+    late ``pulled`` still reaches a loaded peer and gets its stale verdict.
   * A malformed notification is logged and dropped; it never stops the thread.
 """
 
@@ -23,7 +31,7 @@ import time
 import uuid
 
 from .nixl_api import b64, new_agent, unb64
-from .params import AgentMessage, AgentOp
+from .params import PROTOCOL, AgentMessage, AgentOp
 from .store import KvStore
 
 log = logging.getLogger(__name__)
@@ -85,9 +93,10 @@ class KvServer:
             self._peers[sender] = time.monotonic()
         if msg.op is AgentOp.CLAIM:
             self._claim(sender, msg)
-        elif msg.op in (AgentOp.PULLED, AgentOp.ABORT):
-            self.store.release(msg.request_id, claimer=sender, nonce=msg.nonce, pulled=msg.op is AgentOp.PULLED)
-            self._claims.get(sender, set()).discard(msg.request_id)
+        elif msg.op is AgentOp.PULLED:
+            self._verdict(sender, msg)
+        elif msg.op is AgentOp.ABORT:
+            self.store.abort(msg.request_id, sender, msg.nonce)
         else:
             log.warning("unexpected KV notification %s from %s dropped", msg.op, sender)
 
@@ -104,6 +113,14 @@ class KvServer:
                 self._agent.remove_remote_agent(loaded)
                 return
         self._peers[sender] = time.monotonic()
+        if msg.protocol != PROTOCOL:
+            reply = AgentMessage(op=AgentOp.REFUSED, request_id=msg.request_id, nonce=msg.nonce,
+                                 reason=f"protocol {msg.protocol or 'dwdp-kv/1 (no protocol field)'} is not served: "
+                                        f"this context server speaks {PROTOCOL}, where a decode side must wait "
+                                        "for the rank's verdict (released/stale) after each READ before using "
+                                        "the KV (docs/KV_TRANSFER.md); upgrade the consumer")
+            self._agent.send_notif(sender, reply.encode())
+            return
         res = self.store.claim(msg.request_id, sender, msg.nonce)
         if res.entry is None:
             reply = AgentMessage(op=AgentOp.REFUSED, request_id=msg.request_id, nonce=msg.nonce,
@@ -111,13 +128,31 @@ class KvServer:
         else:
             self._claims.setdefault(sender, set()).add(msg.request_id)
             reply = AgentMessage(op=AgentOp.CLAIMED, request_id=msg.request_id, nonce=msg.nonce,
-                                 lease_until=res.lease_until)
+                                 lease_s=res.lease_s, lease_until=res.lease_until)
+        self._agent.send_notif(sender, reply.encode())
+
+    def _verdict(self, sender: str, msg: AgentMessage) -> None:
+        verdict = self.store.confirm(msg.request_id, sender, msg.nonce)
+        if verdict.valid:
+            self._claims.get(sender, set()).discard(msg.request_id)
+            reply = AgentMessage(op=AgentOp.RELEASED, request_id=msg.request_id, nonce=msg.nonce, valid=True)
+        else:
+            log.info("stale pull of %s by %s: %s", msg.request_id, sender, verdict.stale)
+            reply = AgentMessage(op=AgentOp.STALE, request_id=msg.request_id, nonce=msg.nonce, valid=False,
+                                 reason=str(verdict.stale))
+        if sender not in self._peers:
+            log.warning("pulled of %s from %s, an agent that never claimed here: no verdict can be sent",
+                        msg.request_id, sender)
+            return
         self._agent.send_notif(sender, reply.encode())
 
     def _drop_idle_peers(self, now: float) -> None:
         for peer, last in list(self._peers.items()):
-            held = {r for r in self._claims.get(peer, set()) if self.store.get(r) is not None}
+            before = self._claims.get(peer, set())
+            held = {r for r in before if self.store.get(r) is not None}
             self._claims[peer] = held
+            if held != before:           # a claim ended (lapsed, aborted): its late `pulled` must find the peer
+                self._peers[peer] = last = now
             if not held and now - last >= self.peer_idle_s:
                 self._agent.remove_remote_agent(peer)
                 del self._peers[peer]

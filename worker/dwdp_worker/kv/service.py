@@ -3,7 +3,8 @@
 ``KvService.start(settings, device=…, engine_id=…)`` allocates the region on the rank's device,
 registers it with a new NIXL agent and starts answering decode agents. ``keep(request_id, kv, seq_len)``
 copies one sequence's K/V into the region and returns the ``KvTransferParams`` for the response (the
-front fills in ``model``, ``remote_host``/``remote_port``). ``close`` is idempotent.
+front fills in ``model``, ``remote_host``/``remote_port``: only it knows the address it serves on).
+``close`` is idempotent.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from .params import KvTransferParams
 from .region import DEFAULT_BLOCK_BYTES, KvRegion
 from .server import KvServer
-from .store import DEFAULT_LEASE_S, DEFAULT_TTL_S, KvStats, KvStore
+from .store import DEFAULT_GRACE_S, DEFAULT_LEASE_S, DEFAULT_TTL_S, KvStats, KvStore
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class KvSettings:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     ttl_s: float = DEFAULT_TTL_S
     lease_s: float = DEFAULT_LEASE_S
+    grace_s: float = DEFAULT_GRACE_S   # blocks freed by a lapsed lease or an abort wait this long before reuse
 
     @property
     def enabled(self) -> bool:
@@ -49,7 +51,7 @@ class KvService:
         from .server import engine_id
 
         region = KvRegion(settings.budget_bytes, block_bytes=settings.block_bytes, device=device)
-        store = KvStore(region, ttl_s=settings.ttl_s, lease_s=settings.lease_s)
+        store = KvStore(region, ttl_s=settings.ttl_s, lease_s=settings.lease_s, grace_s=settings.grace_s)
         name = engine_id(job=identity.job, group=identity.group, rank=identity.rank, attempt=identity.attempt)
         return cls(store, KvServer(store, name=name, **server_kw), identity)
 
@@ -64,7 +66,8 @@ class KvService:
                                 remote_agent_metadata=self.server.metadata, region=self._region_desc,
                                 tensors=e.descs, stream_bytes=e.stream_bytes, seq_len=seq_len, model=model,
                                 dwdp_group=self.identity.group, dwdp_rank=self.identity.rank,
-                                request_id=request_id, expires_at=e.expires_at)
+                                request_id=request_id, expires_at=e.expires_at, ttl_s=self.store.ttl_s,
+                                lease_s=self.store.lease_s)
 
     def stats(self) -> KvStats:
         return self.store.stats()
@@ -72,4 +75,5 @@ class KvService:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.server.close()
+            self.server.close()          # deregisters the region first …
+            self.store.region.close()    # … then frees it

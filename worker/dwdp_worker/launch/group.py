@@ -43,6 +43,7 @@ class FrontPlan:
     group_attempt: int = 0
     banner: str = ""
     kv: KvSettings = KvSettings()     # KV handoff of every rank (flags, or the pod's contract.KvEnv)
+    kv_advertise_host: str | None = None  # remote_host of KV responses (kv.address; None with KV off)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,8 +138,10 @@ def run_front(prog: str, args: argparse.Namespace, build: Callable[[contextlib.E
         specs = [dataclasses.replace(s, log_level=args.log_level.upper(), kv=plan.kv) for s in plan.specs]
         sup = Supervisor(specs, model_dir=plan.model_dir, options=options, group_attempt=plan.group_attempt,
                          batch_wait_s=args.batch_wait_ms / 1000.0, heartbeat_timeout_s=args.heartbeat_timeout_s,
-                         forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s)
-        print(f"{prog}: {plan.banner}, http {args.host}:{plan.port}", file=sys.stderr, flush=True)
+                         forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s,
+                         kv_advertise_host=plan.kv_advertise_host)
+        kv = f", KV responses name {plan.kv_advertise_host}" if plan.kv_advertise_host else ""
+        print(f"{prog}: {plan.banner}, http {args.host}:{plan.port}{kv}", file=sys.stderr, flush=True)
         bounds = HttpBounds(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
                             body_timeout_s=args.body_timeout_s)
         return serve(sup, host=args.host, port=plan.port, log_level=args.log_level, bounds=bounds)

@@ -25,7 +25,7 @@ from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
 from dwdp_runtime.contract import Backend, ModelDtype, Transfer
 
 from ..rank import timeouts
-from ..kv.options import settings_from_args
+from ..kv.options import advertise_host_for, settings_from_args
 from .group import (FrontPlan, add_serving_arguments, check_cuda_graphs, cuda_count, free_port, run_front,
                      synthetic_checkpoint)
 from ..rank.protocol import RankSpec
@@ -101,7 +101,9 @@ def plan_local(args: argparse.Namespace, stack: contextlib.ExitStack) -> FrontPl
                               threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s,
                               cuda_graphs=args.cuda_graphs)
     name = args.synthetic or pathlib.Path(model_dir).resolve().name
-    return FrontPlan(specs=specs, model_dir=model_dir, model_name=name, port=args.port, kv=settings_from_args(args),
+    kv = settings_from_args(args)
+    return FrontPlan(specs=specs, model_dir=model_dir, model_name=name, port=args.port, kv=kv,
+                     kv_advertise_host=advertise_host_for(args, os.environ) if kv.enabled else None,
                      banner=f"serving {args.served_model_name or name} with {args.groups} group(s) × "
                             f"{args.dwdp_size} ranks ({specs[0].backend} backend)")
 

@@ -62,7 +62,8 @@ def plan_pod(args: argparse.Namespace, environ, stack: contextlib.ExitStack) -> 
                                f"routed experts per layer: set experts.numExperts to {n} in the DwdpGroup")
     specs = build_pod_specs(env, model_dir, rendezvous_timeout_s=args.rendezvous_timeout_s,
                             cuda_graphs=args.cuda_graphs)
-    return FrontPlan(specs=specs, model_dir=model_dir, kv=_kv_settings(args, environ),
+    kv = _kv_settings(args, environ)
+    return FrontPlan(specs=specs, model_dir=model_dir, kv=kv, kv_advertise_host=_kv_host(args, environ, kv),
                      model_name=env.model_synthetic or pathlib.Path(model_dir).resolve().name,
                      port=args.port or env.http_port, group_attempt=env.attempt,
                      banner=(f"{env.job} group {env.group} attempt {env.attempt} pod {env.pod_index}: ranks "
@@ -82,6 +83,18 @@ def _kv_settings(args: argparse.Namespace, environ):
         except ValueError as exc:
             raise EnvContractError(str(exc)) from None
     return settings_from_args(args)
+
+
+def _kv_host(args: argparse.Namespace, environ, kv) -> str | None:
+    """remote_host of the KV responses: --kv-advertise-host / DWDP_KV_ADVERTISE_HOST, else the pod IP."""
+    from ..kv.options import advertise_host_for
+
+    if not kv.enabled:
+        return None
+    try:
+        return advertise_host_for(args, environ)
+    except ValueError as exc:
+        raise EnvContractError(str(exc)) from None
 
 
 def run_pod(args: argparse.Namespace, environ=None) -> int:

@@ -136,12 +136,15 @@ def _usage(outcomes: list[PromptOutcome]) -> Usage:
 
 
 def completion_response(plan: RequestPlan, outcomes: list[PromptOutcome], tokenizer, *, id: str, created: int,
-                        model: str) -> CompletionResponse:
+                        model: str, kv_origin: tuple[str | None, int | None] = (None, None)) -> CompletionResponse:
+    """``kv_origin``: (``remote_host``, ``remote_port``) written into every choice's ``kv_transfer_params``."""
     choices = []
+    host, port = kv_origin
     for o in sorted(outcomes, key=lambda o: o.plan.index):
         prefix = echo_text(o, tokenizer) if plan.echo else ""
         lp = completion_logprobs(tokenizer, o, echo=plan.echo, top_n=plan.top_n) if plan.logprobs else None
-        kv = {**o.kv_transfer_params, "model": model} if o.kv_transfer_params else None
+        kv = ({**o.kv_transfer_params, "model": model, "remote_host": host, "remote_port": port}
+              if o.kv_transfer_params else None)
         choices.append(CompletionChoice(index=o.plan.index, text=prefix + o.text, token_ids=o.generated, logprobs=lp,
                                         finish_reason=o.finish_reason.value, kv_transfer_params=kv))
     timings = outcomes[0].timings if len(outcomes) == 1 else [o.timings for o in outcomes]

@@ -170,6 +170,10 @@ def plan_completion(req: CompletionRequest, tokenizer) -> RequestPlan:
     top_n = req.logprobs or 0
     score = req.echo and req.logprobs is not None
     remote = req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode
+    if remote and req.stream:   # a stream's chunks carry no kv_transfer_params: the KV would be kept for nobody
+        raise OpenAIRequestError("kv_transfer_params.do_remote_decode needs stream=false: the answer carries the "
+                                 "kv_transfer_params a decode engine pulls with (the prefill is one token anyway)",
+                                 param="kv_transfer_params")
     prompts = [PromptPlan(index=i, prompt=prompt, max_tokens=max_tokens, top_n=top_n, score_prompt=score,
                           remote_decode=remote) for i, prompt in enumerate(completion_prompts(req.prompt))]
     return RequestPlan(endpoint=Endpoint.COMPLETIONS, prompts=prompts, stream=req.stream,

@@ -74,7 +74,8 @@ def openai_router(sup: Supervisor) -> APIRouter:
         count_answered(sup, outcomes)
         if plan.endpoint is Endpoint.CHAT:
             return chat_response(plan, outcomes[0], sup.tokenizer, id=ids, created=created, model=sup.model_name)
-        return completion_response(plan, outcomes, sup.tokenizer, id=ids, created=created, model=sup.model_name)
+        return completion_response(plan, outcomes, sup.tokenizer, id=ids, created=created, model=sup.model_name,
+                                   kv_origin=sup.kv_origin)
 
     answers = {200: {"description": "the answer; with stream: true, server-sent events (OpenAI chunks, then "
                                     "data: [DONE])",
