@@ -63,7 +63,7 @@ class Sizing(_Model):
 
     model: str = Field(min_length=1)
     hardware: str = Field(default="h200-hgx", min_length=1)
-    weightDtype: Literal["bf16", "fp8", "nvfp4"] = "bf16"
+    weightDtype: Literal["bf16", "fp8", "nvfp4", "mxfp4"] = "bf16"
     isl: int = Field(default=8192, ge=1)
     minKvGiB: float = Field(default=0.0, ge=0)
 

@@ -136,3 +136,49 @@ def test_fp4_memory_is_a_quarter_of_bf16_plus_scales():
                                             granularity=2 << 20).local_bytes for b in (1536 * 128, 8, 2048 * 48, 4))
     assert nv.scales == want and nv.scales >= 48 * 32 * per_expert_nv
     assert mx.scales < nv.scales and nv.pool < bf16.pool
+
+
+@pytest.mark.parametrize("dtype, scheme", [("nvfp4", NVFP4_SCHEME), ("mxfp4", MXFP4_SCHEME)])
+def test_planner_fp4_memory_is_the_declared_layout(dtype, scheme):
+    """``dwdp plan --dtype nvfp4|mxfp4`` and the operator's memory check count what a rank of an FP4 checkpoint
+    maps: half a byte per weight, the scale handles, the pool pages of the packed tensors, dense in bf16."""
+    from dwdp_runtime.planner import memory
+    from dwdp_runtime.planner.model_shapes import load_model
+
+    shape = load_model("deepseek-v3")
+    ranges = layout.peer_ranges(dwdp_size=4, num_experts=256, num_experts_per_worker=64, num_prefetch_experts=64)
+    bd = memory.breakdown(model="deepseek-v3", dtype=dtype, hardware="h200-hgx", ranges=list(ranges),
+                          experts_per_worker=64, prefetch_slots=2)
+    i, h = shape.moe_inter, shape.hidden
+    tensors = layer_tensors(scheme, [("gate_up_proj", (2 * i, h), (i, i)), ("down_proj", (h, i), ())])
+    mem = expert_memory(tensors=tensors, num_moe_layers=shape.num_moe_layers, num_experts=256, ranges=ranges,
+                        rank=0, slots=1, granularity=2 << 20)
+    assert bd.local_experts == mem.weights == shape.num_moe_layers * 64 * 3 * i * h // 2   # two E2M1 per byte
+    assert bd.local_expert_scales == mem.scales >= shape.num_moe_layers * 64 * 3 * i * h // scheme.block[1]
+    fp8 = memory.breakdown(model="deepseek-v3", dtype="fp8", hardware="h200-hgx", ranges=list(ranges),
+                           experts_per_worker=64, prefetch_slots=2)
+    assert bd.pool_slots < fp8.pool_slots and bd.dense_weights == fp8.dense_weights   # dense dequantized to bf16
+    fits, message, _ = memory.memory_fit(model="deepseek-r1", dtype=dtype, hardware="h200", dwdp_size=4,
+                                         experts_per_worker=64, prefetch_stride=64, prefetch_slots=2)
+    assert fits and "local experts 76.1 (k=64)" in message   # FP8 (152 GiB) does not fit at d = 4
+
+
+def test_dwdp_plan_mxfp4_gpt_oss_on_h200(capsys):
+    import json
+
+    from dwdp_runtime.cli import main
+
+    assert main(["plan", "--model", "gpt-oss-120b", "--dtype", "mxfp4", "--hardware", "h200", "--dwdp-size", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "mxfp4"
+    bf16 = memory_gib("bf16")
+    assert out["memory_gib"]["local_experts"] == pytest.approx(bf16["local_experts"] / 4, rel=0.01)
+    assert 0 < out["memory_gib"]["local_expert_scales"] < out["memory_gib"]["local_experts"] / 8
+
+
+def memory_gib(dtype: str) -> dict:
+    from dwdp_runtime.planner.plan import plan
+
+    return plan(model="gpt-oss-120b", dtype=dtype, hardware="h200", dwdp_size=2, with_crossover=False,
+                with_recommendation=False).memory_gib
