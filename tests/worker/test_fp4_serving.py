@@ -168,6 +168,23 @@ def test_fp4_sharded_logits_equal_dequantized_reference(d, fp4_models, reference
             assert tuple(got["local"]) == ranges[rank]
             for b, (g, want) in enumerate(zip(got["logits"], references[name])):
                 assert np.array_equal(g, want.numpy()), (name, rank, b, float(np.abs(g - want.numpy()).max()))
+    if d == 2:
+        _assert_prefetch_moves_fp4_bytes(fp4_models, res, ranges, d)
+
+
+def _assert_prefetch_moves_fp4_bytes(fp4_models, res, ranges, d):
+    """What the ranks copied per forward (the runtime's own count) is the packed FP4 bytes of the experts they
+    lack — a quarter of bf16 —: at most (E − local) × the declared bytes per expert per MoE layer (the head of a
+    peer's expert sharing the local handle's last page is filled once at setup), and exactly that on a rank
+    whose local range ends on a page (rank d − 1 here)."""
+    for name in ("qwen3_moe-nvfp4", "gpt_oss-mxfp4"):
+        layout, _ = _resolve(fp4_models[name][0])
+        per_expert = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for p in layout.experts[0].params)
+        moved = {rank: value[f"{name}-d{d}"]["stats"].remote_bytes_per_forward for rank, value in res.items()}
+        bound = {rank: (8 - (b - a)) * per_expert * len(layout.experts) for rank, (a, b) in enumerate(ranges)}
+        print(f"{name}: remote bytes per forward {moved}, FP4 bound {bound}, bytes per expert {per_expert}")
+        assert all(0 < moved[r] <= bound[r] for r in moved), (moved, bound)
+        assert moved[d - 1] == bound[d - 1]
 
 
 @pytest.fixture(scope="module")
@@ -305,3 +322,20 @@ def test_nvfp4_and_mxfp4_serve_over_http_like_the_dequantized_model(fp4_models, 
             assert choice["logprobs"]["token_logprobs"] == pytest.approx(lps, abs=1e-4)
         finally:
             srv.close()
+
+
+def test_unsharded_model_with_bound_fp4_experts_is_the_dequantized_model(fp4_models, references):
+    """``bind_quantized_experts`` (the unsharded baseline of the GPU tests and benches): the twin's model with the
+    FP4 composites of the checkpoint bound as plain tensors computes the twin's logits."""
+    from dwdp_worker.checkpoint.fp8 import bind_quantized_experts
+
+    torch.set_num_threads(1)
+    for name in ("qwen3_moe-nvfp4", "gpt_oss-mxfp4"):
+        q, twin, _ = fp4_models[name]
+        ref = Reference(twin)
+        attachment = bind_quantized_experts(ref.model, q, "cpu", torch.float32)
+        experts = ref.model.get_submodule(model_layout(ref.model).experts[0].path)
+        assert experts.gate_up_proj.dtype == torch.uint8
+        for b, want in zip(BATCHES, references[name]):
+            assert torch.equal(ref.logits(b), want), name
+        attachment.close()

@@ -19,7 +19,8 @@ projection as ``[out, in]``):
 Every tensor is one more ``ExpertParam`` (role WEIGHT or SCALE): the loader reads a rank's experts only,
 the transport, the page pool and the hooks move the packed bytes (¼ of bf16). The module's parameter
 ``W`` holds the packed composite between forwards; ``fp4_override`` makes its instance forward
-``fp4_experts_forward``, which on CPU (and wherever the FP4 kernels cannot run) dequantizes the bound
+``fp4_experts_forward``: on CUDA the weight-only FP4 Triton kernels (``model.fp4_experts_gpu``: FP4 → bf16 in
+the weight load) where they cover the module; on CPU (and wherever they cannot run) it dequantizes the bound
 composites exactly (``quant.fp4``), lays them out as the module's own parameter (transposed for gpt-oss)
 and runs the class's configured forward: the sharded model is bitwise the unsharded dequantized one.
 
@@ -38,12 +39,11 @@ from dwdp_runtime.quant import fp4
 
 from ..model.attach import ForwardOverride
 from ..model.experts_discovery import UnsupportedModelError
+from ..model.fp4_experts_gpu import FP4_STATE_ATTR
 from ..model.experts_layout import CheckpointSource, ExpertParam, ExpertsLayout, ModelLayout, ParamRole, SourceKind
 from .names import CheckpointMap, resolve_sources
 from .safetensors_index import CheckpointError
 
-#: the experts module attribute holding the ``Fp4Experts`` its FP4 forward reads (set by ``model.attach``)
-FP4_STATE_ATTR = "_dwdp_fp4"
 #: checkpoint suffixes of gpt-oss's MXFP4 tensors (`transformers`' ``Mxfp4HfQuantizer.serialized_names``)
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 #: ModelOpt NVFP4 suffixes appended to a weight key (``x.weight`` → ``x.weight_scale``, ``x.weight_scale_2``)
@@ -229,6 +229,12 @@ def fp4_override(path: str, spec: Fp4Experts, compute_dtype) -> ForwardOverride:
 
 
 def fp4_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The weight-only FP4 kernels on CUDA where they cover the module (``model.fp4_experts_gpu``), else the
+    exact dequantized forward."""
+    from ..model import fp4_experts_gpu
+
+    if fp4_experts_gpu.unsupported_reason(self, hidden_states) is None:
+        return fp4_experts_gpu.forward(self, hidden_states, top_k_index, top_k_weights)
     return dequantized_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
