@@ -28,14 +28,14 @@ from .routing import align_routing
 from .support import ACTIVATIONS
 
 #: ``Fp4Weights.format`` values (``dwdp_runtime.quant.QuantFormat`` names) → the kernels' scale format
-SCALE_FORMATS = {"mxfp4": E8M0, "nvfp4": E4M3}
+SCALE_FORMATS = {"mxfp4": E8M0, "fp4-ue8m0": E8M0, "nvfp4": E4M3}
 
 
 @dataclass(frozen=True)
 class Fp4Weights:
     """The two FP4 projections of all E experts (views, never copied)."""
 
-    format: str                             # "mxfp4" | "nvfp4"
+    format: str                             # "mxfp4" | "nvfp4" | "fp4-ue8m0" (DeepSeek-V4: MXFP4's math)
     gate_up: torch.Tensor                   # packed [E, 2I, H/2] (or [E, I, H/2] without a gate)
     gate_up_scale: torch.Tensor             # [E, 2I, H/G]
     down: torch.Tensor                      # packed [E, H, I/2]

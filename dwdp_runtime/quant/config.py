@@ -8,7 +8,9 @@ Accepted:
      "modules_to_not_convert": [...]?, "scale_fmt": "float"?}
 
   ``fmt`` may be absent (transformers does not write it); ``modules_to_not_convert`` (alias ``ignored_layers``)
-  lists modules stored unquantized.
+  lists modules stored unquantized. With ``"expert_dtype": "fp4", "scale_fmt": "ue8m0"`` (DeepSeek-V4, as
+  `transformers` 5.24 declares it) the routed experts are FP4 (int8 ``[N, K/2]`` + E8M0 ``[N, K/32]``) and
+  the dense FP8 linears carry E8M0 block scales (dequantized at load).
 * MXFP4 (gpt-oss; `transformers`' ``Mxfp4Config``)::
 
     {"quant_method": "mxfp4", "modules_to_not_convert": [...]?}
@@ -28,8 +30,8 @@ Accepted:
 Everything else is refused with ``UnsupportedQuantizationError`` naming what is supported: other methods (gptq,
 awq, compressed-tensors, …), static activation scales (they need a calibrated per-tensor input scale our
 kernels do not apply), FP8 block sizes other than 128×128 (the kernels tile by 128), e5m2 weights, ue8m0
-scales and fp4 experts in an FP8 config (DeepSeek-V4 style), ModelOpt algorithms other than NVFP4 and
-NVFP4 groups other than 16.
+scales on FP8 experts, fp4 experts with float scales, ModelOpt algorithms other than NVFP4 and NVFP4
+groups other than 16.
 
 Pure: no torch.
 """
@@ -39,11 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .scheme import FP8_BLOCK, FP8_BLOCK_SCHEME, MXFP4_SCHEME, NVFP4_GROUP, NVFP4_SCHEME, UNQUANTIZED, QuantScheme
+from .scheme import (FP4_UE8M0_SCHEME, FP8_BLOCK, FP8_BLOCK_SCHEME, MXFP4_SCHEME, NVFP4_GROUP, NVFP4_SCHEME,
+                     UNQUANTIZED, QuantScheme)
 
 SUPPORTED = ("fp8 block-scaled (quant_method='fp8', fmt='e4m3', activation_scheme='dynamic', "
-             "weight_block_size=[128, 128], fp32 weight_scale_inv), mxfp4 (quant_method='mxfp4', gpt-oss "
-             "*_blocks/*_scales experts) and nvfp4 (quant_method='modelopt', quant_algo='NVFP4', group_size=16)")
+             "weight_block_size=[128, 128], fp32 weight_scale_inv; or with expert_dtype='fp4', scale_fmt='ue8m0' "
+             "as DeepSeek-V4), mxfp4 (quant_method='mxfp4', gpt-oss *_blocks/*_scales experts) and nvfp4 "
+             "(quant_method='modelopt', quant_algo='NVFP4', group_size=16)")
 
 
 class UnsupportedQuantizationError(ValueError):
@@ -121,11 +125,18 @@ def parse_quantization_config(qc: Any) -> QuantConfig:
         raise _refuse(f"weight_block_size {block!r} is not a pair of integers") from None
     if block_t != FP8_BLOCK:
         raise _refuse(f"weight_block_size {list(block_t)} is not supported")
-    if str(raw.get("scale_fmt") or "float").lower() != "float":
-        raise _refuse(f"scale_fmt {raw.get('scale_fmt')!r} is not supported")
-    if str(raw.get("expert_dtype") or "fp8").lower() != "fp8":
+    skip = _module_list(raw, "modules_to_not_convert", "ignored_layers")
+    scale_fmt, expert = str(raw.get("scale_fmt") or "float").lower(), str(raw.get("expert_dtype") or "fp8").lower()
+    if expert == "fp4" and scale_fmt == "ue8m0":
+        return QuantConfig(FP4_UE8M0_SCHEME, skip)   # DeepSeek-V4: FP4 experts, FP8 dense (dequantized at load)
+    if expert == "fp4":
+        raise _refuse(f"expert_dtype 'fp4' with scale_fmt {raw.get('scale_fmt')!r} (DeepSeek-V4 ships 'ue8m0') "
+                      f"is not supported")
+    if scale_fmt != "float":
+        raise _refuse(f"scale_fmt {raw.get('scale_fmt')!r} with FP8 experts is not supported")
+    if expert != "fp8":
         raise _refuse(f"expert_dtype {raw.get('expert_dtype')!r} is not supported")
-    return QuantConfig(FP8_BLOCK_SCHEME, _module_list(raw, "modules_to_not_convert", "ignored_layers"))
+    return QuantConfig(FP8_BLOCK_SCHEME, skip)
 
 
 def _check_dynamic(raw: dict) -> None:
@@ -176,10 +187,14 @@ def fp8_config_dict(modules_to_not_convert: tuple[str, ...] = ()) -> dict:
 
 
 def fp4_config_dict(fmt: str, modules_to_not_convert: tuple[str, ...] = ()) -> dict:
-    """The ``quantization_config`` a DWDP FP4 checkpoint carries: gpt-oss's (``mxfp4``) or ModelOpt's (``nvfp4``)."""
+    """The ``quantization_config`` a DWDP FP4 checkpoint carries: gpt-oss's (``mxfp4``), ModelOpt's (``nvfp4``) or
+    DeepSeek-V4's (``fp4-ue8m0``)."""
     if fmt == "mxfp4":
         return {"quant_method": "mxfp4", "modules_to_not_convert": list(modules_to_not_convert)}
+    if fmt == "fp4-ue8m0":
+        out = fp8_config_dict(modules_to_not_convert)
+        return {**out, "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
     if fmt == "nvfp4":
         return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NVFP4_GROUP,
                 "kv_cache_quant_algo": None, "exclude_modules": list(modules_to_not_convert)}
-    raise ValueError(f"FP4 format {fmt!r}: mxfp4 or nvfp4")
+    raise ValueError(f"FP4 format {fmt!r}: mxfp4, nvfp4 or fp4-ue8m0")

@@ -28,6 +28,10 @@ Schemes:
       - ``W``                uint8         ``[E, N, K/2]``                                            — sharded
       - ``W_weight_scale``   float8_e4m3fn ``[E, N, K/16]``                                           — sharded
       - ``W_weight_scale_2`` float32       ``[E, S]``: one global scale per fused projection (gate, up) — sharded
+  * ``FP4_UE8M0`` (DeepSeek-V4: ``quant_method: fp8`` with ``expert_dtype: fp4``, ``scale_fmt: ue8m0``, as
+    `transformers` 5.24's ``FP8Experts`` declares it): MXFP4's math (E2M1, an E8M0 exponent per 32 columns)
+      - ``W``           int8           ``[E, N, K/2]``  (per expert ``….weight``)                       — sharded
+      - ``W_scale_inv`` float8_e8m0fnu ``[E, N, K/32]`` (``….weight_scale_inv``, DeepSeek's ``….scale``) — sharded
   Here ``[N, K]`` is the projection as ``[out, in]`` whatever the model's parameter layout (gpt-oss holds
   ``gate_up_proj`` transposed, ``[in, out]``; its checkpoint blocks are ``[out, in/32, 16]``). FP4 experts
   stay packed through sharding, prefetch and binding: the page pool holds these bytes (¼ of bf16).
@@ -69,7 +73,8 @@ class ExpertTensor:
         return n * (compute_itemsize if self.dtype is None else DTYPE_BYTES[self.dtype])
 
 
-DTYPE_BYTES = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+DTYPE_BYTES = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1,
+               "float8_e8m0fnu": 1}
 
 
 def ceil_div(x: int, m: int) -> int:
@@ -83,6 +88,7 @@ class QuantFormat(str, enum.Enum):
     FP8_BLOCK = "fp8-block"
     MXFP4 = "mxfp4"
     NVFP4 = "nvfp4"
+    FP4_UE8M0 = "fp4-ue8m0"   # DeepSeek-V4's experts: MXFP4's math in FP8Experts' containers
 
 
 #: FP4 group sizes (elements per scale along K): OCP MX (MXFP4) and NVIDIA's NVFP4 micro-block
@@ -106,7 +112,7 @@ class QuantScheme:
 
     @property
     def is_fp4(self) -> bool:
-        return self.format in (QuantFormat.MXFP4, QuantFormat.NVFP4)
+        return self.format in (QuantFormat.MXFP4, QuantFormat.NVFP4, QuantFormat.FP4_UE8M0)
 
     def expert_tensors(self, param: str, expert_shape: tuple[int, int],
                        row_segments: tuple[int, ...] | None = None) -> tuple[ExpertTensor, ...]:
@@ -125,6 +131,10 @@ class QuantScheme:
             return (ExpertTensor(param, TensorRole.WEIGHT, "uint8", (n, k // bk, bk // FP4_PER_BYTE), "blocks",
                                  segments),
                     ExpertTensor(f"{param}_scales", TensorRole.SCALE, "uint8", (n, k // bk), "scales", segments))
+        if self.format is QuantFormat.FP4_UE8M0:
+            return (ExpertTensor(param, TensorRole.WEIGHT, "int8", (n, k // FP4_PER_BYTE), "weight", segments),
+                    ExpertTensor(f"{param}_scale_inv", TensorRole.SCALE, "float8_e8m0fnu", (n, k // bk),
+                                 "weight_scale_inv", segments))
         if self.format is QuantFormat.NVFP4:
             return (ExpertTensor(param, TensorRole.WEIGHT, "uint8", (n, k // FP4_PER_BYTE), "weight", segments),
                     ExpertTensor(f"{param}_weight_scale", TensorRole.SCALE, "float8_e4m3fn", (n, k // bk),
@@ -141,6 +151,7 @@ UNQUANTIZED = QuantScheme("none")
 FP8_BLOCK_SCHEME = QuantScheme("fp8-block", FP8_BLOCK, QuantFormat.FP8_BLOCK)
 MXFP4_SCHEME = QuantScheme("mxfp4", (1, MXFP4_GROUP), QuantFormat.MXFP4)
 NVFP4_SCHEME = QuantScheme("nvfp4", (1, NVFP4_GROUP), QuantFormat.NVFP4)
+FP4_UE8M0_SCHEME = QuantScheme("fp4-ue8m0", (1, MXFP4_GROUP), QuantFormat.FP4_UE8M0)
 
 #: what every rank holds in full, and in which form (docs/MODELS.md; the loader follows it)
 REPLICATED: dict[str, str] = {

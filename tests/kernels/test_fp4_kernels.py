@@ -132,7 +132,7 @@ def test_model_fp4_forward_reads_the_bound_composites():
     import transformers
 
     from dwdp_runtime.quant import QuantFormat
-    from dwdp_worker.checkpoint.fp4_loading import Fp4Experts, Fp4Projection
+    from dwdp_worker.checkpoint.fp4_layout import Fp4Experts, Fp4Projection
     from dwdp_worker.model import fp4_experts_gpu
 
     cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -154,3 +154,15 @@ def test_model_fp4_forward_reads_the_bound_composites():
     assert fp4_experts_gpu.unsupported_reason(module, x).startswith("FP4 Triton kernels unavailable on cpu")
     got = fp4_experts_gpu.forward(module, x, ids, rw)
     assert torch.equal(got, moe.fused_experts(x, ids, rw, _dequantized(w, segs, torch.bfloat16)))
+
+
+def test_deepseek_v4_containers_run_the_mxfp4_math():
+    """DeepSeek-V4's experts (int8 codes, float8_e8m0fnu scales: ``fp4-ue8m0``) are MXFP4's bytes in other dtypes."""
+    g = torch.Generator().manual_seed(11)
+    w, segs = _weights("mxfp4", 4, 64, 32, g)
+    v4 = fp4_moe.Fp4Weights("fp4-ue8m0", w.gate_up.view(torch.int8), w.gate_up_scale.view(torch.float8_e8m0fnu),
+                            w.down.view(torch.int8), w.down_scale.view(torch.float8_e8m0fnu))
+    x = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    ids, rw = _routing(9, 4, 2, g)
+    assert torch.equal(fp4_moe.fp4_experts(x, ids, rw, v4), moe.fused_experts(x, ids, rw, _dequantized(w, segs,
+                                                                                                        torch.bfloat16)))

@@ -182,3 +182,19 @@ def memory_gib(dtype: str) -> dict:
 
     return plan(model="gpt-oss-120b", dtype=dtype, hardware="h200", dwdp_size=2, with_crossover=False,
                 with_recommendation=False).memory_gib
+
+
+def test_deepseek_v4_fp4_experts_declaration_and_config():
+    from dwdp_runtime.quant import FP4_UE8M0_SCHEME
+
+    v4 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    assert parse_quantization_config(v4).scheme is FP4_UE8M0_SCHEME
+    assert parse_quantization_config(fp4_config_dict("fp4-ue8m0")) == parse_quantization_config(v4)
+    w, s = FP4_UE8M0_SCHEME.expert_tensors("gate_up_proj", (2 * 2048, 7168), (2048, 2048))
+    assert (w.dtype, w.expert_shape, s.name, s.dtype, s.expert_shape) == (
+        "int8", (4096, 3584), "gate_up_proj_scale_inv", "float8_e8m0fnu", (4096, 224))
+    with pytest.raises(UnsupportedQuantizationError, match="expert_dtype 'fp4' with scale_fmt None"):
+        parse_quantization_config({k: v for k, v in v4.items() if k != "scale_fmt"})
+    with pytest.raises(UnsupportedQuantizationError, match="scale_fmt 'ue8m0' with FP8 experts"):
+        parse_quantization_config(dict(v4, expert_dtype="fp8"))

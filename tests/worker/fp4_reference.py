@@ -12,7 +12,7 @@ scales of 4 significant bits times a global scale of 5, times E2M1's 2 bits), so
 rounding convention at all: a DWDP model on the FP4 checkpoint must equal plain `transformers` on the twin
 bitwise, whatever formula the production code uses. Nothing of ``dwdp_runtime.quant`` is imported.
 
-Layouts written (as the released checkpoints): MXFP4 as gpt-oss — fused ``<experts>.<W>_blocks``
+Layouts written (as the released checkpoints): DeepSeek-V4 per-expert int8 codes + E8M0 ``….scale``; MXFP4 as gpt-oss — fused ``<experts>.<W>_blocks``
 ``[E, out, in/32, 16]`` and ``<W>_scales`` ``[E, out, in/32]``, the model's ``[E, in, out]`` parameter
 transposed; NVFP4 as ModelOpt — per-expert ``….weight`` ``[out, in/2]``, ``….weight_scale`` e4m3
 ``[out, in/16]``, ``….weight_scale_2`` and ``….input_scale`` fp32 scalars.
@@ -84,6 +84,29 @@ def write_mxfp4(src, fp4_dir, twin_dir, *, seed: int = 0):
         twin[key] = w.transpose(1, 2)
     qc = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                               "model.embed_tokens", "lm_head"]}
+    return _write(src, fp4_dir, twin_dir, fp4, twin, qc)
+
+
+def write_ue8m0(src, fp4_dir, twin_dir, *, seed: int = 0):
+    """DeepSeek-V4 FP4 experts from a deepseek_v4 ``save_pretrained`` directory (its own key names:
+    ``….experts.{e}.w1.weight``): int8 codes ``[out, in/2]`` + E8M0 ``….scale`` ``[out, in/32]`` (DeepSeek's name);
+    everything else as saved. ``quantization_config`` as `transformers` 5.24 declares DeepSeek-V4's."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(pathlib.Path(src) / "model.safetensors"))
+    fp4, twin = {}, {}
+    for key, value in tensors.items():
+        if not PER_EXPERT.search(key):
+            fp4[key] = twin[key] = value
+            continue
+        n, k = value.shape
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        centre = 127 - 1 - int(round(0.5 * torch.log2(torch.tensor(float(k))).item()))
+        exps = torch.randint(centre - 1, centre + 2, (n, k // 32), generator=g, dtype=torch.uint8)
+        fp4[key] = _pack(codes).view(torch.int8)
+        fp4[key.removesuffix(".weight") + ".scale"] = exps.view(torch.float8_e8m0fnu)
+        twin[key] = E2M1[codes.long()] * torch.pow(2.0, exps.to(torch.float32) - 127).repeat_interleave(32, dim=-1)
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "scale_fmt": "ue8m0", "expert_dtype": "fp4", "modules_to_not_convert": ["lm_head"]}
     return _write(src, fp4_dir, twin_dir, fp4, twin, qc)
 
 

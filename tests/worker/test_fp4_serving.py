@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.runtime.group import run_group
-from tests.worker.fp4_reference import write_mxfp4, write_nvfp4
+from tests.worker.fp4_reference import write_mxfp4, write_nvfp4, write_ue8m0
 from tests.worker.oracle_group import run_oracle_group
 from tests.worker.programs import memory_program
 
@@ -42,8 +42,9 @@ SIZES = dict(hidden_size=128, moe_intermediate_size=96, intermediate_size=128, n
 BATCHES = [[[5, 17, 42, 3, 99, 7, 8]], [[1, 2, 3], list(range(10, 47)), [200]], [list(range(0, 256, 3))]]
 SHARDING = {2: (5, 3), 3: (3, 3), 4: (3, 2)}  # 8 experts: overlapping / 8 % 3 != 0 / overlapping
 #: the independent writer's checkpoints, served at every d; the synth ones and variants at d = 2
-INDEPENDENT = ("gpt_oss-mxfp4", "qwen3_moe-nvfp4", "deepseek_v3-nvfp4")
-AT_D2 = ("gpt_oss-synth", "deepseek_v3-synth", "qwen3_moe-hf_quant_config", "deepseek_v3-synth@bfloat16")
+INDEPENDENT = ("gpt_oss-mxfp4", "qwen3_moe-nvfp4", "deepseek_v3-nvfp4", "deepseek_v4-fp4")
+AT_D2 = ("gpt_oss-synth", "deepseek_v3-synth", "deepseek_v4-synth", "qwen3_moe-hf_quant_config",
+         "deepseek_v3-synth@bfloat16")
 MiB = 2**20
 
 
@@ -64,18 +65,20 @@ def fp4_models(tmp_path_factory):
     gpt = write_synthetic("gpt_oss", base / "gpt_oss-orig", seed=5, **GPT_OSS)
     qwen = write_synthetic("qwen3_moe", base / "qwen3_moe-orig", seed=5, **SIZES)
     dsv3 = write_synthetic("deepseek_v3", base / "deepseek_v3-orig", seed=5, **SIZES)
+    dsv4 = write_synthetic("deepseek_v4", base / "deepseek_v4-orig", seed=5)   # synth_config's tiny V4
     out = {
         "gpt_oss-mxfp4": (*write_mxfp4(gpt, base / "gpt_oss-mxfp4", base / "gpt_oss-mxfp4-twin", seed=1), gpt),
         "qwen3_moe-nvfp4": (*write_nvfp4(qwen, base / "qwen3_moe-nvfp4", base / "qwen3_moe-nvfp4-twin", seed=2), qwen),
         "deepseek_v3-nvfp4": (*write_nvfp4(dsv3, base / "dsv3-nvfp4", base / "dsv3-nvfp4-twin", seed=3), dsv3),
+        "deepseek_v4-fp4": (*write_ue8m0(dsv4, base / "dsv4-fp4", base / "dsv4-fp4-twin", seed=6), dsv4),
         "qwen3_moe-hf_quant_config": (*write_nvfp4(qwen, base / "qwen3-hfq", base / "qwen3-hfq-twin", seed=4,
                                                    hf_quant_config_json=True), qwen),
     }
-    for name, arch, kw, fmt in [("gpt_oss-synth", "gpt_oss", GPT_OSS, "mxfp4"),
-                                ("deepseek_v3-synth", "deepseek_v3", SIZES, "nvfp4")]:
+    for name, arch, kw, fmt, orig in [("gpt_oss-synth", "gpt_oss", GPT_OSS, "mxfp4", gpt),
+                                      ("deepseek_v3-synth", "deepseek_v3", SIZES, "nvfp4", dsv3),
+                                      ("deepseek_v4-synth", "deepseek_v4", {}, "fp4-ue8m0", dsv4)]:
         q = write_synthetic(arch, base / name, seed=5, quant=fmt, **kw)
-        out[name] = (q, dequantize_checkpoint(q, base / f"{name}-twin"), out[f"{arch}-mxfp4" if fmt == "mxfp4"
-                                                                            else f"{arch}-nvfp4"][2])
+        out[name] = (q, dequantize_checkpoint(q, base / f"{name}-twin"), orig)
     return out
 
 
@@ -118,6 +121,24 @@ def test_synth_mxfp4_experts_are_what_transformers_reads(fp4_models):
     assert len(keys) == 2 * model.config.num_hidden_layers
     for k in keys:
         assert torch.equal(sd[k], ours[k]), k
+
+
+def test_deepseek_v4_twins_are_what_transformers_dequantizes(fp4_models):
+    """`transformers`' own DeepSeek-V4 dequantization (``Fp8Dequantize._dequantize_one``, the op its FP8 quantizer
+    runs for ``dequantize=True``: FP4 experts with E8M0 scales, FP8 dense with E8M0 block scales) of every
+    quantized tensor equals the twins' (the tests' writer and DWDP's synth)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    op = Fp8Dequantize(None)
+    for name, kinds in (("deepseek_v4-fp4", {torch.int8}), ("deepseek_v4-synth", {torch.int8, torch.float8_e4m3fn})):
+        q, twin, _ = fp4_models[name]
+        tensors, want = load_file(str(q / "model.safetensors")), load_file(str(twin / "model.safetensors"))
+        quantized = {k: v for k, v in tensors.items() if v.dtype in (torch.int8, torch.float8_e4m3fn)}
+        assert {v.dtype for v in quantized.values()} == kinds, name
+        for key, value in quantized.items():
+            scale = tensors[key.removesuffix(".weight") + ".scale"]
+            assert torch.equal(op._dequantize_one(value, scale, torch.float32), want[key]), (name, key)
 
 
 def test_fp4_checkpoint_formats(fp4_models):
@@ -177,7 +198,7 @@ def _assert_prefetch_moves_fp4_bytes(fp4_models, res, ranges, d):
     lack — a quarter of bf16 —: at most (E − local) × the declared bytes per expert per MoE layer (the head of a
     peer's expert sharing the local handle's last page is filled once at setup), and exactly that on a rank
     whose local range ends on a page (rank d − 1 here)."""
-    for name in ("qwen3_moe-nvfp4", "gpt_oss-mxfp4"):
+    for name in ("qwen3_moe-nvfp4", "gpt_oss-mxfp4", "deepseek_v4-fp4"):
         layout, _ = _resolve(fp4_models[name][0])
         per_expert = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for p in layout.experts[0].params)
         moved = {rank: value[f"{name}-d{d}"]["stats"].remote_bytes_per_forward for rank, value in res.items()}
@@ -246,6 +267,13 @@ def test_fp4_layout_declares_packed_experts(fp4_models):
                       "down_proj_weight_scale": ((128, 6), "torch.float8_e4m3fn"),
                       "down_proj_weight_scale_2": ((1,), "torch.float32")}
     assert quantized[e.path].projection("gate_up_proj").row_segments == (96, 96)
+    layout, quantized = _resolve(fp4_models["deepseek_v4-fp4"][0])
+    e = layout.experts[0]
+    shapes = {p.name: (tuple(p.expert_shape), str(p.dtype)) for p in e.params}
+    assert shapes == {"gate_up_proj": ((64, 32), "torch.int8"), "down_proj": ((64, 16), "torch.int8"),
+                      "gate_up_proj_scale_inv": ((64, 2), "torch.float8_e8m0fnu"),
+                      "down_proj_scale_inv": ((64, 1), "torch.float8_e8m0fnu")}
+    assert e.param("gate_up_proj_scale_inv").source.parts[0][0].endswith("experts.0.w1.scale")  # DeepSeek's name
 
 
 def _rewrite(src, dst, edit):

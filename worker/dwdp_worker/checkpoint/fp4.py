@@ -15,6 +15,11 @@ dequantized twin (the reference).
     fp32 (written as ModelOpt does; DWDP does not read it); ``quantization_config`` is ModelOpt's
     (``quant_method: modelopt``, ``quant_algo: NVFP4``, ``group_size: 16``, ``exclude_modules: [lm_head]``).
     NVFP4 needs per-expert ``[out, in]`` projections (a fused, transposed experts tensor is refused).
+  * ``fp4-ue8m0`` (deepseek-ai/DeepSeek-V4, as `transformers` 5.24 declares it): every routed expert projection
+    becomes ``weight`` int8 ``[out, in/2]`` (E2M1) + ``scale`` E8M0 ``[out, in/32]`` (DeepSeek's own name; the
+    loader also reads `transformers`' ``weight_scale_inv``), every other ``nn.Linear`` but ``lm_head`` FP8
+    e4m3 with E8M0 128×128 block scales (powers of two rounded up, as ``scale_fmt: ue8m0`` means);
+    ``quantization_config`` is ``quant_method: fp8`` with ``scale_fmt: ue8m0``, ``expert_dtype: fp4``.
 
 ``dequantize_checkpoint(src, dst)`` writes the reference the FP4 tests compare against: every FP4 tensor
 replaced by ``quant.fp4``'s dequantization of it (float32, laid out as the model's parameter, no scale
@@ -27,12 +32,12 @@ from __future__ import annotations
 import json
 import pathlib
 
-from dwdp_runtime.quant import fp4, fp4_config_dict
+from dwdp_runtime.quant import fp4, fp4_config_dict, fp8_block
 
-from .fp4_loading import MXFP4_BLOCKS, MXFP4_SCALES, NVFP4_SCALE, NVFP4_SCALE_2
+from .fp4_layout import DEEPSEEK_SCALE, MXFP4_BLOCKS, MXFP4_SCALES, NVFP4_SCALE, NVFP4_SCALE_2, UE8M0_SCALE
 
 #: the FP4 formats ``quantize_checkpoint`` writes
-FORMATS = ("mxfp4", "nvfp4")
+FORMATS = ("mxfp4", "nvfp4", "fp4-ue8m0")
 #: ModelOpt's activation-scale suffix; written (as ModelOpt does), not read (weight-only on Hopper)
 NVFP4_INPUT_SCALE = "input_scale"
 #: gpt-oss's modules_to_not_convert: everything but the routed experts stays unquantized
@@ -105,6 +110,49 @@ def _nvfp4(tensors, layout, linear) -> dict:
     return out
 
 
+def _native_scale(key: str) -> str:
+    """DeepSeek's own scale name beside a weight: ``x.weight`` → ``x.scale`` (the released V4 checkpoint's)."""
+    return key.removesuffix(".weight") + DEEPSEEK_SCALE
+
+
+def _fp8_ue8m0(w):
+    """FP8 e4m3 with power-of-two (E8M0) 128×128 block scales: DeepSeek-V4's dense linears."""
+    import torch
+
+    from dwdp_runtime.quant import fp8_block
+
+    _, s32 = fp8_block.quantize(w)                       # amax / 448 per block (1 for an all-zero block)
+    exp = torch.ceil(torch.log2(s32))                     # rounded up: no element exceeds 448 · scale
+    q = (w.to(torch.float32) / fp8_block.expand_scales(torch.exp2(exp), *w.shape)).clamp(-448, 448)
+    return q.to(torch.float8_e4m3fn), (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _ue8m0(tensors, layout, linear) -> dict:
+    import torch
+
+    from ..model.experts_layout import SourceKind
+
+    out, done = {}, set()
+    for experts, p in _weights(layout):
+        src = p.source
+        if src.kind is not SourceKind.PER_EXPERT or src.concat_dim != 0 or experts.is_transposed:
+            raise ValueError(f"{experts.full_name(p.name)} ({experts.class_name}): DeepSeek-V4 FP4 needs per-expert "
+                             f"[out, in] projections")
+        for part in src.parts:
+            for k in part:
+                q, e = fp4.mxfp4_quantize(tensors[k])
+                out[k], out[_native_scale(k)] = q.view(torch.int8), e.view(torch.float8_e8m0fnu)
+                done.add(k)
+    for key, value in tensors.items():
+        if key in done:
+            continue
+        if key in linear and value.dim() == 2:
+            out[key], out[_native_scale(key)] = _fp8_ue8m0(value)
+        else:
+            out[key] = value
+    return out
+
+
 def quantize_checkpoint(model_dir, fmt: str, dst=None) -> pathlib.Path:
     """Rewrite ``model_dir`` (written by ``save_pretrained``, unquantized) as an ``fmt`` FP4 checkpoint (module
     docstring), or with ``dst`` write it to ``dst`` and leave ``model_dir`` as it is."""
@@ -124,7 +172,8 @@ def quantize_checkpoint(model_dir, fmt: str, dst=None) -> pathlib.Path:
         raise ValueError(f"{model_dir}: expected one model.safetensors (synthetic checkpoints are one file)")
     tensors = load_file(str(files[0]))
     linear, layout = _plan(model_dir, tensors)  # the FP8 writer's: nn.Linear keys and the resolved experts layout
-    out = _mxfp4(tensors, layout) if fmt == "mxfp4" else _nvfp4(tensors, layout, linear)
+    out = (_mxfp4(tensors, layout) if fmt == "mxfp4" else _nvfp4(tensors, layout, linear) if fmt == "nvfp4"
+           else _ue8m0(tensors, layout, linear))
     if out_dir != model_dir:
         _copy_other_files(model_dir, out_dir)
     save_file(out, str(out_dir / files[0].name), metadata={"format": "pt"})
@@ -166,6 +215,10 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32") -> pathlib.Path:
                 name = key.removesuffix(MXFP4_BLOCKS)
                 w = fp4.mxfp4_dequantize(value, tensors[name + MXFP4_SCALES], want)
                 out[name] = (w.transpose(-2, -1) if name.rpartition(".")[0] in transposed else w).contiguous()
+            elif value.dtype in (torch.int8, torch.float8_e4m3fn) and _ue8m0_scale(key, tensors) is not None:
+                sc = tensors[_ue8m0_scale(key, tensors)]
+                out[key] = (fp4.mxfp4_dequantize(value, sc, want) if value.dtype == torch.int8
+                            else fp8_block.dequantize(value, sc, want)).contiguous()
             elif value.dtype == torch.uint8 and key + NVFP4_SCALE in tensors:
                 out[key] = fp4.nvfp4_dequantize(value, tensors[key + NVFP4_SCALE], tensors[key + NVFP4_SCALE_2],
                                                 want).contiguous()
@@ -174,6 +227,14 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32") -> pathlib.Path:
         save_file(out, str(dst / f.name), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     return dst
+
+
+def _ue8m0_scale(key: str, tensors) -> str | None:
+    """The scale key of a DeepSeek-V4 int8 (FP4) or e4m3 weight: ``x.scale`` or ``x.weight_scale_inv``."""
+    for k in (_native_scale(key), key + UE8M0_SCALE):
+        if k != key and k in tensors:
+            return k
+    return None
 
 
 def _is_fp4_extra(key: str, tensors) -> bool:
@@ -185,6 +246,10 @@ def _is_fp4_extra(key: str, tensors) -> bool:
 
     if key.endswith(MXFP4_SCALES) and key.removesuffix(MXFP4_SCALES) + MXFP4_BLOCKS in tensors:
         return True
+    for sfx, base in ((DEEPSEEK_SCALE, ".weight"), (UE8M0_SCALE, "")):   # DeepSeek-V4: FP4 / FP8 weight scales
+        w = key.removesuffix(sfx) + base
+        if key.endswith(sfx) and w in tensors and tensors[w].dtype in (torch.int8, torch.float8_e4m3fn):
+            return True
     if any(key.endswith(sfx) and packed(key.removesuffix(sfx)) for sfx in (NVFP4_SCALE_2, NVFP4_SCALE)):
         return True
     return key.endswith("." + NVFP4_INPUT_SCALE) and packed(key.removesuffix(NVFP4_INPUT_SCALE) + "weight")

@@ -11,7 +11,8 @@ how dense FP8/NVFP4 is read, and the experts forward over FP8 composites (FP4: `
     checkpoint source mirrors the weight's (per-expert ``….weight`` → ``….weight_scale_inv``, fused ``X`` →
     ``X_scale_inv``) — the declaration is ``dwdp_runtime.quant``'s; the loader, transport and hooks treat
     the scales like any other ``[E, ...]`` tensor. Row segments (gate, up) come from the weight's parts.
-  * ``dense_reader(ckpt, device)``: reads a replicated tensor; an FP8 one (e4m3 + ``weight_scale_inv``) or
+  * ``dense_reader(ckpt, device)``: reads a replicated tensor; an FP8 one (e4m3 + ``weight_scale_inv``, fp32 or
+    DeepSeek-V4's E8M0, which DeepSeek names ``….scale``) or
     a ModelOpt NVFP4 one (uint8 + ``weight_scale`` + ``weight_scale_2``) is **dequantized at load**
     (attention, dense MLPs, shared experts; float32 on the load device, then cast to the compute dtype by
     the loader): 2 bytes per weight in bf16 instead of 1 + 4/16384 — DeepSeek-V3: ≈ 15 GiB more per rank
@@ -42,6 +43,7 @@ from ..model import fp8_experts_gpu
 from ..model.fp8_experts_gpu import FP8_STATE_ATTR
 from ..model.experts_layout import CheckpointSource, ExpertParam, ExpertsLayout, ModelLayout, ParamRole, SourceKind
 from . import fp4_loading
+from .fp4_layout import ue8m0_scale_key
 from .names import CheckpointMap, resolve_sources
 from .safetensors_index import CheckpointError
 
@@ -151,10 +153,10 @@ def dense_reader(ckpt, device=None):
             return value if dequantized is None else dequantized
         if value.dtype != torch.float8_e4m3fn:
             return value
-        skey = scale_key(key)
+        skey = ue8m0_scale_key(ckpt, key)  # ``x.weight_scale_inv``, or DeepSeek-V4's own ``x.scale``
         if skey not in ckpt:
             raise CheckpointError(f"{key} is float8_e4m3fn but the checkpoint has no {skey}")
-        return fp8_block.dequantize(value.to(device), ckpt.get(skey), torch.float32)
+        return fp8_block.dequantize(value.to(device), ckpt.get(skey), torch.float32)  # fp32 or E8M0 scales
 
     return read
 

@@ -28,7 +28,7 @@ from ..model.registry import SUPPORTED_ARCHS
 
 DTYPES = tuple(d.value for d in ModelDtype)  # the dtypes a worker loads (dwdp_runtime.contract)
 #: checkpoint quantizations synth can write (None = unquantized); see dwdp_runtime.quant
-QUANTS = (None, "fp8", "mxfp4", "nvfp4")
+QUANTS = (None, "fp8", "mxfp4", "nvfp4", "fp4-ue8m0")
 
 
 def _config(arch: str, *, num_experts: int, num_layers: int, hidden_size: int, vocab_size: int,
@@ -80,7 +80,8 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
 
     ``quant="fp8"``: then quantized from those seeded weights as a fine-grained FP8 checkpoint
     (``fp8_checkpoint.quantize_checkpoint``; ``fused_experts`` stores the experts as fused 3-D tensors);
-    ``quant="mxfp4"`` / ``"nvfp4"``: as gpt-oss / ModelOpt write FP4 experts (``checkpoint.fp4``)."""
+    ``quant="mxfp4"`` / ``"nvfp4"`` / ``"fp4-ue8m0"``: as gpt-oss / ModelOpt / DeepSeek-V4 write FP4 experts
+    (``checkpoint.fp4``)."""
     import torch
     import transformers as tf
 
@@ -255,7 +256,9 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", choices=[q for q in QUANTS if q], default=None,
                         help="quantize the seeded weights: fp8 = e4m3 with 128x128 block scales (DeepSeek-V3 format); "
                              "mxfp4 = E2M1 experts with E8M0 scales per 32 (gpt-oss format); nvfp4 = E2M1 with "
-                             "E4M3 scales per 16 and an fp32 global scale (ModelOpt format)")
+                             "E4M3 scales per 16 and an fp32 global scale (ModelOpt format); fp4-ue8m0 = FP4 experts "
+                             "with E8M0 scales per 32 and FP8 dense linears with E8M0 block scales (DeepSeek-V4 "
+                             "format)")
     parser.add_argument("--fused-experts", action="store_true",
                         help="with --quant fp8: store experts as fused gate_up_proj/down_proj (+ _scale_inv) tensors")
 
