@@ -133,9 +133,16 @@ def _quantize(out: pathlib.Path, quant: str | None, fused_experts: bool) -> None
 
         quantize_checkpoint(out, fused_experts=fused_experts)
     elif quant is not None:
+        from dwdp_runtime.quant.fp4 import MXFP4_GROUP, NVFP4_GROUP
+
         from . import fp4
 
-        fp4.quantize_checkpoint(out, quant)
+        try:
+            fp4.quantize_checkpoint(out, quant)
+        except ValueError as exc:
+            group = NVFP4_GROUP if quant == "nvfp4" else MXFP4_GROUP
+            raise ValueError(f"{exc}: {quant} needs every projection's input size a multiple of {group} "
+                             f"(--hidden-size, --moe-intermediate-size, --intermediate-size)") from None
 
 
 def _fill_seeded(model, seed: int, dtype: str) -> None:
