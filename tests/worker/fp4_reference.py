@@ -12,9 +12,9 @@ scales of 4 significant bits times a global scale of 5, times E2M1's 2 bits), so
 rounding convention at all: a DWDP model on the FP4 checkpoint must equal plain `transformers` on the twin
 bitwise, whatever formula the production code uses. Nothing of ``dwdp_runtime.quant`` is imported.
 
-Layouts written (as the released checkpoints): DeepSeek-V4 per-expert int8 codes + E8M0 ``….scale``; MXFP4 as gpt-oss — fused ``<experts>.<W>_blocks``
-``[E, out, in/32, 16]`` and ``<W>_scales`` ``[E, out, in/32]``, the model's ``[E, in, out]`` parameter
-transposed; NVFP4 as ModelOpt — per-expert ``….weight`` ``[out, in/2]``, ``….weight_scale`` e4m3
+Layouts written (as the released checkpoints): DeepSeek-V4 per-expert int8 codes + E8M0 ``….scale``; MXFP4 as
+gpt-oss — fused ``<experts>.<W>_blocks`` ``[E, out, in/32, 16]`` and ``<W>_scales`` ``[E, out, in/32]``, the
+model's ``[E, in, out]`` parameter transposed; NVFP4 as ModelOpt — per-expert ``….weight`` ``[out, in/2]``, ``….weight_scale`` e4m3
 ``[out, in/16]``, ``….weight_scale_2`` and ``….input_scale`` fp32 scalars.
 """
 

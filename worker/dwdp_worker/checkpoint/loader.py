@@ -134,7 +134,7 @@ def target_dtype(name: str, default, plan: dict):
 def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: SafetensorsIndex, device, *,
                progress: bool = False, dtype=None) -> int:
     """Load every non-expert parameter/persistent buffer; rebuild non-persistent buffers. Returns bytes.
-    FP8 tensors (e4m3 + ``weight_scale_inv``) are dequantized here (``quant_loading.dense_reader``)."""
+    FP8 and NVFP4 tensors are dequantized here (``quant_loading.dense_reader``)."""
     import torch
 
     plan = dtype_plan(model, dtype) if dtype is not None else {}
