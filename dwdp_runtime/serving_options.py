@@ -37,19 +37,22 @@ class ServingOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_queue: int = Field(default=DEFAULT_MAX_QUEUE, ge=1, le=1_000_000,
-                           description="requests waiting for a forward before the front answers 429")
+                           description="waiting requests per pod before the front answers 429")
     max_num_tokens: int = Field(default=DEFAULT_MAX_NUM_TOKENS, ge=1, le=10_000_000,
-                                description="tokens packed into one forward")
+                                description="tokens packed into one forward (a longer prompt is refused with 400)")
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=65536,
                               description="sequences packed into one forward")
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000,
-                                description="largest max_tokens served: a context server decodes a few tokens with "
-                                            "the KV cache; long outputs belong to a decode engine (kv_transfer_params)")
+                                description="largest max_tokens a request may ask: a context server decodes a few "
+                                            "tokens with the KV cache; long outputs belong to a decode engine "
+                                            "(kv_transfer_params); more is a 400")
     served_model_name: str | None = Field(default=None, min_length=1,
-                                          description="the model id in the API (default: the checkpoint directory's name)")
+                                          description="model id in the API (default: model.synthetic or the model "
+                                                      "directory's name)")
     cuda_graphs: int = Field(default=0, ge=0, le=MAX_CUDA_GRAPHS,
-                             description="prefill batch shapes per rank replayed from CUDA graphs (each keeps its "
-                                         "activations' memory; 0 = off, CUDA only)")
+                             description="prefill batch shapes per rank replayed from CUDA graphs (a shape's second "
+                                         "forward is captured; each graph keeps its activations' memory); 0: off; "
+                                         "GPU pods only")
 
     @classmethod
     def env_var(cls, field: str) -> ServingEnv:

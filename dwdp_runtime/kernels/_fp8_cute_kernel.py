@@ -260,6 +260,18 @@ class BlockScaledGroupedGemm:
             mTrace[(cta, role, 3)] = epilogue
             mTrace[(cta, role, 4)] = cutlass.Int64(tiles)
 
+    @cute.jit
+    def tile_expert(self, mBlockExpert: cute.Tensor, m_blk: cutlass.Int32, n_blk: cutlass.Int32,
+                    num_m_blocks: cutlass.Int32, num_n_tiles: cutlass.Int32) -> cutlass.Int32:
+        """The expert of the scheduler's tile (``m_blk``, ``n_blk``), or -1 where the tile is idle: an unused row block
+        (``block_expert`` -1) or a swizzle band's padding tile past the problem, whose row block is not read. The one
+        lookup of the producer and the consumers, so both skip the same tiles."""
+        expert = cutlass.Int32(-1)
+        if m_blk < num_m_blocks:
+            if n_blk < num_n_tiles:
+                expert = mBlockExpert[m_blk]
+        return expert
+
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, mSA: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB: cute.Tensor, mSB: cute.Tensor, tma_atom_d: cute.CopyAtom, mD: cute.Tensor, mDS: cute.Tensor,
@@ -356,10 +368,7 @@ class BlockScaledGroupedGemm:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
             while work.is_valid_tile:
                 m_blk, n_blk, _ = work.tile_idx
-                expert = cutlass.Int32(-1)  # idle: an unused row block or a swizzle band's padding tile
-                if m_blk < num_m_blocks:
-                    if n_blk < num_n_tiles:
-                        expert = mBlockExpert[m_blk]
+                expert = self.tile_expert(mBlockExpert, m_blk, n_blk, num_m_blocks, num_n_tiles)
                 if expert >= 0:
                     tAgA_m = tAgA[(None, m_blk, None, 0)]
                     tBgB_n = tBgB[(None, n_blk * b_per_tile, None, expert)]
@@ -420,10 +429,7 @@ class BlockScaledGroupedGemm:
             mma(read_state, mmas, tCrA, tCrB, accum_temp, num_k_blocks)
             while work.is_valid_tile:
                 m_blk, n_blk, _ = work.tile_idx
-                expert = cutlass.Int32(-1)  # idle: an unused row block or a swizzle band's padding tile
-                if m_blk < num_m_blocks:
-                    if n_blk < num_n_tiles:
-                        expert = mBlockExpert[m_blk]
+                expert = self.tile_expert(mBlockExpert, m_blk, n_blk, num_m_blocks, num_n_tiles)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
                 if expert >= 0:
@@ -467,9 +473,7 @@ class BlockScaledGroupedGemm:
                     next_expert = cutlass.Int32(-1)
                     if work.is_valid_tile:
                         next_m, next_n, _ = work.tile_idx
-                        if next_m < num_m_blocks:
-                            if next_n < num_n_tiles:
-                                next_expert = mBlockExpert[next_m]
+                        next_expert = self.tile_expert(mBlockExpert, next_m, next_n, num_m_blocks, num_n_tiles)
                     if next_expert >= 0:
                         next_nb = next_n * self.tile_n_out // SCALE_BLOCK
                         a_lo, a_hi, w_s, w_u = load_scales(mSA, mSB, next_m * TILE_M + row_lo, next_m * TILE_M + row_hi,

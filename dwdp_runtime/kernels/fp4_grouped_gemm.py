@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._cast import cast_out
-from .grouped_gemm import _act, _block_rows, _grid, _mma, _tile_ids
+from .grouped_gemm import _act, _block_tile, _grid, _mma, _tile_ids
 from .routing import RoutingPlan
 from .support import ACTIVATIONS, interpreting
 from .tuning import GemmConfig
@@ -100,13 +100,12 @@ def fp4_gate_up_kernel(
     HAS_S2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if idle:
         return
-    expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    expert, rows, pairs, live, _, offs_n, cols = _block_tile(sorted_ptr, block_expert_ptr, pid_m, pid_n, col_step,
+                                                             num_pairs, N, BLOCK_M, BLOCK_N)
     tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = (offs_n % N) * col_step
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk
     dtype = out_ptr.dtype.element_ty
@@ -151,12 +150,11 @@ def fp4_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if idle:
         return
-    expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n % N
+    expert, rows, pairs, live, _, offs_n, cols = _block_tile(sorted_ptr, block_expert_ptr, pid_m, pid_n, 1,
+                                                             num_pairs, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     dtype = y_ptr.dtype.element_ty

@@ -139,8 +139,8 @@ def fp8_gate_up_kernel(
     # one program = BLOCK_M rows × one 128-column activation group (BLOCK_K = 128 wide), computed in
     # 128 // SUB_N passes over K (SUB_N = 64: two passes, half the accumulator registers; the first pass's
     # activations wait in registers for the group's amax)
-    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_K, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_K, GROUP_M)
+    if idle:
         return
     expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
@@ -176,8 +176,8 @@ def fp8_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if idle:
         return
     expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     n0 = pid_n * BLOCK_N

@@ -68,7 +68,9 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_ids(max_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The program's row block and column block (GROUP_M swizzle order), and whether the row block is idle: at or
+    past ``num_padded`` (the kernel returns on it before loading anything else)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -76,7 +78,7 @@ def _tile_ids(max_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     group_m = tl.minimum(max_blocks - first_m, GROUP_M)
     pid_m = first_m + ((pid % per_group) % group_m)
     pid_n = (pid % per_group) // group_m
-    return pid_m, pid_n
+    return pid_m, pid_n, pid_m * BLOCK_M >= tl.load(num_padded_ptr)
 
 
 @triton.jit
@@ -89,12 +91,24 @@ def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.cons
 
 
 @triton.jit
+def _block_tile(sorted_ptr, block_expert_ptr, pid_m, pid_n, col_step, num_pairs, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A tile's rows and columns: its row block's expert, plan rows, pairs and which are live (``_block_rows``);
+    its column block's first output column (the TMA box's N coordinate), its BLOCK_N output columns, and the weight
+    columns they read: the ragged tail wrapped onto valid columns (masked at the store), times ``col_step``."""
+    expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, pairs, live, pid_n * BLOCK_N, offs_n, (offs_n % N) * col_step
+
+
+@triton.jit
 def _b_tile(ptrs, desc, expert, n0, k0, k_ok, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_K, BLOCK_N] weight tile: through the copy engine (TMA box [1, BLOCK_N, BLOCK_K] of the
-    [E, N, K] descriptor, zero-filled past the edges) or through pointers (masked on a ragged K)."""
+    [E, N, K] descriptor, zero-filled past the edges; the int64 ``expert`` as its int32 coordinate) or through
+    pointers (masked on a ragged K)."""
     if USE_TMA:
-        return tl.trans(tl.reshape(desc.load([expert, n0, k0]), [BLOCK_N, BLOCK_K]))
+        return tl.trans(tl.reshape(desc.load([expert.to(tl.int32), n0, k0]), [BLOCK_N, BLOCK_K]))
     elif EVEN_K:
         return tl.load(ptrs)
     else:
@@ -110,13 +124,12 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if idle:
         return
-    expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    expert, rows, pairs, live, n0, offs_n, cols = _block_tile(sorted_ptr, block_expert_ptr, pid_m, pid_n, col_step,
+                                                              num_pairs, N, BLOCK_M, BLOCK_N)
     tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = (offs_n % N) * col_step  # wrap the ragged column tail onto valid columns; masked at the store
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_base = w_ptr + expert * stride_we
@@ -124,18 +137,16 @@ def gate_up_kernel(
     u_ptrs = g_ptrs + up_offset * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    n0 = pid_n * BLOCK_N
-    e32 = expert.to(tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         if EVEN_K:
             a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-        g = _b_tile(g_ptrs, w_desc, e32, n0, k0, k_ok, EVEN_K, USE_TMA, BLOCK_N, BLOCK_K)
+        g = _b_tile(g_ptrs, w_desc, expert, n0, k0, k_ok, EVEN_K, USE_TMA, BLOCK_N, BLOCK_K)
         acc_g = _mma(a, g, acc_g, UPCAST)
         if HAS_GATE:
-            u = _b_tile(u_ptrs, w_desc, e32, n0 + up_offset, k0, k_ok, EVEN_K, USE_TMA, BLOCK_N, BLOCK_K)
+            u = _b_tile(u_ptrs, w_desc, expert, n0 + up_offset, k0, k_ok, EVEN_K, USE_TMA, BLOCK_N, BLOCK_K)
             acc_u = _mma(a, u, acc_u, UPCAST)
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
@@ -162,26 +173,23 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(max_blocks, N, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if idle:
         return
-    expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n % N
+    expert, rows, pairs, live, n0, offs_n, cols = _block_tile(sorted_ptr, block_expert_ptr, pid_m, pid_n, 1,
+                                                              num_pairs, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # padding rows of the activation hold finite values (GEMM 1 wrote zeros-in → zeros-out): no row mask
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    n0 = pid_n * BLOCK_N
-    e32 = expert.to(tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         if EVEN_K:
             a = tl.load(a_ptrs)
         else:
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        w = _b_tile(w_ptrs, w_desc, e32, n0, k0, k_ok, EVEN_K, USE_TMA, BLOCK_N, BLOCK_K)
+        w = _b_tile(w_ptrs, w_desc, expert, n0, k0, k_ok, EVEN_K, USE_TMA, BLOCK_N, BLOCK_K)
         acc = _mma(a, w, acc, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk

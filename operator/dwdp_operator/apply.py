@@ -1,17 +1,23 @@
 """Idempotent writes of a ``Plan`` to the API server (the only module that changes the cluster).
 
 Order (invariant 5 of ``desired``): status first (the intent: attempt numbers, phases), then
-deletes, creates, patches, events; a plan with ``status_last`` (creates only) writes its status once,
-after the creates and patches, before the events. Every step is safe to repeat: AlreadyExists on create and
+deletes, creates, patches, events; a plan with ``status_last`` (creates only) writes its status once
+(``Plan.status_after_creates``), after the creates and patches, before the events. Every step is safe to
+repeat: AlreadyExists on create and
 NotFound on delete/patch are success (only a 409 whose Status reason is AlreadyExists: any other
 409, a 429 or a 5xx fails the pass, which is retried, and nothing is remembered as created); a
 failed status write aborts the plan (nothing else runs), so the next reconcile sees the old intent
 and redoes the same steps.
 
 Refusals: a create the API server refuses for a reason only a person can fix (``refusals.classify``:
-kind not served, RBAC, quota, validation or webhook) does not fail the pass; it is returned in
-``ApplyResult.refusals`` for the reconciler to show (condition, Event). Pods are created only when
+kind not served, RBAC, quota, validation or webhook) does not fail the pass; it is recorded in the
+status (``status.refusals`` and condition ChildrenAccepted, ``status.with_refusals``) and returned in
+``ApplyResult.refusals`` for the reconciler to announce (Event, log line). Pods are created only when
 every other child was accepted (a pod without its Secret, Services or ComputeDomain cannot run).
+
+One writer of status: ``Applier._status`` is the only code that writes a DwdpGroup's status, at most
+twice a pass (the intent before the deletes and creates, then, after the events, the refusals the
+creates met) and once for a ``status_last`` plan (its status with the refusals folded in).
 
 Whole gangs (``Plan.whole_gangs``, desired invariant 2a): their pods are created together, without
 the scheduling gate; if any of them is refused or fails, the pods of that gang created in this call
@@ -44,6 +50,7 @@ from .desired import Plan
 from .refusals import Refusal, classify, describe
 from .rest import RawApi
 from .spec import GROUP, KIND, PLURAL, VERSION
+from .status import with_refusals
 
 GROUP_VERSION = f"{GROUP}/{VERSION}"
 
@@ -97,7 +104,7 @@ class ApplyResult:
     written: dict | None = None              # the DwdpGroup as the last status write returned it
     created_pods: list[str] = field(default_factory=list)   # pods that exist now (created, or already there)
     rolled_back: list[str] = field(default_factory=list)    # pods of a failed whole gang, deleted again
-    error: Exception | None = None           # a create failed (transient): the rest of the plan was not applied
+    error: Exception | None = None           # a create (the rest of the plan not applied) or the refusals' write failed
 
 
 class Applier:
@@ -117,13 +124,12 @@ class Applier:
             raise ApiError(f"GET DwdpGroup {ns}/{name}: {describe(e)}") from None
 
     # -- the plan ----------------------------------------------------------------------------
-    def apply(self, cr: dict[str, Any], plan: Plan, *, status_after: dict[str, Any] | None = None) -> ApplyResult:
-        """``status_after``: with ``plan.status_last``, the status to write once every create succeeded
-        (else ``plan.status`` is written, after the creates)."""
+    def apply(self, cr: dict[str, Any], plan: Plan, *, now: float | None = None) -> ApplyResult:
+        """Write ``plan`` (module docstring); ``now``: the wall clock of the refusals' condition."""
         meta = cr["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         out = ApplyResult(status=cr.get("status") or {})
-        last = plan.status_last and status_after is not None
+        last = plan.status_after_creates is not None
         if not last:
             self._status(out, ns, name, plan.status)
         out.counts["deleted"] = sum(self._map(lambda d: self._delete(ns, *d), plan.deletes))
@@ -147,15 +153,32 @@ class Applier:
             out.error = failed  # the reconciler records what exists now (its expectations), then fails the pass
             return out
         out.counts["patched"] = sum(self._map(lambda p: self._patch_pod(ns, *p), plan.patches))
-        if last:
-            self._status(out, ns, name, status_after if not out.refusals else plan.status)
+        refusals = [r.model_dump() for r in out.refusals]
+        when = time.time() if now is None else now
+        if last:  # with a refusal the creates did not all happen: the status before them
+            status = plan.status if out.refusals else plan.status_after_creates
+            self._status(out, ns, name, with_refusals(status, refusals, now=when) or status)
         for etype, reason, message in plan.events:
             out.counts["events"] += self.event(cr, etype, reason, message)
+        if not last and plan.valid:  # an invalid plan creates nothing: the refusals on record stay as they are
+            self._record_refusals(out, ns, name, refusals, now=when)
         return out
 
+    def _record_refusals(self, out: ApplyResult, ns: str, name: str, refusals: list[dict], *, now: float) -> None:
+        """The refusals the creates met, after the status written first: a failed write is the pass's
+        ``error`` (retried), so the reconciler still records the pods this pass created."""
+        recorded = with_refusals(out.status or {}, refusals, now=now)
+        if recorded is None:
+            return
+        try:
+            self._status(out, ns, name, recorded)
+        except ApiError as e:
+            out.error = e
+
     def _status(self, out: ApplyResult, ns: str, name: str, status: dict[str, Any]) -> None:
+        """The one writer of status (module docstring): merge-patched when it changes anything."""
         if _changed(out.status or {}, status):
-            out.written = self.write_status(ns, name, status)
+            out.written = self._patch_status(ns, name, status)
             out.counts["status"] += 1
         out.status = {**(out.status or {}), **status}
 
@@ -181,7 +204,7 @@ class Applier:
             out.counts["created"] -= len(created)
             out.counts["deleted"] += len(created)
 
-    def write_status(self, ns: str, name: str, status: dict[str, Any]) -> dict | None:
+    def _patch_status(self, ns: str, name: str, status: dict[str, Any]) -> dict | None:
         """Merge-patch the status; the DwdpGroup as the server returned it (the reconciler's newest copy)."""
         try:
             return self.api.merge_patch(GROUP_VERSION, ns, PLURAL, name, {"status": status}, subresource="status",

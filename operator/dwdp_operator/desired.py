@@ -37,8 +37,10 @@ Invariants:
   4. An invalid spec yields a status-only plan (condition Invalid + one Event per new message).
   5. Plans are ordered for apply: status, deletes, creates, patches, events. ``Plan.status_last``:
      a plan that only creates (no delete, no attempt number changed) writes its status once, after
-     the creates, as the status the next pass will observe (the reconciler derives it with
-     ``desired_state`` over the pods it created): one status write per new group, not two.
+     the creates, as the status the next pass will observe: ``Plan.status_after_creates``, derived
+     in the same pass with the pods it creates counted (gang complete once every pod of the attempt
+     exists), exactly what ``desired_state`` over those pods would say. One ``desired_state`` per
+     pass, one status write per new group, not two.
   6. ``Plan.requeue_after`` is the time until the next transition that no API event announces
      (a backoff ending, a drain ending, a placement dead end maturing); the reconciler sleeps that
      long instead of polling. ``None``: only an event (or the long safety resync) changes anything.
@@ -55,12 +57,12 @@ from typing import Any
 from . import labels as L
 from . import manifests as M
 from .failures import group_failures, unschedulable_since
+from .observed import slim_pod
 from .restart import backoff_seconds, exhausted
-from .sizing import sizing_status
 from .spec import DwdpGroupSpec, parse_spec
 from .state import (BUSY_PHASES, EventReason, EventType, Failure, FailureKind, GroupPhase, GroupStatus,
                     PlannedEvent, RestartRecord, read_groups)
-from .status import aggregate, conditions_for, invalid_conditions, iso, parse_iso, summarize
+from .status import invalid_conditions, iso, object_status, parse_iso, summarize
 
 HISTORY = 10
 
@@ -73,9 +75,14 @@ class Plan:
     patches: list[tuple[str, dict]] = field(default_factory=list)    # (pod name, merge patch)
     events: list[PlannedEvent] = field(default_factory=list)
     whole_gangs: list[list[str]] = field(default_factory=list)       # pod names created together (2a)
-    status_last: bool = False                                        # invariant 5
+    status_after_creates: dict[str, Any] | None = None               # invariant 5 (only then)
     valid: bool = True
     requeue_after: float | None = None                               # invariant 6
+
+    @property
+    def status_last(self) -> bool:
+        """Invariant 5: the status is written once, after the creates (``status_after_creates``)."""
+        return self.status_after_creates is not None
 
     def event(self, etype: EventType, reason: EventReason, message: str) -> None:
         self.events.append(PlannedEvent(etype, reason, message))
@@ -140,25 +147,12 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
     for st in groups:
         _schedule_wake(ctx, plan, st, by_group.get(st.index, []))
 
-    agg = aggregate(groups, num_groups=spec.numGroups)
-    still_outdated = sum(1 for st in groups if st.templateHash != thash and st.index < spec.numGroups)
-    conditions = conditions_for(groups, num_groups=spec.numGroups, outdated=still_outdated,
-                                refusals=old.get("refusals") or [], old=old.get("conditions"), now=now,
-                                generation=gen)
-    plan.status = {
-        "observedGeneration": gen, **agg, "selector": L.selector(name), "templateHash": thash,
-        "groups": [st.to_status() for st in groups], "refusals": list(old.get("refusals") or []),
-        "conditions": conditions, **summarize(conditions),
-    }
-    if spec.inferencePool is not None:
-        plan.status["inferencePool"] = name  # what to delete once the spec stops asking for it
-    elif old.get("inferencePool"):
-        plan.status["inferencePool"] = None  # a merge patch: null removes the key
-    sized = sizing_status(spec)
-    if sized is not None:
-        plan.status["sizing"] = sized
+    plan.status = object_status(spec, groups, name=name, thash=thash, old=old, now=now, generation=gen)
     attempts_kept = all(st.attempt == (old_groups[st.index].attempt if st.index in old_groups else 0) for st in groups)
-    plan.status_last = (attempts_kept and not plan.deletes and any(m["kind"] == "Pod" for m in plan.creates))
+    if attempts_kept and not plan.deletes and any(m["kind"] == "Pod" for m in plan.creates):
+        after = [ctx.after_creates.get(st.index, st) for st in groups]
+        plan.status_after_creates = object_status(spec, after, name=name, thash=thash, old=old, now=now,
+                                                  generation=gen)
     return plan
 
 
@@ -173,6 +167,8 @@ class _Ctx:
     health: dict[str, int]
     drain_seconds: float
     whole: bool  # invariant 2a: a group with no pod may be created whole (no refusal on record)
+    # invariant 5: a group's entry with the pods this pass creates counted (only groups that create)
+    after_creates: dict[int, GroupStatus] = field(default_factory=dict)
 
 
 def _new_group(g: int, thash: str) -> GroupStatus:
@@ -222,17 +218,29 @@ def _live_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> Gr
     have = {p["name"] for p in gpods}
     whole = ctx.whole and not gpods
     missing = [i for i in range(spec.pods_per_group) if M.pod_name(ctx.name, g, i) not in have]
+    created = []
     for i in missing:
-        plan.creates.append(M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=i, attempt=st.attempt,
-                                         spec=spec, thash=ctx.thash, avoid_nodes=st.avoidNodes or (), whole=whole))
+        pod = M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=i, attempt=st.attempt, spec=spec,
+                           thash=ctx.thash, avoid_nodes=st.avoidNodes or (), whole=whole)
+        plan.creates.append(pod)
+        created.append(slim_pod(pod))
     if whole and missing:
         plan.whole_gangs.append([M.pod_name(ctx.name, g, i) for i in missing])
     live = [p for p in cur if not p["deleting"]]  # a terminating pod (a rolled-back one) does not complete a gang
     if len(live) == spec.pods_per_group:
-        st = st.model_copy(update={"gangComplete": True})  # from now on a missing pod is a failure
         plan.patches += [(p["name"], M.lift_gate_patch()) for p in live if p["labels"].get(L.GANG) != "complete"]
     plan.patches += [(p["name"], M.serving_patch(True)) for p in cur if p["labels"].get(L.SERVING) != "true"]
     plan.patches += [(p["name"], M.role_patch()) for p in cur if L.LLMD_ROLE not in p["labels"]]
+    if created:
+        ctx.after_creates[g] = _settled(ctx, st, cur + created)
+    return _settled(ctx, st, cur)
+
+
+def _settled(ctx: _Ctx, st: GroupStatus, cur: list[dict]) -> GroupStatus:
+    """A group that needs no restart, over its attempt's pods ``cur``: gang complete once every pod of
+    the attempt is there (from then on a missing pod is a failure), Ready or Pending, placed once Ready."""
+    if sum(1 for p in cur if not p["deleting"]) == ctx.spec.pods_per_group:
+        st = st.model_copy(update={"gangComplete": True})
     st = _ready_or_pending(ctx, _observe(ctx, st, cur))
     if st.phase == GroupPhase.READY:
         st = st.model_copy(update={"avoidNodes": None})  # placed: the next restart may use any node again

@@ -18,7 +18,10 @@ Invariants:
   4. A failed pass never kills the operator: it is retried after ``retry_seconds``, doubling up to
      ``RETRY_CAP_S``. Its log line is one line (``refusals.describe``); a child the API server
      refuses is not a failure but a fact shown on the object: ``status.refusals`` and the
-     ChildrenAccepted condition, one Warning Event and one log line per distinct cause (not per retry).
+     ChildrenAccepted condition (written by apply), one Warning Event and one log line per distinct
+     cause (not per retry).
+  6. Pure core, one writer: a pass computes ``desired_state`` exactly once and never writes status
+     itself; ``apply.Applier`` is the only writer of status (its invariant).
   5. Every background task is held in ``_tasks`` until done, and every timer in its key's state;
      ``close()`` cancels them all.
 """
@@ -42,10 +45,8 @@ from .apply import POD_REMEMBER_S, ApiError, Applier
 from .desired import desired_state
 from .expectations import PodExpectation
 from .health import HealthReader
-from .observed import slim_pod
 from .refusals import describe
 from .state import EventReason, EventType
-from .status import with_refusals
 
 log = logging.getLogger("dwdp_operator.reconcile")
 Key = tuple[str, str]  # (namespace, name)
@@ -226,14 +227,8 @@ class Reconciler:
         health = await self._blocking(self.health.read_all, key, pods, port=port, namespace=ns)
         now, token = time.time(), secrets.token_urlsafe(32)
         plan = desired_state(cr, pods, now=now, token=token, health=health, drain_seconds=self.settings.drain_seconds)
-        status_after = None
-        if plan.status_last:  # desired invariant 5: the status the next pass will observe, written once
-            seen = {p["name"] for p in pods}
-            created = [slim_pod(m) for m in plan.creates if m["kind"] == "Pod" and m["metadata"]["name"] not in seen]
-            status_after = desired_state(cr, pods + created, now=now, token=token, health=health,
-                                         drain_seconds=self.settings.drain_seconds).status
         try:
-            result = await self._blocking(self.applier.apply, cr, plan, status_after=status_after)
+            result = await self._blocking(self.applier.apply, cr, plan, now=now)
         except Exception:
             st.body = None  # a failed apply may have written the status or not: read the object afresh
             raise
@@ -244,7 +239,7 @@ class Reconciler:
             st.body = None
             raise result.error
         if plan.valid:
-            await self._record_refusals(cr, result.status or plan.status, result.refusals, st)
+            await self._announce_refusals(cr, result.refusals)
         for action in ("created", "deleted", "patched"):
             if result.counts[action]:
                 metrics.CHILDREN.labels(action).inc(result.counts[action])
@@ -262,17 +257,14 @@ class Reconciler:
             wake = self.settings.health_interval if wake is None else min(wake, self.settings.health_interval)
         return wake
 
-    async def _record_refusals(self, cr: dict, status: dict, refusals: list, st: _KeyState) -> None:
-        """Invariant 4: status.refusals + ChildrenAccepted; an Event and a log line per new cause.
-        ``status``: the status on the object now (as apply left it)."""
+    async def _announce_refusals(self, cr: dict, refusals: list) -> None:
+        """Invariant 4: an Event and a log line per cause that is not on record in ``cr`` (the object
+        as the pass read it; apply has written ``status.refusals`` already)."""
         meta = cr["metadata"]
-        new = [r.model_dump() for r in refusals]
-        updated = with_refusals(status, new, now=time.time())
-        if updated is None:
+        recorded = list((cr.get("status") or {}).get("refusals") or [])
+        if [r.model_dump() for r in refusals] == recorded:
             return
-        st.body = None
-        st.keep(await self._blocking(self.applier.write_status, meta["namespace"], meta["name"], updated))
-        before = {r.get("reason") for r in status.get("refusals") or []}
+        before = {r.get("reason") for r in recorded}
         for r in refusals:
             if r.reason not in before:
                 log.warning("%s/%s: %s refused: %s", meta["namespace"], meta["name"], r.kind, r.message)

@@ -21,7 +21,7 @@ import json
 from enum import StrEnum
 
 from kubernetes.client.rest import ApiException
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .children import ChildKind
 
@@ -40,9 +40,10 @@ class Refusal(BaseModel):
     """One distinct reason the API server refused a child (``status.refusals[]``)."""
 
     model_config = ConfigDict(frozen=True)
-    kind: str
-    reason: str   # <Kind><Cause>: the condition reason and the Event reason
-    message: str  # what was refused, the server's words, and the fix
+    kind: str = Field(description="kind of the refused child")
+    # the condition reason and the Event reason
+    reason: str = Field(description=f"<Kind><Cause>, the cause one of {', '.join(Cause)}")
+    message: str = Field(description="what was refused, the API server's words and the fix")
 
 
 def _status_body(e: ApiException) -> dict:

@@ -1,8 +1,9 @@
 """The DwdpGroup spec as a pydantic model, and ``validate_spec``: every rule the operator enforces.
 
 Invariants:
-  1. Field names, types, bounds and defaults mirror ``crds/dwdpgroup.yaml`` (a unit test compares
-     the CRD's defaults with this model's).
+  1. This model IS the CRD's spec schema: field names, types, bounds, defaults and descriptions
+     (``Field(description=...)``, what ``kubectl explain`` shows) are generated from it into
+     ``crds/dwdpgroup.yaml`` by ``python -m dwdp_operator.crdgen``; a test fails when the file is stale.
   2. The expert-sharding rules are NOT written here: ``dwdp_runtime.config.sharding_errors`` is the
      one implementation, shared with the runtime's ``DwdpConfig``.
   3. ``validate_spec`` never raises on user input; it returns human messages (``[]`` = valid).
@@ -13,7 +14,7 @@ Invariants:
   5. Messages name the user's own fields, camelCase as written in the DwdpGroup (``spec.dwdpSize``),
      never the runtime's snake_case parameters (``SPEC_NAMES`` translates the shared rules' words).
   6. Every cross-field rule here that a CEL expression can state is also in the CRD's
-     ``x-kubernetes-validations`` (servers >= 1.25 refuse the object at admission);
+     ``x-kubernetes-validations`` (``crd_extras.SPEC_RULES``; servers >= 1.25 refuse the object at admission);
      ``tests/operator/test_op_crd.py`` holds the two to each other with a property test.
      Operator-only: reserved ``template.env`` names and the planner's memory fit.
 """
@@ -39,61 +40,97 @@ PLURAL = "dwdpgroups"
 KIND = "DwdpGroup"
 
 
+# Upper bounds the CRD states (the API server refuses past them at admission) and the operator holds too,
+# so both refuse the same specs. None is a design limit: each sits far past any real deployment and only
+# stops a typo (a numGroups of 1e9) from becoming an object the operator has to plan for.
+MAX_GROUPS = 1024           # groups per DwdpGroup
+MAX_DWDP_SIZE = 1024        # ranks per group (an NVL72 rack has 72 GPUs)
+MAX_GPUS_PER_POD = 64       # ranks per pod (no node has more GPUs)
+MAX_EXPERTS = 65536         # routed experts per MoE layer (DeepSeek-V3: 256)
+MAX_PREFETCH_SLOTS = 64     # layers of peer experts buffered ahead (each slot is GPU memory)
+MAX_RESTARTS = 10_000       # restartPolicy.maxRestarts
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
 class Experts(_Model):
-    numExperts: int = Field(ge=1)
-    numExpertsPerWorker: int = Field(ge=1)
-    numPrefetchExperts: int = Field(ge=1)
-    numPrefetchSlots: int = Field(default=2, ge=2)
-    contentionOpt: bool = False
-    transfer: TransferMode = DEFAULT_TRANSFER
+    numExperts: int = Field(ge=1, le=MAX_EXPERTS, description=(
+        "routed experts per MoE layer of the model (must match the checkpoint)"))
+    numExpertsPerWorker: int = Field(ge=1, le=MAX_EXPERTS, description=(
+        "k: experts each rank holds in its own GPU memory"))
+    numPrefetchExperts: int = Field(ge=1, le=MAX_EXPERTS, description=(
+        "prefetch stride s: rank r owns experts [r*s, r*s+k); s <= k, (dwdpSize-1)*s + k >= numExperts, "
+        "(dwdpSize-1)*s < numExperts"))
+    numPrefetchSlots: int = Field(default=2, ge=2, le=MAX_PREFETCH_SLOTS, description=(
+        "layers of peer experts buffered ahead (>= 2: the next layer's copy overlaps this layer's compute)"))
+    contentionOpt: bool = Field(default=False, description=(
+        "order peer copies so that no two ranks read the same peer at once"))
+    transfer: TransferMode = Field(default=DEFAULT_TRANSFER, description=(
+        "how a rank issues a layer's peer copies: copy_engine (one copy per entry), batched (one batched copy "
+        "per layer, CUDA 13 driver), sm_gather (SM kernel; opt-in, costs compute)"))
 
 
 class Model(_Model):
-    path: str | None = Field(default=None, min_length=1)
-    synthetic: Literal["qwen3_moe", "mixtral", "deepseek_v3"] | None = None
-    dtype: ModelDtypeName = ModelDtype.BFLOAT16.value
+    path: str | None = Field(default=None, min_length=1, description=(
+        "model directory (config.json + safetensors) inside the pod, e.g. on a volume from template.volumes"))
+    synthetic: Literal["qwen3_moe", "mixtral", "deepseek_v3"] | None = Field(default=None, description=(
+        "seeded tiny model architecture generated in the pod (tests and demos)"))
+    dtype: ModelDtypeName = Field(default=ModelDtype.BFLOAT16.value, description="dtype the weights are loaded in")
 
 
 class Sizing(_Model):
     """Planner inputs (optional): a model preset or config.json path and a hardware preset."""
 
-    model: str = Field(min_length=1)
-    hardware: str = Field(default="h200-hgx", min_length=1)
-    weightDtype: Literal["bf16", "fp8", "nvfp4", "mxfp4"] = "bf16"
-    isl: int = Field(default=8192, ge=1)
-    minKvGiB: float = Field(default=0.0, ge=0)
+    model: str = Field(min_length=1, description=(
+        "planner model preset (deepseek-r1, deepseek-v3, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x22b, "
+        "gpt-oss-120b) or a config.json path readable by the operator"))
+    hardware: str = Field(default="h200-hgx", min_length=1, description=(
+        "hardware preset: gb200-nvl72, b200-hgx, h200-hgx, h100-hgx"))
+    weightDtype: Literal["bf16", "fp8", "nvfp4", "mxfp4"] = Field(default="bf16", description=(
+        "dtype of the expert weights the planner sizes"))
+    isl: int = Field(default=8192, ge=1, description="input length the predicted speedup is computed for")
+    minKvGiB: float = Field(default=0.0, ge=0, description="KV cache (GiB per GPU) the deployment must keep")
 
 
 class Imex(_Model):
-    mode: Literal["ComputeDomain", "None"] = "ComputeDomain"
+    mode: Literal["ComputeDomain", "None"] = Field(default="ComputeDomain", description=(
+        "ComputeDomain: an IMEX domain (NVIDIA DRA driver) so pods on several nodes of an NVL72 rack share GPU "
+        "memory; None: no IMEX, the whole group in one pod on one HGX node (gpusPerPod = dwdpSize)"))
 
 
 class RestartPolicy(_Model):
-    maxRestarts: int = Field(default=5, ge=0)
-    backoffSeconds: int = Field(default=10, ge=0, le=3600)
+    maxRestarts: int = Field(default=5, ge=0, le=MAX_RESTARTS, description=(
+        "group restarts (since the last rollout) before the group is marked Failed and left down"))
+    backoffSeconds: int = Field(default=10, ge=0, le=3600, description=(
+        "delay before the n-th restart: backoffSeconds * 2^n, capped at 300 s"))
     # a group split between bound pods and a pod the scheduler cannot place (e.g. its first pod chose
     # a clique that lost a node) is a dead end: restart it away from those nodes after this long; 0 = never
-    unschedulableSeconds: int = Field(default=300, ge=0, le=86400)
+    unschedulableSeconds: int = Field(default=300, ge=0, le=86400, description=(
+        "a group whose pods are partly bound while another cannot be scheduled (placement dead end) is "
+        "restarted away from those nodes after this long; 0 = never"))
 
 
 class Rollout(_Model):
-    maxUnavailableGroups: int = Field(default=1, ge=1)
+    maxUnavailableGroups: int = Field(default=1, ge=1, le=MAX_GROUPS, description=(
+        "Ready groups replaced at once during a rollout (groups not Ready are replaced at once)"))
 
 
 class KvTransfer(_Model):
     """KV handoff to decode engines over NIXL (docs/KV_TRANSFER.md): each rank keeps requested KV in a
     region of ``budgetBytes`` (GPU memory), freed when pulled or after ``ttlSeconds``."""
 
-    budgetBytes: int = Field(ge=0)
-    blockBytes: int = Field(default=1 << 20, ge=64, multiple_of=64)
-    ttlSeconds: float = Field(default=30.0, gt=0)
-    leaseSeconds: float = Field(default=30.0, gt=0)
+    budgetBytes: int = Field(ge=0, description=(
+        "KV region per rank in bytes (GPU memory); 0 = off; a full region answers 429"))
+    blockBytes: int = Field(default=1 << 20, ge=64, multiple_of=64, description="allocation unit of the region")
+    ttlSeconds: float = Field(default=30.0, gt=0, description="seconds unclaimed KV is kept before it is freed")
+    leaseSeconds: float = Field(default=30.0, gt=0, description=(
+        "seconds a claimed pull may take before its KV is freed"))
     # UCX's TCP listeners use [tcpPortBase, tcpPortBase + KV_TCP_PORTS) (the NetworkPolicy opens it)
-    tcpPortBase: int = Field(default=30000, ge=1024, le=65536 - KV_TCP_PORTS)
+    tcpPortBase: int = Field(default=30000, ge=1024, le=65536 - KV_TCP_PORTS, description=(
+        f"first of {KV_TCP_PORTS} TCP ports the ranks' NIXL/UCX agents listen on (UCX_TCP_PORT_RANGE); the "
+        f"group's NetworkPolicy opens them"))
 
 
 class Serving(_Model):
@@ -115,44 +152,70 @@ class Serving(_Model):
 class EndpointPicker(_Model):
     """The Gateway API Inference Extension's endpoint picker (EPP) Service that routes to the pool."""
 
-    name: str = Field(min_length=1)
-    port: int = Field(default=9002, ge=1, le=65535)   # the EPP's gRPC ext-proc port (its default)
-    failureMode: Literal["FailOpen", "FailClose"] = "FailClose"
+    name: str = Field(min_length=1, description="the EPP Service's name (same namespace)")
+    port: int = Field(default=9002, ge=1, le=65535, description=(  # the EPP's gRPC ext-proc port (its default)
+        "the EPP Service's port (the EPP's ext-proc default 9002)"))
+    failureMode: Literal["FailOpen", "FailClose"] = Field(default="FailClose", description=(
+        "what the gateway does when the EPP does not answer"))
 
 
 class InferencePool(_Model):
     """Ask for an ``InferencePool`` (inference.networking.k8s.io/v1) over this DwdpGroup's serving pods."""
 
-    endpointPicker: EndpointPicker
+    endpointPicker: EndpointPicker = Field(description=(
+        "the endpoint picker (EPP) Service the pool's gateway asks for an endpoint"))
 
 
 class Template(_Model):
-    env: list[dict[str, Any]] = Field(default_factory=list)
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    volumeMounts: list[dict[str, Any]] = Field(default_factory=list)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    env: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "extra container env (the pod contract's DWDP_* variables are set by the operator and refused here)"))
+    volumes: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "extra pod volumes (e.g. the model checkpoint)"))
+    volumeMounts: list[dict[str, Any]] = Field(default_factory=list, description="extra container volume mounts")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "pod tolerations (e.g. for tainted GPU nodes)"))
+    nodeSelector: dict[str, str] = Field(default_factory=dict, description="pod node selector")
 
 
 class DwdpGroupSpec(_Model):
-    numGroups: int = Field(default=1, ge=0)
-    dwdpSize: int = Field(ge=2)
-    gpusPerPod: int = Field(default=1, ge=1)
-    experts: Experts
-    model: Model
-    image: str = Field(min_length=1)
-    resources: dict[str, Any] = Field(default_factory=dict)
-    imex: Imex = Field(default_factory=Imex)
-    topologyKey: str = Field(default="nvidia.com/gpu.clique", min_length=1)
-    restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
-    rollout: Rollout = Field(default_factory=Rollout)
-    template: Template = Field(default_factory=Template)
-    sizing: Sizing | None = None
-    kvTransfer: KvTransfer | None = None
-    serving: Serving | None = None
-    inferencePool: InferencePool | None = None
-    httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
-    storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535)
+    numGroups: int = Field(default=1, ge=0, le=MAX_GROUPS, description=(
+        "number of DWDP groups (the scale subresource's replicas; 0 scales to zero)"))
+    dwdpSize: int = Field(ge=2, le=MAX_DWDP_SIZE, description=(
+        "ranks (GPUs) per group; every rank maps the experts of every other rank of its group"))
+    gpusPerPod: int = Field(default=1, ge=1, le=MAX_GPUS_PER_POD, description=(
+        "ranks per pod; must divide dwdpSize; with imex.mode None it must equal dwdpSize (one pod per group on "
+        "one HGX node)"))
+    experts: Experts = Field(description=(
+        "expert sharding: rank r owns experts [r*s, r*s+k) of numExperts (s = numPrefetchExperts, "
+        "k = numExpertsPerWorker)"))
+    model: Model = Field(description="the model the workers serve; exactly one of path or synthetic")
+    image: str = Field(min_length=1, description="worker container image (Dockerfile target worker)")
+    resources: dict[str, Any] = Field(default_factory=dict, description=(
+        "container resources; nvidia.com/gpu is set to gpusPerPod by the operator"))
+    imex: Imex = Field(default_factory=Imex, description="how a group's GPUs map each other's memory")
+    topologyKey: str = Field(default="nvidia.com/gpu.clique", min_length=1, description=(
+        "node label whose value names an NVLink clique; a group never spans two values"))
+    restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy, description=(
+        "what the operator does when a pod of a group fails (the whole group restarts)"))
+    rollout: Rollout = Field(default_factory=Rollout, description="how a template change replaces running groups")
+    template: Template = Field(default_factory=Template, description="additions to every worker pod")
+    sizing: Sizing | None = Field(default=None, description=(
+        "optional planner inputs; the operator refuses a group whose experts and pool slots cannot fit GPU "
+        "memory and shows the predicted DWDP gain in status.sizing"))
+    kvTransfer: KvTransfer | None = Field(default=None, description=(
+        "KV handoff for disaggregated serving (docs/KV_TRANSFER.md): each rank keeps the KV of requests with "
+        "kv_transfer_params.do_remote_decode in a NIXL-registered region for a decode engine to pull"))
+    serving: Serving | None = Field(default=None, description=(
+        "the workers' HTTP front, passed to every pod through the env contract (DWDP_MAX_QUEUE, "
+        "DWDP_MAX_NUM_TOKENS, DWDP_MAX_NUM_SEQS, DWDP_MAX_NEW_TOKENS, DWDP_SERVED_MODEL_NAME, DWDP_CUDA_GRAPHS); "
+        "absent: the worker's defaults; changing it rolls the groups"))
+    inferencePool: InferencePool | None = Field(default=None, description=(
+        "create an InferencePool (inference.networking.k8s.io/v1, Gateway API Inference Extension) selecting "
+        "this group's serving pods (llm-d.ai/role: prefill) on httpPort; removing it deletes the pool"))
+    httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535, description=(
+        "workers' HTTP port: API, /healthz, /readyz, /metrics"))
+    storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535, description=(
+        "rank 0's rendezvous store port (reachable only from pods of the same group)"))
 
     @property
     def pods_per_group(self) -> int:

@@ -107,30 +107,34 @@ class _Model(BaseModel):
 
 
 class RestartRecord(_Model):
-    attempt: int
-    time: str
-    reason: str
+    attempt: int = Field(description="the attempt that failed")
+    time: str = Field(description="when")
+    reason: str = Field(description="why")
 
 
 class GroupStatus(_Model):
     """One entry of ``status.groups``."""
 
-    index: int
-    attempt: int = 0
-    phase: GroupPhase = GroupPhase.PENDING
-    templateHash: str = ""
-    gangComplete: bool = False
-    pods: int = 0
-    readyPods: int = 0
-    podRestarts: int = 0
-    groupRestarts: int = 0
-    prefetchRestarts: int = 0
-    restartAt: str | None = None
-    drainUntil: str | None = None
-    lastRestartTime: str | None = None
-    lastRestartReason: str | None = None
-    avoidNodes: list[str] | None = None  # nodes the next attempt must avoid (placement dead end)
-    history: list[RestartRecord] = Field(default_factory=list)
+    index: int = Field(description="group index g (pods <name>-g<g>-p<i>)")
+    attempt: int = Field(default=0, description="bumped by every restart and rollout (DWDP_ATTEMPT)")
+    phase: GroupPhase = Field(default=GroupPhase.PENDING, description=(
+        "Pending, Ready, Restarting, Updating, Draining or Failed"))
+    templateHash: str = Field(default="", description="template of the current attempt")
+    gangComplete: bool = Field(default=False, description="every pod of the attempt existed once")
+    pods: int = Field(default=0, description="pods of the current attempt")
+    readyPods: int = Field(default=0, description="of them Running and Ready")
+    podRestarts: int = Field(default=0, description="container restarts of the current pods")
+    groupRestarts: int = Field(default=0, description=(
+        "group restarts since the last rollout (counted against maxRestarts)"))
+    prefetchRestarts: int = Field(default=0, description="sum of the workers' prefetch_restarts (GET /healthz)")
+    restartAt: str | None = Field(default=None, description=(
+        "when a pending restart or rollout creates the next attempt"))
+    drainUntil: str | None = Field(default=None, description="when a draining group's pods are deleted")
+    lastRestartTime: str | None = Field(default=None, description="time of the last restart")
+    lastRestartReason: str | None = Field(default=None, description="why the group last restarted")
+    avoidNodes: list[str] | None = Field(default=None, description=(
+        "nodes the next attempt must avoid (left by a placement dead end)"))
+    history: list[RestartRecord] = Field(default_factory=list, description="the last 10 restarts")
 
     def to_status(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)

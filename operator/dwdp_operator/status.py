@@ -18,6 +18,9 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
+from . import labels as L
+from .sizing import sizing_status
+from .spec import DwdpGroupSpec
 from .state import BUSY_PHASES, ConditionType, DwdpState, GroupPhase, GroupStatus, Reason
 
 
@@ -103,6 +106,29 @@ def conditions_for(groups: list[GroupStatus], *, num_groups: int, outdated: int,
                   now=now, generation=generation),
         accepted_condition(refusals, old=old, now=now, generation=generation),
     ]
+
+
+def object_status(spec: DwdpGroupSpec, groups: list[GroupStatus], *, name: str, thash: str, old: dict[str, Any],
+                  now: float, generation: int | None) -> dict[str, Any]:
+    """``status`` of a valid DwdpGroup with these group entries; ``old``: the status read (previous
+    conditions, the refusals carried over untouched, the InferencePool to forget)."""
+    still_outdated = sum(1 for g in groups if g.templateHash != thash and g.index < spec.numGroups)
+    conditions = conditions_for(groups, num_groups=spec.numGroups, outdated=still_outdated,
+                                refusals=old.get("refusals") or [], old=old.get("conditions"), now=now,
+                                generation=generation)
+    status = {
+        "observedGeneration": generation, **aggregate(groups, num_groups=spec.numGroups),
+        "selector": L.selector(name), "templateHash": thash, "groups": [g.to_status() for g in groups],
+        "refusals": list(old.get("refusals") or []), "conditions": conditions, **summarize(conditions),
+    }
+    if spec.inferencePool is not None:
+        status["inferencePool"] = name  # what to delete once the spec stops asking for it
+    elif old.get("inferencePool"):
+        status["inferencePool"] = None  # a merge patch: null removes the key
+    sized = sizing_status(spec)
+    if sized is not None:
+        status["sizing"] = sized
+    return status
 
 
 def invalid_conditions(errors: list[str], *, old: list[dict] | None, now: float,

@@ -44,7 +44,7 @@ def test_three_processes_one_gpu(transfer, contention_opt):
         _assert_steady(out)
         # 4 + 3 + 1 checked forwards × 8 layers × 2 weights
         assert out["checks"] == (4 + 3 + 1) * 8 * 2, out["checks"]
-        assert out["stats"].remote_bytes_per_forward > 0
+        assert out["stats"]["remote_bytes_per_forward"] > 0
     print({r: (o["local_range"], round(o["steady"]["bind_us"], 1)) for r, o in outs.items()})
 
 

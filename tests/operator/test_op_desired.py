@@ -65,12 +65,13 @@ def test_a_group_with_no_pod_is_created_whole_and_its_status_written_once():
                for m in pods.values())
     assert plan.whole_gangs == [[f"r1-g{g}-p{i}" for i in range(4)] for g in range(2)]
     assert plan.status_last and not plan.patches
-    # the reconciler's one status write: the plan over the pods it creates (what the next pass observes)
-    after = desired_state(cr(), [slim_pod(m) for m in pods.values()], now=T0, token="t")
-    assert [g["gangComplete"] for g in after.status["groups"]] == [True, True]
+    # the pass's one status write: its status with the pods it creates counted (what the next pass observes)
+    after = plan.status_after_creates
+    assert after == desired_state(cr(), [slim_pod(m) for m in pods.values()], now=T0, token="t").status
+    assert [g["gangComplete"] for g in after["groups"]] == [True, True]
     observed = pods_from(plan, phase="Pending", ready=False, gang="complete")
-    again = desired_state({**cr(), "status": after.status}, observed, now=T0 + 1)
-    assert again.status == after.status and not again.patches and not pod_creates(again)
+    again = desired_state({**cr(), "status": after}, observed, now=T0 + 1)
+    assert again.status == after and not again.patches and not pod_creates(again)
 
 
 def test_a_refused_child_on_record_makes_gangs_gated():

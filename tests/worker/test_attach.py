@@ -20,6 +20,13 @@ from dwdp_worker.model.attach import attach
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 1, 250, 64, 2, 2, 31, 12]]
 
 
+@pytest.fixture(autouse=True)
+def cpu_engine_path(monkeypatch):
+    """What a CPU engine runs: no Triton interpreter (tests/kernels' conftest turns it on for the whole session;
+    under it the kernels would run here, and its state is not safe for two ranks as threads of one process)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def snapshot(model, local: tuple[int, int] | None = None) -> dict:
     """Everything ``attach`` may touch, as values and object identities. ``local``: the rank's own experts
     ``[a, b)``; a sharded parameter's other rows are the page pool's slots (staging the prefetch refills),

@@ -1,0 +1,104 @@
+"""What the DwdpGroup CRD carries that the pydantic models cannot say: names, subresources, printer
+columns, the CEL rules, and the kind's own description. ``crdgen`` joins them with the schema it
+generates from ``spec.DwdpGroupSpec`` and ``status_schema.DwdpGroupStatus``.
+
+Invariants:
+  1. ``SPEC_RULES`` are the cross-field rules of ``spec.validate_spec`` that CEL can state (servers
+     >= 1.25 refuse a breaking object at admission; older ones skip CEL and the operator sets
+     condition Invalid with the same rule). ``tests/operator/test_op_crd.py`` holds the two to each
+     other with a property test; the wording shared with the operator's own messages is imported.
+  2. Every ``jsonPath`` below names a field of the generated schema (tested): a renamed field cannot
+     leave an empty column or a dead scale subresource behind.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .spec import GROUP, HGX_FIX, KIND, PLURAL
+
+SINGULAR = KIND.lower()
+LIST_KIND = f"{KIND}List"
+SHORT_NAMES = ("dwdp",)
+SCOPE = "Namespaced"
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+KIND_DESCRIPTION = (
+    "A DwdpGroup serves the context (prefill) phase of one MoE model with DWDP: numGroups independent groups "
+    "of dwdpSize GPUs; each rank holds numExpertsPerWorker experts and prefetches the others from its peers' "
+    "GPU memory layer by layer. The operator creates the groups' pods (gang-scheduled inside one NVLink "
+    "clique), their Services, NetworkPolicies, token Secret and IMEX ComputeDomain, restarts a whole group "
+    "when one of its pods fails, and reports per-group state in status. docs/OPERATOR.md.")
+SPEC_DESCRIPTION = "the desired groups, their expert sharding, model and pod template"
+STATUS_DESCRIPTION = "written by the operator only"
+
+# kubectl scale / HPA: replicas are groups, the selector picks every worker pod
+SCALE_SUBRESOURCE = {"specReplicasPath": ".spec.numGroups", "statusReplicasPath": ".status.replicas",
+                     "labelSelectorPath": ".status.selector"}
+SUBRESOURCES = {"status": {}, "scale": SCALE_SUBRESOURCE}
+
+
+class PrinterColumn(NamedTuple):
+    name: str
+    type: str
+    json_path: str
+    description: str = ""
+    wide: bool = False  # priority 1: shown by ``kubectl get -o wide`` only
+
+    def to_crd(self) -> dict:
+        out: dict = {"name": self.name, "type": self.type}
+        if self.wide:
+            out["priority"] = 1
+        out["jsonPath"] = self.json_path
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+PRINTER_COLUMNS = (
+    PrinterColumn("Groups", "integer", ".spec.numGroups", "desired DWDP groups"),
+    PrinterColumn("Ready", "integer", ".status.readyGroups", "groups with every pod ready"),
+    PrinterColumn("Restarts", "integer", ".status.totalRestarts", "group restarts since the last rollout"),
+    PrinterColumn("Status", "string", ".status.state",
+                  "Ready, Progressing, Degraded, Blocked (a child refused) or Invalid (the spec breaks a rule)"),
+    PrinterColumn("Reason", "string", ".status.reason", "reason of the condition behind Status"),
+    PrinterColumn("Age", "date", ".metadata.creationTimestamp"),
+    PrinterColumn("DwdpSize", "integer", ".spec.dwdpSize", "ranks (GPUs) per group", wide=True),
+    PrinterColumn("Experts/Worker", "integer", ".spec.experts.numExpertsPerWorker", "experts each rank holds",
+                  wide=True),
+    PrinterColumn("Transfer", "string", ".spec.experts.transfer", "how peer expert copies are issued", wide=True),
+    PrinterColumn("Image", "string", ".spec.image", "worker image", wide=True),
+)
+
+
+class CelRule(NamedTuple):
+    rule: str
+    message: str
+
+    def to_crd(self) -> dict:
+        return {"rule": self.rule, "message": self.message}
+
+
+SPEC_RULES = (
+    CelRule("self.dwdpSize % self.gpusPerPod == 0",
+            "gpusPerPod must divide dwdpSize (every pod runs the same number of ranks)"),
+    CelRule("self.imex.mode != 'None' || self.gpusPerPod == self.dwdpSize",
+            "imex.mode None needs the whole group in one pod (no IMEX fabric: GPU memory crosses processes only "
+            f"inside one pod); {HGX_FIX}"),
+    CelRule("self.experts.numExpertsPerWorker <= self.experts.numExperts",
+            "experts.numExpertsPerWorker must be <= experts.numExperts"),
+    CelRule("self.experts.numPrefetchExperts <= self.experts.numExpertsPerWorker",
+            "experts.numPrefetchExperts (stride) must be <= experts.numExpertsPerWorker, else experts between "
+            "ranges are owned by no rank"),
+    CelRule("(self.dwdpSize - 1) * self.experts.numPrefetchExperts + self.experts.numExpertsPerWorker "
+            ">= self.experts.numExperts",
+            "coverage rule (dwdpSize-1)*experts.numPrefetchExperts + experts.numExpertsPerWorker >= "
+            "experts.numExperts fails: the last rank's range must reach the last expert"),
+    CelRule("(self.dwdpSize - 1) * self.experts.numPrefetchExperts < self.experts.numExperts",
+            "(dwdpSize-1)*experts.numPrefetchExperts must be < experts.numExperts: the last rank would start past "
+            "the last expert and hold nothing"),
+    CelRule("self.experts.numPrefetchSlots >= 2",
+            "experts.numPrefetchSlots must be >= 2 so the next layer's copy overlaps this layer's compute"),
+    CelRule("has(self.model.path) != has(self.model.synthetic)", "set exactly one of model.path or model.synthetic"),
+    CelRule("self.httpPort != self.storePort", "httpPort and storePort must differ"),
+)
