@@ -9,6 +9,8 @@ works on a machine without triton):
   * ``reduce``       — fixed-order fp32 top-k reduction;
   * ``tuning``       — default tile table, warm-up tuner, per-shape cache (imports without triton);
   * ``moe``          — ``fused_experts`` composing them, ``ExpertsLayout`` / ``ExpertWeights``;
+  * ``fp4_grouped_gemm``, ``fp4_moe`` — the weight-only FP4 variant (MXFP4 / NVFP4 decoded to bf16 in the
+                       weight load; ``fp4_experts``, bitwise ``fused_experts`` on the dequantized weights);
   * ``rmsnorm``      — one-pass RMSNorm (``rms_norm``), ``rope`` — one-launch q/k rotary embedding
                        (``apply_rope``); swapped into models by ``worker/dwdp_worker/model/layers_impl.py``.
 

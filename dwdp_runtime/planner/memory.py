@@ -6,11 +6,11 @@ Pure. Parts (bytes):
                  ``dtype``, RMSNorm weights bf16.
   local_experts  the local handle of ``layout.composite_layout`` per (MoE layer, tensor): the
                  rank's experts rounded up to the 2 MiB VMM granularity (HARDWARE.md). Two tensors
-                 per layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``. For ``fp8`` the tensors
-                 are the ones ``dwdp_runtime.quant`` declares (e4m3 weights here, their fp32 block
-                 scales in ``local_expert_scales``: own handles, each rounded to a granule), counted by
-                 ``quant.expert_memory`` — the function the loader's report uses too; other quantized
-                 dtypes fold their scales into the weights.
+                 per layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``. For ``fp8``, ``nvfp4`` and
+                 ``mxfp4`` the tensors are the ones ``dwdp_runtime.quant`` declares (e4m3 or packed
+                 E2M1 weights here — FP4: half a byte per weight —, their scales in
+                 ``local_expert_scales``: own handles, each rounded to a granule), counted by
+                 ``quant.expert_memory`` — the function the loader's report uses too.
   pool_slots     ``slots`` × the pool pages (16 MiB = 8 × granularity) one MoE layer's composite
                  layouts map (``CompositeLayout.pool_pages``: pre pages up to the first local expert,
                  post pages up to expert N). A slot's pages are reused by every layer mapped to it,
@@ -23,7 +23,6 @@ Pure. Parts (bytes):
 
 from __future__ import annotations
 
-import math
 
 from pydantic import BaseModel
 
@@ -83,23 +82,13 @@ def dense_weight_bytes(shape: ModelShape, *, dtype: WeightDtype, dense_dtype: We
     return float(b)
 
 
-def _tensor_expert_bytes(shape: ModelShape, dtype: WeightDtype) -> tuple[int, int]:
-    """Bytes of one expert in gate_up (2·I·H) and in down (H·I), scales included, rounded up."""
-    per = shape.hidden * shape.moe_inter * dtype.bytes_per_element
-    return math.ceil(2 * per), math.ceil(per)
-
-
-def _layouts(shape: ModelShape, dtype: WeightDtype, local_range: tuple[int, int]) -> list[layout.CompositeLayout]:
-    return [layout.composite_layout(num_experts=shape.num_experts, expert_bytes=eb, local_range=local_range,
-                                    granularity=GRANULARITY) for eb in _tensor_expert_bytes(shape, dtype)]
-
-
 #: expert dtype -> the dtype the worker holds that checkpoint's dense linears in (dequantized at load:
-#: docs/MODELS.md FP8 section; pass --dense-dtype to plan for a block-FP8 dense GEMM instead)
-DEQUANTIZED_DENSE = {"fp8": "bf16"}
+#: docs/MODELS.md FP8 and FP4 sections; pass --dense-dtype to plan for a quantized dense GEMM instead)
+DEQUANTIZED_DENSE = {"fp8": "bf16", "nvfp4": "bf16", "mxfp4": "bf16"}
 
-#: planner dtypes whose expert tensors ``dwdp_runtime.quant`` declares (the others fold scales in)
-_DECLARED = {"bf16": quant.UNQUANTIZED, "fp8": quant.FP8_BLOCK_SCHEME}
+#: planner dtypes -> the expert tensors ``dwdp_runtime.quant`` declares for them (every dtype has one)
+_DECLARED = {"bf16": quant.UNQUANTIZED, "fp8": quant.FP8_BLOCK_SCHEME, "nvfp4": quant.NVFP4_SCHEME,
+             "mxfp4": quant.MXFP4_SCHEME}
 
 
 def _declared_memory(shape: ModelShape, dtype: WeightDtype, ranges, rank: int, slots: int):
@@ -112,26 +101,18 @@ def _declared_memory(shape: ModelShape, dtype: WeightDtype, ranges, rank: int, s
 
 
 def local_expert_bytes(shape: ModelShape, *, dtype: WeightDtype, experts_per_worker: int) -> float:
-    if dtype.name in _DECLARED:
-        return float(_declared_memory(shape, dtype, [(0, experts_per_worker)], 0, 1).weights)
-    per_layer = sum(c.local_bytes for c in _layouts(shape, dtype, (0, experts_per_worker)))
-    return float(per_layer * shape.num_moe_layers)
+    return float(_declared_memory(shape, dtype, [(0, experts_per_worker)], 0, 1).weights)
 
 
 def local_expert_scale_bytes(shape: ModelShape, *, dtype: WeightDtype, experts_per_worker: int) -> float:
-    """The local handles of the experts' block scales (0 unless ``dtype`` declares scale tensors)."""
-    if dtype.name in _DECLARED:
-        return float(_declared_memory(shape, dtype, [(0, experts_per_worker)], 0, 1).scales)
-    return 0.0
+    """The local handles of the experts' scales (0 for bf16)."""
+    return float(_declared_memory(shape, dtype, [(0, experts_per_worker)], 0, 1).scales)
 
 
 def pool_slot_bytes(shape: ModelShape, *, dtype: WeightDtype, ranges: list[tuple[int, int]], slots: int) -> float:
     """``slots`` × the worst rank's pool pages for one MoE layer (see module docstring)."""
-    if dtype.name in _DECLARED:
-        per_slot = max(_declared_memory(shape, dtype, ranges, r, 1).pool for r in range(len(ranges)))
-        return float(slots * per_slot)
-    worst = max(sum(c.pool_pages for c in _layouts(shape, dtype, r)) for r in ranges)
-    return float(slots * worst * POOL_PAGE)
+    per_slot = max(_declared_memory(shape, dtype, ranges, r, 1).pool for r in range(len(ranges)))
+    return float(slots * per_slot)
 
 
 def activation_bytes(shape: ModelShape, *, tokens: float) -> float:

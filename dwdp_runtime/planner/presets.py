@@ -55,6 +55,11 @@ DTYPES: dict[str, WeightDtype] = {
     # the per-tensor fp32 global scale is negligible and ignored). Activations also NVFP4 on dispatch.
     "nvfp4": WeightDtype(name="nvfp4", bits=4, scale_block=16, scale_bytes=1, compute="nvfp4",
                          act_bytes=0.5 + 1 / 16),
+    # MXFP4 (OCP MX v1.0; gpt-oss's experts): E2M1 values, one E8M0 (1-byte) exponent per 32 elements.
+    # Blackwell's FP4 tensor cores run it at the NVFP4 peak; Hopper has none and falls back to FP8 (W4A8,
+    # FP4 -> FP8 in registers) or bf16 (weight-only). Activations dispatched as MXFP8 (1 byte + 1 per 32).
+    "mxfp4": WeightDtype(name="mxfp4", bits=4, scale_block=32, scale_bytes=1, compute="nvfp4",
+                         act_bytes=1.0 + 1 / 32),
 }
 
 ACT_BYTES = 2  # bf16 activations everywhere a GEMM reads or writes them
@@ -179,6 +184,24 @@ MODELS: dict[str, dict] = {
         "num_attention_heads": 48, "num_key_value_heads": 8,
         "vocab_size": 32768, "tie_word_embeddings": False,
     },
+    # Qwen/Qwen3-30B-A3B config.json (the bench's expert shapes: bench/fp4_moe.py, bench/fp8_moe.py)
+    "qwen3-30b-a3b": {
+        "_name": "Qwen3-30B-A3B", "model_type": "qwen3_moe",
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "num_experts": 128, "num_experts_per_tok": 8,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": False,
+    },
+    # openai/gpt-oss-120b config.json (MXFP4 experts; attention sinks, biases and the sliding window are
+    # not modelled: they change no weight byte count worth a line here)
+    "gpt-oss-120b": {
+        "_name": "gpt-oss-120b", "model_type": "gpt_oss",
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+        "num_local_experts": 128, "num_experts_per_tok": 4,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "vocab_size": 201088, "tie_word_embeddings": False,
+    },
 }
 MODELS["deepseek-r1"] = dict(MODELS["deepseek-v3"], _name="DeepSeek-R1")
 
@@ -187,6 +210,8 @@ MODEL_ALIASES = {
     "deepseek-r1": "deepseek-r1", "deepseek-v3": "deepseek-v3", "deepseek_r1": "deepseek-r1",
     "deepseek_v3": "deepseek-v3", "qwen3-235b-a22b": "qwen3-235b-a22b", "qwen3-235b": "qwen3-235b-a22b",
     "mixtral-8x22b": "mixtral-8x22b", "mixtral": "mixtral-8x22b",
+    "qwen3-30b-a3b": "qwen3-30b-a3b", "qwen3-30b": "qwen3-30b-a3b", "gpt-oss-120b": "gpt-oss-120b",
+    "gpt_oss_120b": "gpt-oss-120b",
 }
 HARDWARE_ALIASES = {
     "h200": "h200-hgx", "h200-hgx": "h200-hgx", "h100": "h100-hgx", "h100-hgx": "h100-hgx",

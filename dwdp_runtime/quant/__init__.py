@@ -4,17 +4,19 @@
              weight and its fp32 ``weight_scale_inv``), and ``REPLICATED`` (router, bias, dense)
   config     ``parse_quantization_config``: a checkpoint's ``quantization_config`` → scheme, or a refusal
   fp8_block  quantize / dequantize with 128×128 block scales (torch, imported lazily)
+  fp4        E2M1 pack/unpack; MXFP4 and NVFP4 quantize / dequantize (torch, imported lazily)
   memory     ``expert_memory``: bytes per rank by part (weights, scales, pool) from the runtime's own layout
 
-Everything here but ``fp8_block`` is pure and imports without torch.
+Everything here but ``fp8_block`` and ``fp4`` is pure and imports without torch.
 """
 
-from .config import (NONE, SUPPORTED, QuantConfig, UnsupportedQuantizationError, fp8_config_dict,
-                     parse_quantization_config)
+from .config import (NONE, SUPPORTED, QuantConfig, UnsupportedQuantizationError, fp4_config_dict, fp8_config_dict,
+                     modelopt_config_from_hf_quant, parse_quantization_config)
 from .memory import ExpertMemory, expert_memory, layer_tensors, layers_memory
-from .scheme import (FP8_BLOCK, FP8_BLOCK_SCHEME, REPLICATED, UNQUANTIZED, ExpertTensor, QuantScheme,
-                     TensorRole)
+from .scheme import (FP4_UE8M0_SCHEME, FP8_BLOCK, FP8_BLOCK_SCHEME, MXFP4_SCHEME, NVFP4_SCHEME, REPLICATED,
+                     UNQUANTIZED, ExpertTensor, QuantFormat, QuantScheme, TensorRole)
 
-__all__ = ["NONE", "SUPPORTED", "QuantConfig", "UnsupportedQuantizationError", "fp8_config_dict",
-           "parse_quantization_config", "ExpertMemory", "expert_memory", "layer_tensors", "layers_memory", "FP8_BLOCK",
-           "FP8_BLOCK_SCHEME", "REPLICATED", "UNQUANTIZED", "ExpertTensor", "QuantScheme", "TensorRole"]
+__all__ = ["NONE", "SUPPORTED", "QuantConfig", "UnsupportedQuantizationError", "fp4_config_dict", "fp8_config_dict",
+           "modelopt_config_from_hf_quant", "parse_quantization_config", "ExpertMemory", "expert_memory",
+           "layer_tensors", "layers_memory", "FP4_UE8M0_SCHEME", "FP8_BLOCK", "FP8_BLOCK_SCHEME", "MXFP4_SCHEME",
+           "NVFP4_SCHEME", "REPLICATED", "UNQUANTIZED", "ExpertTensor", "QuantFormat", "QuantScheme", "TensorRole"]

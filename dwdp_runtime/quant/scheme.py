@@ -21,7 +21,22 @@ Schemes:
     the composite layout handles any expert size (a local handle rounds up to the granularity, the head of
     the next expert may sit in its padded tail and is filled once at setup, see ``layout``).
 
-Invariant: ``expert_tensors`` returns the weight first and its scale second, in a fixed order — the order in
+  * ``MXFP4`` (gpt-oss: ``quant_method: mxfp4``; E2M1 with an E8M0 exponent per 32 columns, ``quant.fp4``):
+      - ``W``         uint8 ``[E, N, K/32, 16]`` (the checkpoint's ``W_blocks``: two E2M1 per byte)  — sharded
+      - ``W_scales``  uint8 ``[E, N, K/32]``     (the checkpoint's ``W_scales``, E8M0)              — sharded
+  * ``NVFP4`` (ModelOpt ``quant_algo: NVFP4``; E2M1 with an E4M3 scale per 16 columns and an fp32 global):
+      - ``W``                uint8         ``[E, N, K/2]``                                            — sharded
+      - ``W_weight_scale``   float8_e4m3fn ``[E, N, K/16]``                                           — sharded
+      - ``W_weight_scale_2`` float32       ``[E, S]``: one global scale per fused projection (gate, up) — sharded
+  * ``FP4_UE8M0`` (DeepSeek-V4: ``quant_method: fp8`` with ``expert_dtype: fp4``, ``scale_fmt: ue8m0``, as
+    `transformers` 5.24's ``FP8Experts`` declares it): MXFP4's math (E2M1, an E8M0 exponent per 32 columns)
+      - ``W``           int8           ``[E, N, K/2]``  (per expert ``….weight``)                       — sharded
+      - ``W_scale_inv`` float8_e8m0fnu ``[E, N, K/32]`` (``….weight_scale_inv``, DeepSeek's ``….scale``) — sharded
+  Here ``[N, K]`` is the projection as ``[out, in]`` whatever the model's parameter layout (gpt-oss holds
+  ``gate_up_proj`` transposed, ``[in, out]``; its checkpoint blocks are ``[out, in/32, 16]``). FP4 experts
+  stay packed through sharding, prefetch and binding: the page pool holds these bytes (¼ of bf16).
+
+Invariant: ``expert_tensors`` returns the weight first and its scales after it, in a fixed order — the order in
 which every rank registers them with the transport (allocation i of rank r is the same tensor everywhere).
 """
 
@@ -58,11 +73,29 @@ class ExpertTensor:
         return n * (compute_itemsize if self.dtype is None else DTYPE_BYTES[self.dtype])
 
 
-DTYPE_BYTES = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1,
+               "float8_e8m0fnu": 1}
 
 
 def ceil_div(x: int, m: int) -> int:
     return -(-x // m)
+
+
+class QuantFormat(str, enum.Enum):
+    """How a checkpoint stores its expert weights (one ``QuantScheme`` each)."""
+
+    NONE = "none"
+    FP8_BLOCK = "fp8-block"
+    MXFP4 = "mxfp4"
+    NVFP4 = "nvfp4"
+    FP4_UE8M0 = "fp4-ue8m0"   # DeepSeek-V4's experts: MXFP4's math in FP8Experts' containers
+
+
+#: FP4 group sizes (elements per scale along K): OCP MX (MXFP4) and NVIDIA's NVFP4 micro-block
+MXFP4_GROUP = 32
+NVFP4_GROUP = 16
+#: E2M1 codes per byte
+FP4_PER_BYTE = 2
 
 
 @dataclass(frozen=True)
@@ -71,14 +104,19 @@ class QuantScheme:
 
     name: str
     block: tuple[int, int] | None = None   # (rows, cols) of one scale block; None = unquantized
+    format: QuantFormat = QuantFormat.NONE
 
     @property
     def quantized(self) -> bool:
         return self.block is not None
 
+    @property
+    def is_fp4(self) -> bool:
+        return self.format in (QuantFormat.MXFP4, QuantFormat.NVFP4, QuantFormat.FP4_UE8M0)
+
     def expert_tensors(self, param: str, expert_shape: tuple[int, int],
                        row_segments: tuple[int, ...] | None = None) -> tuple[ExpertTensor, ...]:
-        """The sharded tensors of fused parameter ``param`` (per-expert shape ``[N, K]``), weight first."""
+        """The sharded tensors of fused parameter ``param`` (per-expert ``[N, K]`` = [out, in]), weight first."""
         n, k = expert_shape
         segments = tuple(row_segments) if row_segments else (n,)
         if sum(segments) != n:
@@ -86,6 +124,23 @@ class QuantScheme:
         if not self.quantized:
             return (ExpertTensor(param, TensorRole.WEIGHT, None, (n, k), "weight", segments),)
         bn, bk = self.block
+        if self.is_fp4 and k % bk:
+            raise ValueError(f"{param}: {k} input columns are not a whole number of {bk}-element "
+                             f"{self.format.value} groups")
+        if self.format is QuantFormat.MXFP4:
+            return (ExpertTensor(param, TensorRole.WEIGHT, "uint8", (n, k // bk, bk // FP4_PER_BYTE), "blocks",
+                                 segments),
+                    ExpertTensor(f"{param}_scales", TensorRole.SCALE, "uint8", (n, k // bk), "scales", segments))
+        if self.format is QuantFormat.FP4_UE8M0:
+            return (ExpertTensor(param, TensorRole.WEIGHT, "int8", (n, k // FP4_PER_BYTE), "weight", segments),
+                    ExpertTensor(f"{param}_scale_inv", TensorRole.SCALE, "float8_e8m0fnu", (n, k // bk),
+                                 "weight_scale_inv", segments))
+        if self.format is QuantFormat.NVFP4:
+            return (ExpertTensor(param, TensorRole.WEIGHT, "uint8", (n, k // FP4_PER_BYTE), "weight", segments),
+                    ExpertTensor(f"{param}_weight_scale", TensorRole.SCALE, "float8_e4m3fn", (n, k // bk),
+                                 "weight_scale", segments),
+                    ExpertTensor(f"{param}_weight_scale_2", TensorRole.SCALE, "float32", (len(segments),),
+                                 "weight_scale_2", segments))
         scale_rows = sum(ceil_div(s, bn) for s in segments)
         return (ExpertTensor(param, TensorRole.WEIGHT, "float8_e4m3fn", (n, k), "weight", segments),
                 ExpertTensor(f"{param}_scale_inv", TensorRole.SCALE, "float32", (scale_rows, ceil_div(k, bk)),
@@ -93,12 +148,15 @@ class QuantScheme:
 
 
 UNQUANTIZED = QuantScheme("none")
-FP8_BLOCK_SCHEME = QuantScheme("fp8-block", FP8_BLOCK)
+FP8_BLOCK_SCHEME = QuantScheme("fp8-block", FP8_BLOCK, QuantFormat.FP8_BLOCK)
+MXFP4_SCHEME = QuantScheme("mxfp4", (1, MXFP4_GROUP), QuantFormat.MXFP4)
+NVFP4_SCHEME = QuantScheme("nvfp4", (1, NVFP4_GROUP), QuantFormat.NVFP4)
+FP4_UE8M0_SCHEME = QuantScheme("fp4-ue8m0", (1, MXFP4_GROUP), QuantFormat.FP4_UE8M0)
 
 #: what every rank holds in full, and in which form (docs/MODELS.md; the loader follows it)
 REPLICATED: dict[str, str] = {
-    "router (gate.weight)": "replicated, checkpoint dtype (never quantized in released FP8 checkpoints)",
+    "router (gate.weight)": "replicated, checkpoint dtype (never quantized in released FP8/FP4 checkpoints)",
     "e_score_correction_bias": "replicated, float32",
-    "shared experts, attention, dense MLPs": "replicated; FP8 ones dequantized to the compute dtype at load",
+    "shared experts, attention, dense MLPs": "replicated; FP8 and NVFP4 ones dequantized to the compute dtype at load",
     "embeddings, lm_head, norms": "replicated, unquantized in the checkpoint",
 }

@@ -84,11 +84,11 @@ class Sizing(_Model):
     """Planner inputs (optional): a model preset or config.json path and a hardware preset."""
 
     model: str = Field(min_length=1, description=(
-        "planner model preset (deepseek-r1, deepseek-v3, qwen3-235b-a22b, mixtral-8x22b) or a config.json path "
-        "readable by the operator"))
+        "planner model preset (deepseek-r1, deepseek-v3, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x22b, "
+        "gpt-oss-120b) or a config.json path readable by the operator"))
     hardware: str = Field(default="h200-hgx", min_length=1, description=(
         "hardware preset: gb200-nvl72, b200-hgx, h200-hgx, h100-hgx"))
-    weightDtype: Literal["bf16", "fp8", "nvfp4"] = Field(default="bf16", description=(
+    weightDtype: Literal["bf16", "fp8", "nvfp4", "mxfp4"] = Field(default="bf16", description=(
         "dtype of the expert weights the planner sizes"))
     isl: int = Field(default=8192, ge=1, description="input length the predicted speedup is computed for")
     minKvGiB: float = Field(default=0.0, ge=0, description="KV cache (GiB per GPU) the deployment must keep")

@@ -55,7 +55,10 @@ def test_accepts_transformers_config_object():
 
 @pytest.mark.parametrize("bad, says", [
     ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
-    ({"quant_method": "mxfp4"}, "'mxfp4'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "'compressed-tensors'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo 'FP8'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "NVFP4 group_size 32"),
+    ({"quant_method": "mxfp4", "activation_scheme": "static"}, "static activation scales"),
     (dict(DEEPSEEK_V3, activation_scheme="static"), "static activation scales"),
     (dict(DEEPSEEK_V3, weight_block_size=[64, 64]), r"\[64, 64\] is not supported"),
     (dict(DEEPSEEK_V3, weight_block_size=None), "per-tensor"),
@@ -67,6 +70,7 @@ def test_refusals_name_what_is_supported(bad, says):
     with pytest.raises(UnsupportedQuantizationError, match=says) as exc:
         parse_quantization_config(bad)
     assert "weight_block_size=[128, 128]" in str(exc.value) and "dynamic" in str(exc.value)
+    assert "mxfp4" in str(exc.value) and "quant_algo='NVFP4', group_size=16" in str(exc.value)
 
 
 @pytest.mark.parametrize("shape, segs", [((256, 384), None), ((200, 130), None), ((2 * 96, 40), (96, 96)),

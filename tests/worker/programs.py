@@ -66,9 +66,11 @@ def _vm_rss_kib() -> int:
 
 def _handle_bytes_by_role(manager) -> dict:
     """What the runtime really allocated: local handle bytes of scale / weight tensors, and the page pool."""
+    from dwdp_worker.model.experts_layout import ParamRole
+
     by = {"scales": 0, "weights": 0}
-    for e in manager.transport._entries:
-        by["scales" if str(e.key[1]).endswith("_scale_inv") else "weights"] += e.alloc.nbytes
+    for e in manager.transport._entries:  # FP8 *_scale_inv, MXFP4 *_scales, NVFP4 *_weight_scale(_2)
+        by["scales" if ParamRole.of(str(e.key[1])) is ParamRole.SCALE else "weights"] += e.alloc.nbytes
     by["pool"] = sum(a.nbytes for pages in manager.buffer._pool for a in pages)
     return by
 

@@ -142,17 +142,18 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32") -> pathlib.Path:
     return dst
 
 
-def bind_fp8_experts(model, fp8_dir, device, compute_dtype):
-    """Give an unsharded model (e.g. ``oracle.Reference`` on the dequantized twin) the FP8 experts of ``fp8_dir``
-    as plain ``[E, ...]`` device tensors, computing through the same FP8 experts forward as the engine: the
-    unsharded baseline of ``bench/fp8_prefill.py`` (same kernels, no DWDP). Returns the ``model.attach``
-    ``Attachment`` of the FP8 forwards (the replaced parameters are this reference model's own)."""
+def bind_quantized_experts(model, quant_dir, device, compute_dtype):
+    """Give an unsharded model (e.g. ``oracle.Reference`` on the dequantized twin) the quantized experts of
+    ``quant_dir`` (FP8, MXFP4 or NVFP4) as plain ``[E, ...]`` device tensors, computing through the same
+    quantized experts forward as the engine: the unsharded baseline of ``bench/fp8_prefill.py`` and the GPU
+    FP4 tests (same kernels, no DWDP). Returns the ``model.attach`` ``Attachment`` of those forwards (the
+    replaced parameters are this reference model's own)."""
     import torch
 
     from ..model.attach import attach
 
     from . import quant_loading as quant
-    from .names import CheckpointMap, resolve_sources
+    from .names import CheckpointMap
     from .loader import _expert_reader, load_config
     from ..model.registry import model_layout
     from .safetensors_index import SafetensorsIndex
@@ -161,14 +162,18 @@ def bind_fp8_experts(model, fp8_dir, device, compute_dtype):
         def update(self, n: int) -> None:
             pass
 
-    with SafetensorsIndex(fp8_dir) as ckpt:
-        layout = resolve_sources(model_layout(model), CheckpointMap.build(model, ckpt.entries), ckpt.shape)
-        layout, fp8 = quant.quantize_layout(layout, quant.quant_config_of(load_config(fp8_dir)), ckpt)
+    with SafetensorsIndex(quant_dir) as ckpt:
+        layout, quantized = quant.resolve_layout(model_layout(model), quant.quant_config_of(load_config(quant_dir)),
+                                                 CheckpointMap.build(model, ckpt.entries), ckpt)
         for experts in layout.experts:
             module = model.get_submodule(experts.path)
             for p in experts.params:
                 host = torch.empty((experts.num_experts, *p.expert_shape), dtype=p.dtype)
                 _expert_reader(ckpt, experts, p, _NoBar())(host, 0, experts.num_experts)
                 module._parameters[p.name] = torch.nn.Parameter(host.to(device), requires_grad=False)
-    overrides = tuple(quant.fp8_override(path, pairs, compute_dtype) for path, pairs in fp8.items())
-    return attach(model, device=device, experts=None, overrides=overrides, fused_layers=False)
+    return attach(model, device=device, experts=None, overrides=quant.overrides(quantized, compute_dtype),
+                  fused_layers=False)
+
+
+#: the FP8 bench's name for it (``bench/fp8_prefill.py``)
+bind_fp8_experts = bind_quantized_experts

@@ -34,8 +34,8 @@ from typing import Any
 from ..model import registry as arch
 from ..model.meta_model import build_meta_model  # re-exported: callers import it from the loader
 from . import quant_loading as quant
-from .names import CheckpointMap, apply_slice_ops, dense_tensors, resolve_sources
-from ..model.experts_layout import ExpertParam, ExpertsLayout, ModelLayout, SourceKind
+from .names import CheckpointMap, apply_slice_ops, dense_tensors
+from ..model.experts_layout import ExpertParam, ExpertsLayout, ModelLayout, ParamRole, SourceKind
 from .safetensors_index import CheckpointError, SafetensorsIndex
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,28 @@ def read_config_json(model_dir) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
 
+#: ModelOpt's quantization file beside config.json (older exports; newer ones write quantization_config)
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
 def load_config(model_dir):
+    """The checkpoint's `transformers` config, checked; a ModelOpt ``hf_quant_config.json`` becomes its
+    ``quantization_config`` when config.json has none (as vLLM and SGLang read those checkpoints)."""
     from transformers import AutoConfig
+
+    from dwdp_runtime.quant import UnsupportedQuantizationError, modelopt_config_from_hf_quant
 
     read_config_json(model_dir)
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{model_dir}: cannot read the transformers config ({exc})") from None
+    hf_quant = pathlib.Path(model_dir) / HF_QUANT_CONFIG
+    if hf_quant.is_file() and not getattr(config, "quantization_config", None):
+        try:
+            config.quantization_config = modelopt_config_from_hf_quant(json.loads(hf_quant.read_text()))
+        except (json.JSONDecodeError, UnsupportedQuantizationError) as exc:
+            raise CheckpointError(f"{hf_quant}: {exc}") from None
     arch.check_supported_config(config)
     return config
 
@@ -120,7 +134,7 @@ def target_dtype(name: str, default, plan: dict):
 def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: SafetensorsIndex, device, *,
                progress: bool = False, dtype=None) -> int:
     """Load every non-expert parameter/persistent buffer; rebuild non-persistent buffers. Returns bytes.
-    FP8 tensors (e4m3 + ``weight_scale_inv``) are dequantized here (``quant_loading.dense_reader``)."""
+    FP8 and NVFP4 tensors are dequantized here (``quant_loading.dense_reader``)."""
     import torch
 
     plan = dtype_plan(model, dtype) if dtype is not None else {}
@@ -222,9 +236,11 @@ def _expert_reader(ckpt: SafetensorsIndex, experts: ExpertsLayout, param: Expert
         for e in range(a, b):
             offset = 0
             for key in src.keys(e):
-                shape = ckpt.shape(key)
+                stored = ckpt.shape(key)
+                shape = stored or (1,)  # a 0-d part (NVFP4's per-projection weight_scale_2) is one element
                 n = shape[dim]
-                ckpt.read_rows(key, 0, shape[0], view[e - a].narrow(dim, offset, n))
+                dst = view[e - a].narrow(dim, offset, n)
+                ckpt.read_rows(key, 0, shape[0], dst if stored else dst.reshape(()))
                 offset += n
             progress_bar.update(1)
 
@@ -257,8 +273,7 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     a, b = manager.local_range
     with SafetensorsIndex(model_dir) as ckpt:
         cmap = CheckpointMap.build(model, ckpt.entries)
-        layout = resolve_sources(layout, cmap, ckpt.shape)
-        layout, fp8 = quant.quantize_layout(layout, quant.quant_config_of(config), ckpt)
+        layout, quantized = quant.resolve_layout(layout, quant.quant_config_of(config), cmap, ckpt)
         dense = load_dense(model, layout, cmap, ckpt, device, progress=progress, dtype=dtype)
         plan = dtype_plan(model, dtype)
         from tqdm.auto import tqdm
@@ -271,7 +286,8 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
                 manager.add_layer(experts.layer)
                 for p in experts.params:
                     # quantized tensors keep their declared dtype (no fp32 override of an e4m3 weight)
-                    wdt = p.dtype if experts.path in fp8 else target_dtype(experts.full_name(p.name), p.dtype, plan)
+                    stored = experts.path in quantized and p.role is not ParamRole.BIAS
+                    wdt = p.dtype if stored else target_dtype(experts.full_name(p.name), p.dtype, plan)
                     manager.add_expert_weight(experts.layer, p.name, expert_shape=p.expert_shape, dtype=wdt,
                                               fill=_expert_reader(ckpt, experts, p, bar))
                     per_expert = p.numel * torch.empty((), dtype=wdt).element_size()
@@ -284,9 +300,10 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
         module = model.get_submodule(experts.path)
         for p in experts.params:
             meta = module._parameters.get(p.name)  # None: a quantization's extra tensor (scales)
-            module._parameters[p.name] = torch.nn.Parameter(manager.composite(experts.layer, p.name),
-                                                            requires_grad=meta is not None and meta.requires_grad)
-    overrides = tuple(quant.fp8_override(path, pairs, dtype) for path, pairs in fp8.items())
+            composite = manager.composite(experts.layer, p.name)  # packed FP4 is uint8: no gradient possible
+            grad = meta is not None and meta.requires_grad and composite.is_floating_point()
+            module._parameters[p.name] = torch.nn.Parameter(composite, requires_grad=grad)
+    overrides = quant.overrides(quantized, dtype)
     model.dwdp_layout = layout
     by_part = quant.mapped_memory(manager, layout, dtype)
     log.info("loaded %s from %s: dense %.1f MiB, local experts [%d, %d) %.1f MiB of %.1f MiB (mapped: %s)",

@@ -1,16 +1,22 @@
 """The model side of quantized checkpoints: the discovered experts layout plus the quantization's tensors,
-how dense FP8 is read, and the experts forward over FP8 composites.
+how dense FP8/NVFP4 is read, and the experts forward over FP8 composites (FP4: ``fp4_loading``).
 
-  * ``quantize_layout(layout, qc, ckpt)``: for an FP8 checkpoint, every sharded weight of the discovered
+  * ``resolve_layout(layout, qc, cmap, ckpt)``: the discovered layout with every checkpoint source resolved
+    and the quantization's sharded tensors declared; ``quantized`` maps each quantized experts module to
+    what its forward reads (``Fp8Pair``s, or ``fp4_loading.Fp4Experts``), ``overrides`` turns that into the
+    ``ForwardOverride``s the loader returns (``model.attach`` installs them).
+  * ``quantize_layout(layout, qc, ckpt)`` (FP8, sources resolved): every sharded weight of the discovered
     ``ExpertsLayout`` (``experts_layout``, from ``experts_discovery`` + ``checkpoint_names``) becomes float8_e4m3fn
     and gains a ``<name>_scale_inv`` ``ExpertParam`` (role SCALE, fp32 ``[Σ⌈n_i/128⌉, ⌈K/128⌉]``) whose
     checkpoint source mirrors the weight's (per-expert ``….weight`` → ``….weight_scale_inv``, fused ``X`` →
     ``X_scale_inv``) — the declaration is ``dwdp_runtime.quant``'s; the loader, transport and hooks treat
     the scales like any other ``[E, ...]`` tensor. Row segments (gate, up) come from the weight's parts.
-  * ``dense_reader(ckpt, device)``: reads a replicated tensor; an FP8 one (e4m3 + ``weight_scale_inv``) is
-    **dequantized at load** (attention, dense MLPs, shared experts; float32 on the load device, then cast
-    to the compute dtype by the loader): 2 bytes per weight in bf16 instead of 1 + 4/16384 — DeepSeek-V3:
-    ≈ 15 GiB more per rank than keeping them in FP8.
+  * ``dense_reader(ckpt, device)``: reads a replicated tensor; an FP8 one (e4m3 + ``weight_scale_inv``, fp32 or
+    DeepSeek-V4's E8M0, which DeepSeek names ``….scale``) or
+    a ModelOpt NVFP4 one (uint8 + ``weight_scale`` + ``weight_scale_2``) is **dequantized at load**
+    (attention, dense MLPs, shared experts; float32 on the load device, then cast to the compute dtype by
+    the loader): 2 bytes per weight in bf16 instead of 1 + 4/16384 — DeepSeek-V3: ≈ 15 GiB more per rank
+    than keeping them in FP8.
   * ``fp8_override(path, …)``: the experts module keeps its `transformers` class and its configured
     experts implementation; its instance ``forward`` becomes ``fp8_experts_forward`` (installed by ``model.attach``). On CUDA with Triton that
     runs the block-scaled grouped GEMM (``dwdp_runtime.kernels.fp8_moe``) straight over the composites; on
@@ -18,7 +24,7 @@ how dense FP8 is read, and the experts forward over FP8 composites.
     the one definition the dequantized reference checkpoint is written with — and runs the class's own
     forward on them, so its output equals the reference's bitwise.
 
-Invariant: between forwards the module's parameters are the FP8 composites (the hooks bind them); the
+Invariant: between forwards the module's parameters are the quantized composites (the hooks bind them); the
 dequantized tensors exist only inside one experts forward.
 """
 
@@ -36,6 +42,9 @@ from ..model.experts_discovery import UnsupportedModelError
 from ..model import fp8_experts_gpu
 from ..model.fp8_experts_gpu import FP8_STATE_ATTR
 from ..model.experts_layout import CheckpointSource, ExpertParam, ExpertsLayout, ModelLayout, ParamRole, SourceKind
+from . import fp4_loading
+from .fp4_layout import ue8m0_scale_key
+from .names import CheckpointMap, resolve_sources
 from .safetensors_index import CheckpointError
 
 #: checkpoint dtype names (safetensors index) the FP8 scheme declares, by role
@@ -118,18 +127,36 @@ def quantize_layout(layout: ModelLayout, qc: QuantConfig, ckpt) -> tuple[ModelLa
     return layout.replace_experts(e for e, _ in done), {e.path: pairs for e, pairs in done}
 
 
+def resolve_layout(layout: ModelLayout, qc: QuantConfig, cmap: CheckpointMap, ckpt) -> tuple[ModelLayout, dict]:
+    """``layout`` with its checkpoint sources and the quantization's tensors; ``{path: what its forward reads}``
+    for the quantized experts modules ({} unquantized)."""
+    if qc.scheme.is_fp4:
+        return fp4_loading.fp4_layout(layout, qc, cmap, ckpt)
+    return quantize_layout(resolve_sources(layout, cmap, ckpt.shape), qc, ckpt)
+
+
+def overrides(quantized: dict, compute_dtype) -> tuple[ForwardOverride, ...]:
+    """The experts forwards of ``resolve_layout``'s quantized modules (``model.attach`` installs them)."""
+    return tuple(fp4_loading.fp4_override(path, spec, compute_dtype) if isinstance(spec, fp4_loading.Fp4Experts)
+                 else fp8_override(path, spec, compute_dtype) for path, spec in quantized.items())
+
+
 def dense_reader(ckpt, device=None):
-    """``read(key)`` for the dense load: FP8 tensors dequantized (float32, on ``device``), others as stored."""
+    """``read(key)`` for the dense load: FP8 and NVFP4 tensors dequantized (float32, on ``device``), others
+    as stored."""
     import torch
 
     def read(key: str):
         value = ckpt.get(key)
+        if value.dtype == torch.uint8:
+            dequantized = fp4_loading.read_dense_nvfp4(ckpt, key, value, device)
+            return value if dequantized is None else dequantized
         if value.dtype != torch.float8_e4m3fn:
             return value
-        skey = scale_key(key)
+        skey = ue8m0_scale_key(ckpt, key)  # ``x.weight_scale_inv``, or DeepSeek-V4's own ``x.scale``
         if skey not in ckpt:
             raise CheckpointError(f"{key} is float8_e4m3fn but the checkpoint has no {skey}")
-        return fp8_block.dequantize(value.to(device), ckpt.get(skey), torch.float32)
+        return fp8_block.dequantize(value.to(device), ckpt.get(skey), torch.float32)  # fp32 or E8M0 scales
 
     return read
 
@@ -169,7 +196,7 @@ def mapped_memory(manager, layout: ModelLayout, compute_dtype):
 
     from dwdp_runtime.quant import ExpertTensor, layers_memory
 
-    def decl(p: ExpertParam) -> ExpertTensor:
+    def decl(p: ExpertParam) -> ExpertTensor:  # biases are weights here: the planner's "weights" part
         role = TensorRole.SCALE if p.role is ParamRole.SCALE else TensorRole.WEIGHT
         return ExpertTensor(p.name, role, str(p.dtype).removeprefix("torch."), tuple(p.expert_shape), "", ())
 

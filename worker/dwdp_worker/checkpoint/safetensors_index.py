@@ -19,7 +19,7 @@ class CheckpointError(ValueError):
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 
 
 @dataclass(frozen=True)

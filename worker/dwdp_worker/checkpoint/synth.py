@@ -28,7 +28,7 @@ from ..model.registry import SUPPORTED_ARCHS
 
 DTYPES = tuple(d.value for d in ModelDtype)  # the dtypes a worker loads (dwdp_runtime.contract)
 #: checkpoint quantizations synth can write (None = unquantized); see dwdp_runtime.quant
-QUANTS = (None, "fp8")
+QUANTS = (None, "fp8", "mxfp4", "nvfp4", "fp4-ue8m0")
 
 
 def _config(arch: str, *, num_experts: int, num_layers: int, hidden_size: int, vocab_size: int,
@@ -79,14 +79,17 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
     """Write a seeded random tiny checkpoint of ``arch`` to ``out_dir`` and return its path.
 
     ``quant="fp8"``: then quantized from those seeded weights as a fine-grained FP8 checkpoint
-    (``fp8_checkpoint.quantize_checkpoint``; ``fused_experts`` stores the experts as fused 3-D tensors)."""
+    (``fp8_checkpoint.quantize_checkpoint``; ``fused_experts`` stores the experts as fused 3-D tensors);
+    ``quant="mxfp4"`` / ``"nvfp4"`` / ``"fp4-ue8m0"``: as gpt-oss / ModelOpt / DeepSeek-V4 write FP4 experts
+    (``checkpoint.fp4``)."""
     import torch
     import transformers as tf
 
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: must be one of {', '.join(q for q in QUANTS if q)} (or none)")
-    if fused_experts and quant is None:
-        raise ValueError("fused_experts applies to a quantized checkpoint (--quant fp8)")
+    if fused_experts and quant != "fp8":
+        raise ValueError("fused_experts applies to an FP8 checkpoint (--quant fp8; MXFP4 experts are always fused, "
+                         "NVFP4 ones per expert, as the released checkpoints store them)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
     if arch not in SUPPORTED_ARCHS:
@@ -120,11 +123,26 @@ def write_synthetic(arch: str, out_dir, *, seed: int = 0, num_experts: int | Non
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer:
         write_tokenizer(out, vocab_size=sizes["vocab_size"], max_positions=max_positions)
+    _quantize(out, quant, fused_experts)
+    return out
+
+
+def _quantize(out: pathlib.Path, quant: str | None, fused_experts: bool) -> None:
     if quant == "fp8":
         from .fp8 import quantize_checkpoint
 
         quantize_checkpoint(out, fused_experts=fused_experts)
-    return out
+    elif quant is not None:
+        from dwdp_runtime.quant.fp4 import MXFP4_GROUP, NVFP4_GROUP
+
+        from . import fp4
+
+        try:
+            fp4.quantize_checkpoint(out, quant)
+        except ValueError as exc:
+            group = NVFP4_GROUP if quant == "nvfp4" else MXFP4_GROUP
+            raise ValueError(f"{exc}: {quant} needs every projection's input size a multiple of {group} "
+                             f"(--hidden-size, --moe-intermediate-size, --intermediate-size)") from None
 
 
 def _fill_seeded(model, seed: int, dtype: str) -> None:
@@ -177,10 +195,7 @@ def _write_from_config_class(model_type: str, out: pathlib.Path, *, seed: int, d
     if tokenizer:
         write_tokenizer(out, vocab_size=TINY_VOCAB, max_positions=getattr(config.get_text_config(),
                                                                             "max_position_embeddings", 4096))
-    if quant == "fp8":
-        from .fp8 import quantize_checkpoint
-
-        quantize_checkpoint(out, fused_experts=fused_experts)
+    _quantize(out, quant, fused_experts)
     return out
 
 
@@ -246,9 +261,13 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default float32)")
     parser.add_argument("--tokenizer", action="store_true", help="also write a small word-level tokenizer with a chat template")
     parser.add_argument("--quant", choices=[q for q in QUANTS if q], default=None,
-                        help="quantize the seeded weights: fp8 = e4m3 with 128x128 block scales (DeepSeek-V3 format)")
+                        help="quantize the seeded weights: fp8 = e4m3 with 128x128 block scales (DeepSeek-V3 format); "
+                             "mxfp4 = E2M1 experts with E8M0 scales per 32 (gpt-oss format); nvfp4 = E2M1 with "
+                             "E4M3 scales per 16 and an fp32 global scale (ModelOpt format); fp4-ue8m0 = FP4 experts "
+                             "with E8M0 scales per 32 and FP8 dense linears with E8M0 block scales (DeepSeek-V4 "
+                             "format)")
     parser.add_argument("--fused-experts", action="store_true",
-                        help="with --quant: store experts as fused gate_up_proj/down_proj (+ _scale_inv) tensors")
+                        help="with --quant fp8: store experts as fused gate_up_proj/down_proj (+ _scale_inv) tensors")
 
 
 def synth_main(args: argparse.Namespace) -> int:

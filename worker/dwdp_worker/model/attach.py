@@ -1,7 +1,7 @@
 """``attach(model, …) -> Attachment``: every change DWDP makes to a built `transformers` model, and its undo.
 
 What ``attach`` does, in this order (``Attachment.close()`` undoes each, in reverse):
-  1. **Quantized experts forwards** (``overrides``: FP8 block-scaled experts, named by the loader): the experts
+  1. **Quantized experts forwards** (``overrides``: FP8 block-scaled or FP4 experts, named by the loader): the experts
      module's instance ``forward`` and one state attribute (``ForwardOverride``). The module keeps its class.
   2. **Experts implementation** (``experts``: ``auto`` | ``dwdp`` | ``grouped_mm`` | ``eager``; the choice is
      ``experts_impl.choose``, pure): for ``dwdp``, each experts module's kernel layout (``_dwdp_kernels``) and

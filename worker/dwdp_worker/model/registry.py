@@ -28,7 +28,7 @@ SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 def check_supported_config(config: Any) -> None:
     """Refuse configs DWDP cannot shard faithfully before building anything: a quantization other than FP8
-    block-scaled (``dwdp_runtime.quant.parse_quantization_config`` names what is supported)."""
+    block-scaled or FP4 (``dwdp_runtime.quant.parse_quantization_config`` names what is supported)."""
     from dwdp_runtime.quant import UnsupportedQuantizationError, parse_quantization_config
 
     model_type = getattr(config, "model_type", None)

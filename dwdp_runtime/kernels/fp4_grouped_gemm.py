@@ -1,0 +1,238 @@
+"""Weight-only FP4 grouped GEMMs: the bf16 kernels of ``grouped_gemm`` with the weight tile decoded from
+packed E2M1 + scales in the load (MXFP4 or NVFP4), never materialised in HBM.
+
+Weights as DWDP binds them: packed ``w [E, N, K/2]`` uint8 (two E2M1 codes per byte, the low nibble the
+even ``k``; gpt-oss's ``[E, N, K/32, 16]`` blocks are the same bytes), the projection as ``[out, in]``;
+scales ``s [E, N, K/G]`` (MXFP4: E8M0 bytes, G = 32; NVFP4: e4m3 bytes, G = 16) and, NVFP4 only, the
+per-projection global ``s2 [E, S]`` fp32 (gate_up's gate columns read ``s2[e, 0]``, its up columns
+``s2[e, S − 1]``). Any strides; nothing is copied.
+
+The decode of one ``[BLOCK_K, BLOCK_N]`` tile (``_fp4_tile``): load ``[BLOCK_K/2, BLOCK_N]`` bytes, split the
+nibbles, build each E2M1 magnitude from its bits (``(1 + m/2) · 2^(e−1)``, ``m/2`` for ``e = 0``: exact),
+interleave them back to ``k = 2j, 2j + 1`` (``tl.join`` + reshape), and multiply by the group scale
+decoded from its bits (E8M0 ``2^(s − 127)`` as the float32 bit pattern ``s << 23``; e4m3 from its sign,
+exponent and mantissa) — integer operations and exact products only, so the interpreter and the GPU
+decode alike (no fp8 conversion, whose interpreter emulation is wrong: docs/MODELS.md). NVFP4 then
+multiplies by ``s2`` (one float32 rounding) and every tile is rounded once to the activations' dtype
+(``cast_out``): the tile is **exactly** ``quant.fp4``'s dequantization in that dtype. Everything after the
+load — the MMA sequence over ascending 64-wide K steps, the epilogues, the row order — is
+``grouped_gemm``'s, so with the same config the output equals the bf16 kernels' on the dequantized
+weights bitwise (``tests/kernels/test_fp4_kernels.py``) and is batch invariant for the same reasons.
+
+Cost: HBM reads a quarter of the bf16 weight bytes (+ 1/32 or 1/16 B of scale per weight); the decode is
+ALU work in the load loop (about 12 integer/float ops per weight, once per row block that sweeps the
+tile). TMA is not used for the packed tiles (the unpack needs registers anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast_out
+from .grouped_gemm import _act, _block_tile, _grid, _mma, _tile_ids
+from .routing import RoutingPlan
+from .support import ACTIVATIONS, interpreting
+from .tuning import GemmConfig
+
+#: the scale formats (``SCALE_FMT``) and their group sizes along K
+E8M0, E4M3 = 0, 1
+GROUP = {E8M0: 32, E4M3: 16}
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 codes (int32, 0..15) → float32 values, from the bits: exact."""
+    sign = tl.where((code & 8) != 0, -1.0, 1.0)
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
+    return sign * mag
+
+
+@triton.jit
+def _scale(byte, SCALE_FMT: tl.constexpr):
+    """Scale bytes (int32) → float32: E8M0 ``2^(b − 127)`` or float8_e4m3fn, from the bits (exact)."""
+    if SCALE_FMT == 0:
+        bits = tl.where(byte == 0, 0x00400000, byte << 23)   # 2^-127 is subnormal: its own bit pattern
+        return bits.to(tl.float32, bitcast=True)
+    e = (byte >> 3) & 15
+    m = byte & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)     # subnormal: m · 2^-9
+    return tl.where((byte & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, s2, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+              stride_sk, dtype: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` weight tile of columns ``cols`` at reduction offset ``k0``, in ``dtype``."""
+    half = tl.arange(0, BLOCK_K // 2)
+    k_ok = half < (K - k0) // 2
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + (k0 // 2 + half)[:, None] * stride_wk
+    packed = tl.load(w_ptrs, mask=k_ok[:, None], other=0).to(tl.int32)
+    lo = _e2m1(packed & 15)
+    hi = _e2m1((packed >> 4) & 15)
+    vals = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_K, BLOCK_N])   # row 2j + t
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if SCALE_FMT == 0:
+        group = offs_k // 32
+    else:
+        group = offs_k // 16
+    s_ptrs = s_ptr + expert * stride_se + cols[None, :] * stride_sn + group[:, None] * stride_sk
+    s = _scale(tl.load(s_ptrs, mask=(offs_k < K)[:, None], other=0).to(tl.int32), SCALE_FMT)
+    w = vals * s
+    if HAS_S2:
+        w = w * s2
+    return cast_out(w, dtype, EXACT_BF16)
+
+
+@triton.jit
+def fp4_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, max_blocks, N, K, top_k, up_offset, col_step, s2_up,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e,
+    stride_be, stride_bn, stride_om,
+    HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SCALE_FMT: tl.constexpr,
+    HAS_S2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if idle:
+        return
+    expert, rows, pairs, live, _, offs_n, cols = _block_tile(sorted_ptr, block_expert_ptr, pid_m, pid_n, col_step,
+                                                             num_pairs, N, BLOCK_M, BLOCK_N)
+    tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    dtype = out_ptr.dtype.element_ty
+    s2_g = 1.0
+    s2_u = 1.0
+    if HAS_S2:
+        s2_g = tl.load(s2_ptr + expert * stride_s2e)
+        s2_u = tl.load(s2_ptr + expert * stride_s2e + s2_up)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        g = _fp4_tile(w_ptr, s_ptr, s2_g, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se,
+                      stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
+        acc_g = _mma(a, g, acc_g, UPCAST)
+        if HAS_GATE:
+            u = _fp4_tile(w_ptr, s_ptr, s2_u, expert, cols + up_offset, k0, K, stride_we, stride_wn, stride_wk,
+                          stride_se, stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
+            acc_u = _mma(a, u, acc_u, UPCAST)
+        a_ptrs += BLOCK_K * stride_xk
+    if HAS_BIAS:
+        b_base = bias_ptr + expert * stride_be
+        acc_g += tl.load(b_base + cols * stride_bn).to(tl.float32)[None, :]
+        if HAS_GATE:
+            acc_u += tl.load(b_base + (cols + up_offset) * stride_bn).to(tl.float32)[None, :]
+    if HAS_GATE:
+        act = _act(acc_g, ACT) * acc_u
+    else:
+        act = _act(acc_g, ACT)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, cast_out(act, dtype, UPCAST), mask=offs_n[None, :] < N)
+
+
+@triton.jit
+def fp4_down_kernel(
+    a_ptr, w_ptr, s_ptr, s2_ptr, bias_ptr, weight_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, max_blocks, N, K,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e,
+    stride_be, stride_bn, stride_ym,
+    HAS_BIAS: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if idle:
+        return
+    expert, rows, pairs, live, _, offs_n, cols = _block_tile(sorted_ptr, block_expert_ptr, pid_m, pid_n, 1,
+                                                             num_pairs, N, BLOCK_M, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    dtype = y_ptr.dtype.element_ty
+    s2 = 1.0
+    if HAS_S2:
+        s2 = tl.load(s2_ptr + expert * stride_s2e)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = _fp4_tile(w_ptr, s_ptr, s2, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se,
+                      stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
+        acc = _mma(a, w, acc, UPCAST)
+        a_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols * stride_bn).to(tl.float32)[None, :]
+    route_w = tl.load(weight_ptr + pairs, mask=live, other=0.0).to(tl.float32)
+    acc = acc * route_w[:, None]
+    y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, cast_out(acc, dtype, UPCAST), mask=live[:, None] & (offs_n[None, :] < N))
+
+
+#: interpreter-only paths, as ``grouped_gemm``'s: operands through fp32, bf16 rounding on the bits
+_UPCAST = interpreting()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A packed or scale tensor as uint8 (float8_e4m3fn scales are read as their bits)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _packed3(w: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K/2]`` view of packed codes (gpt-oss blocks ``[E, N, K/32, 16]`` flattened, no copy)."""
+    w = _bytes(w)
+    return w if w.dim() == 3 else w.flatten(2)
+
+
+def _s2_args(s2: torch.Tensor | None):
+    return (s2, s2.stride(0), s2.shape[1] - 1) if s2 is not None else (None, 0, 0)
+
+
+def fp4_gate_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s2: torch.Tensor | None, plan: RoutingPlan,
+                cfg: GemmConfig, *, inter: int, up_offset: int, col_step: int, has_gate: bool, scale_fmt: int,
+                bias: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """GEMM 1 over ``plan`` from FP4 weights (``grouped_gemm.gate_up``'s contract; ``w [E, 2I, H/2]``)."""
+    w, s = _packed3(w), _bytes(s)
+    hidden = x.shape[1]
+    if w.shape[2] * 2 != hidden or s.shape[2] * GROUP[scale_fmt] != hidden:
+        raise ValueError(f"FP4 weights {tuple(w.shape)} / scales {tuple(s.shape)} do not fit hidden size {hidden}")
+    out = torch.empty(plan.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    s2_t, s2_stride, s2_up = _s2_args(s2)
+    bs = tuple(bias.stride()) if bias is not None else (0, 0)
+    fp4_gate_up_kernel[_grid(plan, inter, cfg)](
+        x, w, s, s2_t if s2_t is not None else s, bias if bias is not None else s, out, plan.sorted_pairs,
+        plan.block_expert, plan.num_padded, plan.num_pairs, plan.max_blocks, inter, hidden, plan.top_k, up_offset,
+        col_step, s2_up, x.stride(0), x.stride(1), *w.stride(), *s.stride(), s2_stride, *bs, out.stride(0),
+        HAS_GATE=has_gate, HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], SCALE_FMT=scale_fmt,
+        HAS_S2=s2 is not None, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, UPCAST=_UPCAST, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def fp4_down(act: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s2: torch.Tensor | None, weights: torch.Tensor,
+             plan: RoutingPlan, cfg: GemmConfig, *, hidden: int, scale_fmt: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """GEMM 2 over ``plan`` from FP4 weights (``grouped_gemm.down``'s contract; ``w [E, H, I/2]``)."""
+    w, s = _packed3(w), _bytes(s)
+    inter = act.shape[1]
+    if w.shape[2] * 2 != inter or s.shape[2] * GROUP[scale_fmt] != inter:
+        raise ValueError(f"FP4 weights {tuple(w.shape)} / scales {tuple(s.shape)} do not fit {inter} inputs")
+    y = torch.empty(plan.num_pairs, hidden, dtype=act.dtype, device=act.device)
+    s2_t, s2_stride, _ = _s2_args(s2)
+    bs = tuple(bias.stride()) if bias is not None else (0, 0)
+    fp4_down_kernel[_grid(plan, hidden, cfg)](
+        act, w, s, s2_t if s2_t is not None else s, bias if bias is not None else s, weights.reshape(-1), y,
+        plan.sorted_pairs, plan.block_expert, plan.num_padded, plan.num_pairs, plan.max_blocks, hidden, inter,
+        act.stride(0), *w.stride(), *s.stride(), s2_stride, *bs, y.stride(0),
+        HAS_BIAS=bias is not None, SCALE_FMT=scale_fmt, HAS_S2=s2 is not None, BLOCK_M=plan.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y

@@ -1,0 +1,61 @@
+"""CUDA path of the FP4 experts forward: the weight-only FP4 Triton grouped GEMMs over the bound packed composites.
+
+``unsupported_reason(module, x)`` is None only on CUDA with the Triton kernels available, 16-bit activations
+and a module the fused epilogues cover (as for bf16: the default gate, a known activation, no post-expert
+norm, no expert-parallel sentinels; biases are fine). Anything else — gpt-oss's clamped SwiGLU among them —
+takes ``checkpoint.fp4_loading.dequantized_forward`` (dequantize, then the module's configured forward).
+
+What the kernels read (``dwdp_runtime.kernels.fp4_moe``): the packed ``[E, out, in/2]`` codes and scales as the
+hooks bound them (DWDP's composites; no copy), the layout flags ``@use_experts_implementation`` sets
+(``has_gate``, ``is_concatenated``, ``has_bias``; the packed weights are ``[out, in]`` whatever
+``is_transposed`` says), the activation from ``config.hidden_act``. The output equals the bf16 kernels on the
+dequantized weights bitwise (tests/kernels/test_fp4_kernels.py), so a sharded FP4 model on GPU equals its
+unsharded self on the same kernels.
+"""
+
+from __future__ import annotations
+
+#: the experts module attribute holding what the FP4 forward reads (``checkpoint.fp4_loading.Fp4Experts``: the
+#: format, the projections' packed weight and scale names), set with the forward by ``model.attach``
+FP4_STATE_ATTR = "_dwdp_fp4"
+#: activation dtypes the kernels run on CUDA (bf16/fp16 MMA with fp32 accumulation)
+_DTYPES = ("torch.bfloat16", "torch.float16")
+
+
+def _flags(module) -> tuple[bool, bool, bool, str]:
+    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    return (bool(getattr(module, "has_gate", True)), bool(getattr(module, "is_concatenated", True)),
+            bool(getattr(module, "has_bias", False)), str(act))
+
+
+def unsupported_reason(module, hidden_states) -> str | None:
+    from dwdp_runtime import kernels
+    from transformers.integrations import moe
+
+    if hidden_states.device.type != "cuda" or not kernels.available(hidden_states.device):
+        return f"FP4 Triton kernels unavailable on {hidden_states.device}"
+    if str(hidden_states.dtype) not in _DTYPES:
+        return f"activations in {hidden_states.dtype}"
+    if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_post_expert_norm", False):
+        return "expert-parallel sentinels or post-expert norm"
+    if type(module)._apply_gate is not moe._default_apply_gate:
+        return f"custom gate {type(module).__name__}._apply_gate"
+    if _flags(module)[3] not in kernels.ACTIVATIONS:
+        return f"activation {_flags(module)[3]!r}"
+    return None
+
+
+def forward(module, hidden_states, top_k_index, top_k_weights):
+    from dwdp_runtime.kernels.fp4_moe import Fp4Weights, fp4_experts
+    from dwdp_runtime.kernels.moe import ExpertsLayout
+
+    spec = getattr(module, FP4_STATE_ATTR)
+    up, down = spec.projections
+    p = module._parameters
+    has_gate, concatenated, has_bias, activation = _flags(module)
+    second = (lambda proj: p[proj.scales[1]]) if len(up.scales) > 1 else (lambda proj: None)
+    weights = Fp4Weights(str(getattr(spec.format, "value", spec.format)), p[up.weight], p[up.scales[0]],
+                         p[down.weight], p[down.scales[0]], second(up), second(down),
+                         p[f"{up.weight}_bias"] if has_bias else None, p[f"{down.weight}_bias"] if has_bias else None)
+    layout = ExpertsLayout(has_gate=has_gate, is_concatenated=concatenated, has_bias=has_bias, activation=activation)
+    return fp4_experts(hidden_states, top_k_index, top_k_weights, weights, layout)
