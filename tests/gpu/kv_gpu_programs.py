@@ -122,7 +122,12 @@ def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result, devi
                 local = [(k.contiguous(), v.contiguous()) for k, v in ref_kv[i]]
                 local_tokens, local_logits = continue_greedy(model, prompts[i], first, cache_from(model, local),
                                                              new_tokens)
+                again_tokens, again_logits = decode_from_params(model, prompts[i], first, pulled,
+                                                                max_new_tokens=new_tokens)
                 forced = teacher_forced(model, prompts[i], tokens)
+                local_forced = teacher_forced(model, prompts[i], local_tokens)
+                first_diff = next((j for j, (a, b) in enumerate(zip(tokens, local_tokens)) if a != b), None)
+                step_diff = [float((a - b).abs().max()) for a, b in zip(logits, local_logits)]
                 bad = wrong_cache(ref_kv[i], ref_kv[(i + 1) % len(prompts)])
                 bad_logits = forced_logits(model, tokens[:-1], cache=cache_from(model, bad), start=len(prompts[i]))
                 rows.append({"bitwise": digest(pulled.kv) == got["digests"][i], "nbytes": pulled.nbytes,
@@ -132,6 +137,11 @@ def gpu_decode_program(*, model_dir, prompts, exchange, new_tokens, result, devi
                              "tokens": tokens, "expected": expected[i], "local_tokens": local_tokens,
                              "continuation_bitwise": tokens == local_tokens and torch.equal(logits, local_logits),
                              "teacher_forced": logit_agreement(logits, forced),
+                             # diagnostics of a continuation that is not bitwise: is the pulled decode itself
+                             # repeatable, does the local decode follow the prompt, where do they part
+                             "repeat_bitwise": again_tokens == tokens and torch.equal(again_logits, logits),
+                             "local_teacher_forced": logit_agreement(local_logits, local_forced),
+                             "first_token_diff": first_diff, "step_logit_diff": step_diff,
                              "wrong_cache": logit_agreement(bad_logits, forced)})
         pathlib.Path(result).write_text(json.dumps({"rows": rows}))
     finally:

@@ -80,11 +80,23 @@ def test_kv_round_trip_in_gpu_memory(model_dir, tmp_path):
               f"median max|Δ| {tf['median_max_abs']:.3f} (max {tf['max_abs']:.3f}), {100 * tf['agreeing']:.0f} % of "
               f"positions cos ≥ {TF_COS}; a wrong cache: median {wrong['median_max_abs']:.3f}, "
               f"{100 * wrong['agreeing']:.0f} %; tokens agree with generate {agree}/{NEW_TOKENS}")
+        if not row["continuation_bitwise"]:
+            ltf = row["local_teacher_forced"]
+            print(f"  not bitwise: the pulled decode repeats itself bitwise={row['repeat_bitwise']}; the local decode "
+                  f"follows the prompt {100 * ltf['agreeing']:.0f} % (max {ltf['max_abs']:.3f}); first token that "
+                  f"differs: {row['first_token_diff']}; max|Δ logits| per step: "
+                  + " ".join(f"{d:.3g}" for d in row["step_logit_diff"]))
     for row in rows:
         assert row["bitwise"] and row["device"].startswith("cuda")
         assert len(row["tokens"]) == NEW_TOKENS
         assert row["max_diff_vs_unsharded"] == 0                  # same kernels, unsharded: bitwise
-        assert row["continuation_bitwise"] and row["tokens"] == row["local_tokens"]
+        # the first decode step reads nothing but the cache: bitwise the same step from the local cache
+        assert row["step_logit_diff"][0] == 0, row["step_logit_diff"]
+        # the whole continuation bitwise — unless the decoder itself does not repeat on one fixed cache (seen
+        # once on H200 in 8 sequences: then a bitwise comparison says nothing of the cache, and the first step
+        # above plus the teacher-forced checks below carry the test)
+        assert (row["continuation_bitwise"] and row["tokens"] == row["local_tokens"]) or not row["repeat_bitwise"], \
+            (row["first_token_diff"], row["step_logit_diff"])
         assert row["teacher_forced"]["ok"], row["teacher_forced"]  # follows from the prompt, within bf16 noise
         assert not row["wrong_cache"]["ok"], row["wrong_cache"]    # … and the check can tell a wrong cache
     after = r0["kv_stats_after"]

@@ -30,7 +30,7 @@ BLOCK = 4096
 #: leases short enough to lapse within a test, long enough for a claim round trip on a loaded 2-core machine
 LEASE_S = 1.5
 #: grace longer than the checks made inside it (a stats round trip), so "still in quarantine" is not a race
-GRACE_S = 2.0
+GRACE_S = 5.0
 
 
 def same(a, b) -> bool:
@@ -196,3 +196,12 @@ def test_a_dwdp_kv_1_consumer_gets_a_clear_refusal_it_can_read(one_block):
     assert "dwdp-kv/2" in reply["reason"] and "verdict" in reply["reason"]
     with KvPuller() as puller:                                    # never leased: a v2 pull of it still works
         puller.pull(params)
+
+
+def test_service_polls_fast_only_while_a_pull_is_under_way():
+    from dwdp_worker.kv.server import ACTIVE_WINDOW_S, FAST_POLL_S, POLL_S, poll_period
+
+    assert poll_period(True, 10.0) == FAST_POLL_S            # a claim held: its verdict is waited for
+    assert poll_period(False, ACTIVE_WINDOW_S / 2) == FAST_POLL_S
+    assert poll_period(False, ACTIVE_WINDOW_S * 2) == POLL_S  # idle: the cheap period
+    assert FAST_POLL_S < POLL_S
