@@ -12,8 +12,8 @@ uniformly random routing, all in one run:
                            in the weight load, bf16 MMA; ratio ``bf16 grouped_mm ÷ fp4 GEMMs`` (issue #31 asks
                            ≥ 1.0 at 16K for weight-only);
   * ``bf16 block`` / ``fp4 block`` — whole routed-experts forwards: ``kernels.fused_experts`` on the dequantized
-                           weights vs ``kernels.fp4_moe.fp4_experts`` on the packed ones, and whether they are
-                           bitwise equal (they must be: the decode is exact);
+                           weights vs ``kernels.fp4_moe.fp4_experts`` on the packed ones, and how close (the
+                           decode is exact; on the GPU the sums run in another order: ``MAX_REL_DIFF``);
   * ``W4A8``             — not implemented yet (issue #31's stretch: FP4 → FP8 in registers over the CuTe DSL
                            block-scaled kernels): printed as such, no number;
   * ``prefetch bytes``   — bytes of one expert per layer, measured from the tensors themselves (packed codes +
@@ -51,6 +51,10 @@ FORMATS = ("mxfp4", "nvfp4")
 PREFETCH_GROUP = 4
 RATIOS = ("fp4_over_bf16_grouped_mm", "fp4_block_over_bf16_block")
 
+
+#: on the GPU the FP4 kernels sum the same exact products in another order than the bf16 kernels (the decoded
+#: weights are the MMA's A operand): outputs agree within a few bf16 ulps of the largest (2^-8 is one)
+MAX_REL_DIFF = 4 * 2.0 ** -8
 
 def experts(fmt, h, i, e, dev, seed=0):
     """Packed FP4 experts quantized from seeded weights (``Fp4Weights``) and their dequantized bf16 twins."""
@@ -156,12 +160,14 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
                  fp4_gemms_ms=t_g1 + t_g2, fp4_tflops=flops / (t_g1 + t_g2) / 1e9,
                  fp4_over_bf16_grouped_mm=t_bf16 / (t_g1 + t_g2), bf16_block_ms=t_bblock, fp4_block_ms=t_fblock,
                  fp4_block_over_bf16_block=t_bblock / t_fblock, block_bitwise_equal=bool(torch.equal(got, ref)),
+                 block_max_rel_diff=float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1)),
                  w4a8="not implemented", cfg_gate_up=str(c1), cfg_down=str(c2), **common)
         rows.append(r)
         print(f"[{name}] {fmt} T={t}: bf16 grouped_mm {t_bf16:.3f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | FP4 "
               f"weight-only GEMMs {t_g1 + t_g2:.3f} ms ({r['fp4_tflops']:.0f} TFLOP/s) = "
               f"{r['fp4_over_bf16_grouped_mm']:.2f}x bf16 | block bf16 {t_bblock:.3f} ms, fp4 {t_fblock:.3f} ms "
-              f"({r['fp4_block_over_bf16_block']:.2f}x), bitwise equal {r['block_bitwise_equal']} | W4A8: not "
+              f"({r['fp4_block_over_bf16_block']:.2f}x), bitwise {r['block_bitwise_equal']}, max rel diff "
+              f"{r['block_max_rel_diff']:.2g} | W4A8: not "
               f"implemented", flush=True)
     return rows
 
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
         rows = [row for fmt in a.formats for row in run_shape("tiny", fmt, [48], rep_ms=1, smoke=True)]
         if a.json:
             pathlib.Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
-        return 0 if all(r["block_bitwise_equal"] for r in rows) else 1
+        return 0 if all(r["block_bitwise_equal"] for r in rows) else 1   # the interpreter: bitwise
     if not torch.cuda.is_available():
         print("bench/fp4_moe.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
@@ -213,7 +219,7 @@ def main(argv=None) -> int:
                 out["summary"] += summarize(rounds)
             if a.json:  # after every (shape, format): a run cut short keeps what it measured
                 pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
-    return 0 if all(r["block_bitwise_equal"] for r in out["rows"]) else 1
+    return 0 if all(r["block_max_rel_diff"] <= MAX_REL_DIFF for r in out["rows"]) else 1
 
 
 if __name__ == "__main__":

@@ -7,17 +7,23 @@ scales ``s [E, N, K/G]`` (MXFP4: E8M0 bytes, G = 32; NVFP4: e4m3 bytes, G = 16) 
 per-projection global ``s2 [E, S]`` fp32 (gate_up's gate columns read ``s2[e, 0]``, its up columns
 ``s2[e, S − 1]``). Any strides; nothing is copied.
 
-The decode of one ``[BLOCK_K, BLOCK_N]`` tile (``_fp4_tile``): load ``[BLOCK_K/2, BLOCK_N]`` bytes, split the
-nibbles, build each E2M1 magnitude from its bits (``(1 + m/2) · 2^(e−1)``, ``m/2`` for ``e = 0``: exact),
-interleave them back to ``k = 2j, 2j + 1`` (``tl.join`` + reshape), and multiply by the group scale
-decoded from its bits (E8M0 ``2^(s − 127)`` as the float32 bit pattern ``s << 23``; e4m3 from its sign,
-exponent and mantissa) — integer operations and exact products only, so the interpreter and the GPU
-decode alike (no fp8 conversion, whose interpreter emulation is wrong: docs/MODELS.md). NVFP4 then
-multiplies by ``s2`` (one float32 rounding) and every tile is rounded once to the activations' dtype
-(``cast_out``): the tile is **exactly** ``quant.fp4``'s dequantization in that dtype. Everything after the
-load — the MMA sequence over ascending 64-wide K steps, the epilogues, the row order — is
-``grouped_gemm``'s, so with the same config the output equals the bf16 kernels' on the dequantized
-weights bitwise (``tests/kernels/test_fp4_kernels.py``) and is batch invariant for the same reasons.
+The decode of one ``[BLOCK_N, BLOCK_K]`` tile (``_fp4_tile``): load ``[BLOCK_N, BLOCK_K/2]`` bytes as they lie
+(K contiguous), split the nibbles, build each E2M1 magnitude from its bits (``(1 + m/2) · 2^(e−1)``, ``m/2``
+for ``e = 0``: exact), join the pair along a new last axis and flatten it onto K (``k = 2j + t``: no
+transpose), and multiply each group by its scale decoded from its bits (E8M0 ``2^(s − 127)`` as the float32
+bit pattern ``s << 23``; e4m3 from its sign, exponent and mantissa) — integer operations and exact products
+only, so the interpreter and the GPU decode alike (no fp8 conversion, whose interpreter emulation is wrong:
+docs/MODELS.md). NVFP4 then multiplies by ``s2`` (one float32 rounding) and every tile is rounded once to the
+activations' dtype (``cast_out``): the tile is **exactly** ``quant.fp4``'s dequantization in that dtype.
+
+Swapped operands: each program computes ``acc^T [BLOCK_N, BLOCK_M] = W_tile · x_tile^T``, the decoded weights
+as the MMA's A operand. Hopper's wgmma reads A from registers, so the decoded tile goes from the decode
+straight into the MMA; as the B operand it must be stored to shared memory first, every K step, in the warps
+that also issue the MMA (that form ran at 0.07–0.10× bf16 ``_grouped_mm`` on H200, 2026-12-03). The epilogues
+index the transposed accumulator (rows along its second axis). The K steps are ``grouped_gemm``'s (ascending,
+BLOCK_K = 64, fp32), so the output is batch invariant for the same reasons; under the interpreter it equals
+the bf16 kernels on the dequantized weights bitwise (``tests/kernels/test_fp4_kernels.py``), on the GPU within
+a few bf16 ulps (the same exact products, summed by the other operand order: ``tests/gpu/test_fp4_gpu.py``).
 
 Cost: HBM reads a quarter of the bf16 weight bytes (+ 1/32 or 1/16 B of scale per weight); the decode is
 ALU work in the load loop (about 12 integer/float ops per weight, once per row block that sweeps the
@@ -69,22 +75,22 @@ def _scale(byte, SCALE_FMT: tl.constexpr):
 def _fp4_tile(w_ptr, s_ptr, s2, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
               stride_sk, dtype: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` weight tile of columns ``cols`` at reduction offset ``k0``, in ``dtype``."""
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile (output columns ``cols`` × reduction ``[k0, k0 + BLOCK_K)``), in
+    ``dtype``: the bytes are loaded ``[BLOCK_N, BLOCK_K/2]`` as they lie (K contiguous), the two nibbles of a
+    byte joined along a new last axis and flattened onto K (``k = 2j + t``: no transpose, no layout change), each
+    ``G``-element group multiplied by its scale through a ``[BLOCK_N, BLOCK_K/G, G]`` view."""
     half = tl.arange(0, BLOCK_K // 2)
-    k_ok = half < (K - k0) // 2
-    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + (k0 // 2 + half)[:, None] * stride_wk
-    packed = tl.load(w_ptrs, mask=k_ok[:, None], other=0).to(tl.int32)
-    lo = _e2m1(packed & 15)
-    hi = _e2m1((packed >> 4) & 15)
-    vals = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_K, BLOCK_N])   # row 2j + t
-    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + (k0 // 2 + half)[None, :] * stride_wk
+    packed = tl.load(w_ptrs, mask=(half < (K - k0) // 2)[None, :], other=0).to(tl.int32)
+    vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1((packed >> 4) & 15)), [BLOCK_N, BLOCK_K])
     if SCALE_FMT == 0:
-        group = offs_k // 32
+        G: tl.constexpr = 32
     else:
-        group = offs_k // 16
-    s_ptrs = s_ptr + expert * stride_se + cols[None, :] * stride_sn + group[:, None] * stride_sk
-    s = _scale(tl.load(s_ptrs, mask=(offs_k < K)[:, None], other=0).to(tl.int32), SCALE_FMT)
-    w = vals * s
+        G: tl.constexpr = 16
+    groups = tl.arange(0, BLOCK_K // G)
+    s_ptrs = s_ptr + expert * stride_se + cols[:, None] * stride_sn + (k0 // G + groups)[None, :] * stride_sk
+    s = _scale(tl.load(s_ptrs, mask=(k0 + groups * G < K)[None, :], other=0).to(tl.int32), SCALE_FMT)
+    w = tl.reshape(tl.reshape(vals, [BLOCK_N, BLOCK_K // G, G]) * s[:, :, None], [BLOCK_N, BLOCK_K])
     if HAS_S2:
         w = w * s2
     return cast_out(w, dtype, EXACT_BF16)
@@ -100,6 +106,9 @@ def fp4_gate_up_kernel(
     HAS_S2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # swapped operands: acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] · x_tile^T — the decoded weights are
+    # the MMA's A operand, which Hopper's wgmma reads from registers, so the decode never round-trips through
+    # shared memory (as the B operand it must: measured 0.07-0.10x bf16 that way on H200)
     pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if idle:
         return
@@ -114,30 +123,30 @@ def fp4_gate_up_kernel(
     if HAS_S2:
         s2_g = tl.load(s2_ptr + expert * stride_s2e)
         s2_u = tl.load(s2_ptr + expert * stride_s2e + s2_up)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        a_t = tl.trans(tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0))
         g = _fp4_tile(w_ptr, s_ptr, s2_g, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se,
                       stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
-        acc_g = _mma(a, g, acc_g, UPCAST)
+        acc_g = _mma(g, a_t, acc_g, UPCAST)
         if HAS_GATE:
             u = _fp4_tile(w_ptr, s_ptr, s2_u, expert, cols + up_offset, k0, K, stride_we, stride_wn, stride_wk,
                           stride_se, stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
-            acc_u = _mma(a, u, acc_u, UPCAST)
+            acc_u = _mma(u, a_t, acc_u, UPCAST)
         a_ptrs += BLOCK_K * stride_xk
     if HAS_BIAS:
         b_base = bias_ptr + expert * stride_be
-        acc_g += tl.load(b_base + cols * stride_bn).to(tl.float32)[None, :]
+        acc_g += tl.load(b_base + cols * stride_bn).to(tl.float32)[:, None]
         if HAS_GATE:
-            acc_u += tl.load(b_base + (cols + up_offset) * stride_bn).to(tl.float32)[None, :]
+            acc_u += tl.load(b_base + (cols + up_offset) * stride_bn).to(tl.float32)[:, None]
     if HAS_GATE:
         act = _act(acc_g, ACT) * acc_u
     else:
         act = _act(acc_g, ACT)
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, cast_out(act, dtype, UPCAST), mask=offs_n[None, :] < N)
+    out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, cast_out(act, dtype, UPCAST), mask=offs_n[:, None] < N)
 
 
 @triton.jit
@@ -150,6 +159,7 @@ def fp4_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    # swapped operands as in GEMM 1: acc^T [BLOCK_N, BLOCK_M]
     pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if idle:
         return
@@ -161,20 +171,20 @@ def fp4_down_kernel(
     s2 = 1.0
     if HAS_S2:
         s2 = tl.load(s2_ptr + expert * stride_s2e)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        a_t = tl.trans(tl.load(a_ptrs, mask=k_ok[None, :], other=0.0))
         w = _fp4_tile(w_ptr, s_ptr, s2, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se,
                       stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
-        acc = _mma(a, w, acc, UPCAST)
+        acc = _mma(w, a_t, acc, UPCAST)
         a_ptrs += BLOCK_K
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + cols * stride_bn).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + expert * stride_be + cols * stride_bn).to(tl.float32)[:, None]
     route_w = tl.load(weight_ptr + pairs, mask=live, other=0.0).to(tl.float32)
-    acc = acc * route_w[:, None]
-    y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, cast_out(acc, dtype, UPCAST), mask=live[:, None] & (offs_n[None, :] < N))
+    acc = acc * route_w[None, :]
+    y_ptrs = y_ptr + pairs.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, cast_out(acc, dtype, UPCAST), mask=live[None, :] & (offs_n[:, None] < N))
 
 
 #: interpreter-only paths, as ``grouped_gemm``'s: operands through fp32, bf16 rounding on the bits

@@ -54,6 +54,11 @@ def fp4_experts_case(fmt, h, i, e, dev="cuda", seed=0):
     return packed, twin
 
 
+#: the FP4 and bf16 kernels' outputs differ by the bf16 rounding of sums taken in another order: a few bf16 ulps
+#: of the largest output (2^-8 relative is one ulp; 4 ulps leaves room, a wrong decode is off by far more)
+BF16_OUT_TOL = 4 * 2.0 ** -8
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_fp4_kernels_equal_bf16_kernels_on_dequantized_weights(fmt, shape):
@@ -70,7 +75,10 @@ def test_fp4_kernels_equal_bf16_kernels_on_dequantized_weights(fmt, shape):
         want = fused_experts(x, ids, w, twin)
         diff = float((got.float() - want.float()).abs().max())
         print(f"{shape} {fmt} T={t}: FP4 weight-only vs bf16 kernels on the dequantized weights: max|diff| {diff}")
-        assert torch.equal(got, want)
+        # the decoded tiles are exactly the dequantized weights; on the GPU the FP4 kernels run them as the MMA's
+        # A operand (swapped operands) and the bf16 kernels as B: the same products, summed in another order —
+        # within the bf16 rounding of the output, not bitwise (under the interpreter they are: tests/kernels)
+        assert diff <= BF16_OUT_TOL * max(float(want.float().abs().max()), 1.0), diff
         if t == 4096:
             alone = fp4_experts(x[100:101], ids[100:101], w[100:101], packed)
             assert torch.equal(alone, got[100:101])   # batch invariant across load buckets
@@ -116,7 +124,7 @@ def test_fp4_forward_runs_the_kernels_and_equals_the_dequantized_twin(fp4_checkp
         for b, w in zip(BATCHES, want):
             g = ref.logits(b)
             print(f"{name}: FP4 kernels vs dequantized twin on bf16 kernels: max|diff| {(g - w).abs().max().item()}")
-            assert torch.equal(g, w), name
+            torch.testing.assert_close(g, w, rtol=1.6e-2, atol=1e-2 * max(w.abs().max().item(), 1.0), msg=name)
         del ref
         torch.cuda.empty_cache()
 

@@ -38,7 +38,8 @@ def read_dense_nvfp4(ckpt, key: str, value, device):
     s2key = key + NVFP4_SCALE_2
     if s2key not in ckpt:
         raise CheckpointError(f"{key} is NVFP4 (uint8 + {skey}) but the checkpoint has no {s2key}")
-    return fp4.nvfp4_dequantize(value.to(device), ckpt.get(skey).to(device), ckpt.get(s2key), torch.float32)
+    return fp4.nvfp4_dequantize(value.to(device), ckpt.get(skey).to(device), ckpt.get(s2key).to(device),
+                               torch.float32)
 
 
 def fp4_override(path: str, spec: Fp4Experts, compute_dtype) -> ForwardOverride:
