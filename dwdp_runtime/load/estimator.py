@@ -153,10 +153,15 @@ class LoadEstimator:
     def ttft_estimate(self, length: int, queue: QueueState, ranks: int, now: float) -> float | None:
         tput = self.filled_throughput(now)
         backlog = work(_by_bucket(queue.waiting + queue.running), tput)
+        return self._ttft_of(length, backlog, tput, ranks, self.forward_seconds(now))
+
+    @staticmethod
+    def _ttft_of(length: int, backlog: float | None, tput: Sequence[float | None], ranks: int,
+              forward_s: float | None) -> float | None:
         own = tput[isl_bucket(length)]
         if backlog is None or own is None:
             return None
-        return backlog / max(ranks, 1) + max(length / own, self.forward_seconds(now) or 0.0)
+        return backlog / max(ranks, 1) + max(length / own, forward_s or 0.0)
 
     def report(self, queue: QueueState, *, ranks: int, ready: bool, draining: bool, now: float,
                isl: int | None = None) -> LoadReport:
@@ -167,6 +172,7 @@ class LoadEstimator:
         offered = work(arrivals, tput)
         backlog = work([w + r for w, r in zip(waiting, running)], tput)
         n = max(ranks, 1)
+        forward_s = self.forward_seconds(now)
         busy = min(1.0, self._busy.rate(now) / n)
         if offered is None or backlog is None:
             saturation = busy
@@ -187,10 +193,12 @@ class LoadEstimator:
             buckets=[BucketLoad(isl_le=bucket_edge(i), tokens_per_second=measured[i],
                                 weight_seconds=self.buckets[i].seconds.value(now),
                                 arrival_tokens_per_second=arrivals[i], waiting_tokens=waiting[i],
-                                running_tokens=running[i]) for i in range(NUM_BUCKETS)],
+                                running_tokens=running[i],
+                                ttft_estimate_seconds=self._ttft_of(bucket_edge(i), backlog, tput, ranks, forward_s)
+                                if measured[i] and bucket_edge(i) else None) for i in range(NUM_BUCKETS)],
             offered_load=offered, backlog_seconds=backlog,
             drain_seconds=None if backlog is None else backlog / n,
-            forward_seconds=self.forward_seconds(now), busy_fraction=busy, saturation=saturation,
+            forward_seconds=forward_s, busy_fraction=busy, saturation=saturation,
             ttft_estimate=estimate,
             ttft_observed_seconds=ratio(self._ttft, self._answered, now),
             ttft_correction=observed / predicted if corrected else None,

@@ -76,6 +76,9 @@ class BucketLoad(_Model):
     arrival_tokens_per_second: float = Field(default=0.0, ge=0, description="prompt tokens of this bucket admitted per second (decayed)")
     waiting_tokens: int = Field(default=0, ge=0, description="prompt tokens of this bucket admitted, not yet in a forward")
     running_tokens: int = Field(default=0, ge=0, description="prompt tokens of this bucket in a forward now")
+    ttft_estimate_seconds: float | None = Field(
+        default=None, ge=0, description="TTFT a new prompt of the bucket's upper length would see now; null: not "
+                                         "measured, or the open bucket")
 
 
 class TtftEstimate(_Model):
@@ -90,8 +93,8 @@ class LoadReport(_Model):
     ready: bool = Field(default=False, description="the front's /readyz")
     draining: bool = Field(default=False, description="SIGTERM received: finishing admitted requests, taking none")
     ranks: int = Field(default=0, ge=0, description="ranks ready to take a forward")
-    waiting_requests: int = Field(default=0, ge=0, description="sequences admitted, not yet in a forward")
-    running_requests: int = Field(default=0, ge=0, description="sequences in or between their forwards")
+    waiting_requests: int = Field(default=0, ge=0, description="sequences waiting for a rank (new, or between steps)")
+    running_requests: int = Field(default=0, ge=0, description="admitted sequences not waiting: in a forward")
     waiting_prefill_tokens: int = Field(default=0, ge=0)
     running_prefill_tokens: int = Field(default=0, ge=0)
     buckets: list[BucketLoad] = Field(default_factory=list)
