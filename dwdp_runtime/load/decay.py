@@ -56,3 +56,46 @@ def ratio(num: Decayed, den: Decayed, now: float) -> float | None:
     """``num / den`` of two sums with the same half-life; None while the denominator is empty."""
     d = den.value(now)
     return num.value(now) / d if d > 0 else None
+
+
+@dataclass
+class DecayedFit:
+    """Decayed weighted least squares of ``y = a + b·x`` (all sums with one half-life).
+
+    ``predict(x)``: the fitted line with ``b >= 0`` (time never falls with more tokens); where the samples'
+    ``x`` barely varies (a relative spread below ``MIN_SPREAD``) the line is not identifiable and the
+    prediction is proportional, ``mean(y) · x / mean(x)`` — the conservative reading (no fixed cost)."""
+
+    half_life_s: float
+    since: float
+    MIN_SPREAD = 0.1
+
+    def __post_init__(self) -> None:
+        self._s = [Decayed(self.half_life_s, self.since) for _ in range(5)]  # w, wx, wy, wxx, wxy
+
+    def add(self, x: float, y: float, w: float, now: float) -> None:
+        for s, v in zip(self._s, (w, w * x, w * y, w * x * x, w * x * y)):
+            s.add(v, now)
+
+    def weight(self, now: float) -> float:
+        return self._s[0].value(now)
+
+    def weighted_y(self, now: float) -> float:
+        """Σ w·y: for forward times, the forward-seconds behind the fit."""
+        return self._s[2].value(now)
+
+    def mean_y(self, now: float) -> float | None:
+        return ratio(self._s[2], self._s[0], now)
+
+    def predict(self, x: float, now: float) -> float | None:
+        sw, sx, sy, sxx, sxy = (s.value(now) for s in self._s)
+        if sw <= 0:
+            return None
+        mx, my = sx / sw, sy / sw
+        var = sxx / sw - mx * mx
+        if mx <= 0:
+            return my
+        if var <= (self.MIN_SPREAD * mx) ** 2:
+            return my * x / mx
+        b = max(0.0, (sxy / sw - mx * my) / var)
+        return my + b * (x - mx)

@@ -28,10 +28,12 @@ memory is bounded (ranks × buckets counters).
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from .decay import Decayed, ratio
+from .decay import Decayed, DecayedFit, ratio
 from .schema import NUM_BUCKETS, BucketLoad, LoadReport, TtftEstimate, bucket_edge, isl_bucket
 
 #: throughput changes with the model, the packing and the hardware, not second to second: a slow memory
@@ -44,6 +46,8 @@ BUSY_HALF_LIFE_S = 30.0
 CORRECTION_HALF_LIFE_S = 120.0
 #: forwards of each (rank, bucket) that never count as throughput samples (compile, autotune, graph capture)
 FIRST_PASSES_SKIPPED = 2
+#: the packing efficiency of the arrival mix moves with the mix (a half-life of seconds): once a second is enough
+EFFICIENCY_REFRESH_S = 1.0
 #: a backlog counts as the load that would clear it in this long (saturation only; the operator sizes its own)
 SATURATION_HORIZON_S = 30.0
 
@@ -64,8 +68,7 @@ class QueueState:
 
 @dataclass
 class _Bucket:
-    tokens: Decayed
-    seconds: Decayed
+    fit: DecayedFit     # forward seconds against the forward's tokens, for forwards carrying this bucket
     arrivals: Decayed
 
 
@@ -79,10 +82,10 @@ class LoadEstimator:
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
         s = self.start
-        self.buckets = [_Bucket(Decayed(THROUGHPUT_HALF_LIFE_S, s), Decayed(THROUGHPUT_HALF_LIFE_S, s),
-                                Decayed(ARRIVAL_HALF_LIFE_S, s)) for _ in range(NUM_BUCKETS)]
-        self._fwd_weighted = Decayed(THROUGHPUT_HALF_LIFE_S, s)   # Σ w·forward seconds
-        self._fwd_weight = Decayed(THROUGHPUT_HALF_LIFE_S, s)     # Σ w
+        self.buckets = [_Bucket(DecayedFit(THROUGHPUT_HALF_LIFE_S, s), Decayed(ARRIVAL_HALF_LIFE_S, s))
+                        for _ in range(NUM_BUCKETS)]
+        self._fwd_seconds = Decayed(THROUGHPUT_HALF_LIFE_S, s)    # Σ forward seconds
+        self._forwards = Decayed(THROUGHPUT_HALF_LIFE_S, s)       # Σ forwards
         self._busy = Decayed(BUSY_HALF_LIFE_S, s)                 # Σ busy rank-seconds
         self._arrived = Decayed(ARRIVAL_HALF_LIFE_S, s)            # Σ admitted prompts (count)
         self._arrived_tokens = Decayed(ARRIVAL_HALF_LIFE_S, s)
@@ -92,6 +95,7 @@ class LoadEstimator:
         self._predicted = Decayed(CORRECTION_HALF_LIFE_S, s)
         self._predictions = Decayed(CORRECTION_HALF_LIFE_S, s)
         self._passes: dict[tuple[int, int], int] = {}
+        self._efficiency: tuple[float | None, float] = (None, 1.0)
 
     # -- samples ------------------------------------------------------------------------------------
     def admitted(self, length: int, now: float) -> None:
@@ -107,9 +111,8 @@ class LoadEstimator:
         if total <= 0 or not seconds > 0:
             return
         self._busy.add(seconds, now)
-        w = min(1.0, total / self.max_num_tokens)
-        self._fwd_weighted.add(w * seconds, now)
-        self._fwd_weight.add(w, now)
+        self._fwd_seconds.add(seconds, now)
+        self._forwards.add(1.0, now)
         by_bucket: dict[int, int] = {}
         for n in lengths:
             by_bucket[isl_bucket(n)] = by_bucket.get(isl_bucket(n), 0) + n
@@ -118,9 +121,7 @@ class LoadEstimator:
             self._passes[(rank, b)] = seen + 1
             if seen < FIRST_PASSES_SKIPPED:
                 continue
-            bucket = self.buckets[b]
-            bucket.tokens.add(w * tokens, now)
-            bucket.seconds.add(w * seconds * tokens / total, now)
+            self.buckets[b].fit.add(float(total), seconds, tokens / total, now)
 
     def first_token(self, observed_s: float, predicted_s: float | None, now: float) -> None:
         """A request got its first token ``observed_s`` after admission; ``predicted_s`` was the estimate then."""
@@ -135,29 +136,50 @@ class LoadEstimator:
 
     # -- estimates ----------------------------------------------------------------------------------
     def throughput(self, now: float) -> list[float | None]:
-        """Measured tokens/s per bucket (None: never measured)."""
-        return [ratio(b.tokens, b.seconds, now) for b in self.buckets]
+        """Per bucket, one rank's tokens/s in full forwards: ``max_num_tokens / F(max_num_tokens)`` with F the
+        bucket's fit of forward time against forward tokens, never faster than its forwards ran (None: never
+        measured)."""
+        out: list[float | None] = []
+        k = float(self.max_num_tokens)
+        for b in self.buckets:
+            full, mean = b.fit.predict(k, now), b.fit.mean_y(now)
+            out.append(None if full is None or mean is None or max(full, mean) <= 0 else k / max(full, mean))
+        return out
 
     def filled_throughput(self, now: float) -> list[float | None]:
         """Per bucket, its own rate or the nearest measured bucket's (the longer on a tie); all None if none."""
         return fill_nearest(self.throughput(now))
 
     def forward_seconds(self, now: float) -> float | None:
-        return ratio(self._fwd_weighted, self._fwd_weight, now)
+        """Decayed mean forward time (what a request's own forward takes)."""
+        return ratio(self._fwd_seconds, self._forwards, now)
 
-    def work_seconds(self, tokens_by_bucket: Sequence[float], now: float,
-                     tput: Sequence[float | None] | None = None) -> float | None:
-        """Rank-seconds of ``tokens_by_bucket``; None when no bucket was ever measured."""
-        return work(tokens_by_bucket, self.filled_throughput(now) if tput is None else tput)
+    def efficiency(self, now: float) -> float:
+        """How full FIFO packing fills a forward with the recent arrivals' mix (``packing_efficiency``),
+        recomputed at most every ``EFFICIENCY_REFRESH_S`` (it is asked for on every admission)."""
+        at, value = self._efficiency
+        if at is None or not 0 <= now - at < EFFICIENCY_REFRESH_S:
+            value = packing_efficiency([b.arrivals.value(now) for b in self.buckets], self.max_num_tokens)
+            self._efficiency = (now, value)
+        return value
+
+    def effective_throughput(self, now: float) -> list[float | None]:
+        """Tokens/s per bucket of a rank packing the recent mix: full-forward rate × packing efficiency."""
+        eff = self.efficiency(now)
+        return [None if t is None else t * eff for t in self.filled_throughput(now)]
 
     def ttft_estimate(self, length: int, queue: QueueState, ranks: int, now: float) -> float | None:
-        tput = self.filled_throughput(now)
-        backlog = work(_by_bucket(queue.waiting + queue.running), tput)
-        return self._ttft_of(length, backlog, tput, ranks, self.forward_seconds(now))
+        return self.ttft_estimate_by_bucket(length, queued_tokens(queue), ranks, now)
+
+    def ttft_estimate_by_bucket(self, length: int, queued_by_bucket: Sequence[float], ranks: int,
+                                now: float) -> float | None:
+        """``ttft_estimate`` for a queue already tallied per bucket (prompt tokens)."""
+        tput = self.effective_throughput(now)
+        return self._ttft_of(length, work(queued_by_bucket, tput), tput, ranks, self.forward_seconds(now))
 
     @staticmethod
     def _ttft_of(length: int, backlog: float | None, tput: Sequence[float | None], ranks: int,
-              forward_s: float | None) -> float | None:
+                 forward_s: float | None) -> float | None:
         own = tput[isl_bucket(length)]
         if backlog is None or own is None:
             return None
@@ -165,12 +187,12 @@ class LoadEstimator:
 
     def report(self, queue: QueueState, *, ranks: int, ready: bool, draining: bool, now: float,
                isl: int | None = None) -> LoadReport:
-        tput = self.filled_throughput(now)
+        tput = self.effective_throughput(now)
         measured = self.throughput(now)
         waiting, running = _by_bucket(queue.waiting), _by_bucket(queue.running)
         arrivals = [b.arrivals.rate(now) for b in self.buckets]
         offered = work(arrivals, tput)
-        backlog = work([w + r for w, r in zip(waiting, running)], tput)
+        backlog = work(queued_tokens(queue), tput)
         n = max(ranks, 1)
         forward_s = self.forward_seconds(now)
         busy = min(1.0, self._busy.rate(now) / n)
@@ -187,11 +209,12 @@ class LoadEstimator:
             if seconds is not None:
                 estimate = TtftEstimate(isl=length, seconds=seconds)
         return LoadReport(
-            ready=ready, draining=draining, ranks=ranks,
+            ready=ready, draining=draining, ranks=ranks, max_num_tokens=self.max_num_tokens,
+            packing_efficiency=self.efficiency(now),
             waiting_requests=len(queue.waiting), running_requests=queue.running_requests,
             waiting_prefill_tokens=sum(queue.waiting), running_prefill_tokens=sum(queue.running),
             buckets=[BucketLoad(isl_le=bucket_edge(i), tokens_per_second=measured[i],
-                                weight_seconds=self.buckets[i].seconds.value(now),
+                                weight_seconds=self.buckets[i].fit.weighted_y(now),
                                 arrival_tokens_per_second=arrivals[i], waiting_tokens=waiting[i],
                                 running_tokens=running[i],
                                 ttft_estimate_seconds=self._ttft_of(bucket_edge(i), backlog, tput, ranks, forward_s)
@@ -212,6 +235,61 @@ class LoadEstimator:
     def busy_rate(self, now: float) -> float:
         """Rank-seconds spent in forwards per second (decayed)."""
         return self._busy.rate(now)
+
+
+#: prompts drawn from a bucket mix to measure how full FIFO packing fills a forward (deterministic)
+PACKING_DRAWS = 256
+
+
+def bucket_range(index: int) -> tuple[float, float]:
+    """A bucket's prompt lengths (lo, hi]; the first starts at half its edge, the open one ends at twice its start."""
+    hi, lo = bucket_edge(index), bucket_edge(index - 1) if index > 0 else None
+    if hi is None:
+        return float(lo), 2.0 * lo
+    return float(lo if lo is not None else hi / 2), float(hi)
+
+
+def packing_efficiency(tokens_by_bucket: Sequence[float], max_num_tokens: int) -> float:
+    """The share of ``max_num_tokens`` a forward carries when FIFO packing (the worker's ``batcher.pack``)
+    takes prompts of this mix from a long queue: in (0, 1]; 1.0 for an empty mix.
+
+    A queue of ``PACKING_DRAWS`` prompts is packed prefix by prefix: bucket by the mix's share of requests
+    (tokens / the bucket's mean length), length log-uniform inside the bucket, both from low-discrepancy
+    sequences (deterministic); a prompt longer than a forward fills one forward on its own."""
+    ranges = [bucket_range(i) for i in range(len(tokens_by_bucket))]
+    means = [(hi - lo) / math.log(hi / lo) for lo, hi in ranges]
+    reqs = [t / m for t, m in zip(tokens_by_bucket, means)]
+    total = sum(reqs)
+    if total <= 0:
+        return 1.0
+    cum, acc = [], 0.0
+    for r in reqs:
+        acc += r / total
+        cum.append(acc)
+    forwards, carried, current = 0, 0.0, 0.0
+    for i in range(PACKING_DRAWS):
+        b = min(bisect_right(cum, (i * _GOLDEN) % 1.0), len(cum) - 1)
+        lo, hi = ranges[b]
+        n = min(lo * (hi / lo) ** ((i * _SQRT2) % 1.0), max_num_tokens)
+        if current and current + n > max_num_tokens:
+            forwards += 1
+            carried += current
+            current = 0.0
+        current += n
+    return (carried + current) / ((forwards + 1) * max_num_tokens)
+
+
+_GOLDEN = (math.sqrt(5) - 1) / 2   # two independent low-discrepancy sequences (Weyl, irrational steps)
+_SQRT2 = math.sqrt(2) - 1
+
+
+#: a running forward is, on average, half done when a new request arrives
+RUNNING_REMAINING = 0.5
+
+
+def queued_tokens(queue: QueueState) -> list[float]:
+    """Prompt tokens per bucket still ahead of a new request: the waiting ones and half the running ones."""
+    return [w + RUNNING_REMAINING * r for w, r in zip(_by_bucket(queue.waiting), _by_bucket(queue.running))]
 
 
 def _by_bucket(lengths: Iterable[int]) -> list[int]:

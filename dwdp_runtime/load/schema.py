@@ -70,8 +70,9 @@ class BucketLoad(_Model):
 
     isl_le: int | None = Field(description="inclusive upper bound of the bucket's prompt lengths; null: beyond the last edge")
     tokens_per_second: float | None = Field(
-        default=None, ge=0, description="measured prefill throughput of one rank on prompts of this bucket "
-                                         "(decayed, weighted by how full each forward was); null: not measured")
+        default=None, ge=0, description="one rank's prefill tokens/s in full forwards carrying this bucket: "
+                                         "max_num_tokens / the fitted forward time at max_num_tokens (decayed); "
+                                         "null: not measured")
     weight_seconds: float = Field(default=0.0, ge=0, description="decayed forward-seconds behind tokens_per_second (its confidence)")
     arrival_tokens_per_second: float = Field(default=0.0, ge=0, description="prompt tokens of this bucket admitted per second (decayed)")
     waiting_tokens: int = Field(default=0, ge=0, description="prompt tokens of this bucket admitted, not yet in a forward")
@@ -93,6 +94,9 @@ class LoadReport(_Model):
     ready: bool = Field(default=False, description="the front's /readyz")
     draining: bool = Field(default=False, description="SIGTERM received: finishing admitted requests, taking none")
     ranks: int = Field(default=0, ge=0, description="ranks ready to take a forward")
+    max_num_tokens: int | None = Field(default=None, ge=1, description="tokens one forward packs at most")
+    packing_efficiency: float = Field(default=1.0, gt=0, le=1, description="share of max_num_tokens a forward "
+                                      "carries when FIFO packing takes the recent arrivals' mix from a long queue")
     waiting_requests: int = Field(default=0, ge=0, description="sequences waiting for a rank (new, or between steps)")
     running_requests: int = Field(default=0, ge=0, description="admitted sequences not waiting: in a forward")
     waiting_prefill_tokens: int = Field(default=0, ge=0)

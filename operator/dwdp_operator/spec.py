@@ -121,6 +121,26 @@ class InferencePool(_Model):
     endpointPicker: EndpointPicker
 
 
+class Autoscaling(_Model):
+    """Prefill-aware autoscaling of numGroups (docs/OPERATOR.md, "Autoscaling"); cross-field rules:
+    ``autoscale.autoscaling_errors`` (registered check)."""
+
+    minGroups: int = Field(default=1, ge=1, le=1024, description="fewest groups the autoscaler keeps (>= 1: a "
+                           "fleet of 0 has nobody to measure load)")
+    maxGroups: int = Field(ge=1, le=1024, description="most groups the autoscaler creates (>= minGroups)")
+    targetTTFTSeconds: float | None = Field(default=None, gt=0, le=3600, description="time to first token the "
+                                            "fleet is sized for: 95 % of requests within it")
+    targetQueueSeconds: float | None = Field(default=None, gt=0, le=3600, description="queue wait the fleet is "
+                                             "sized for instead of (or as well as) targetTTFTSeconds")
+    scaleUpStabilizationSeconds: float = Field(default=30, ge=0, le=3600, description="a scale-up needs the load "
+                                               "to ask for it this long (a burst that panics skips it)")
+    scaleDownStabilizationSeconds: float = Field(default=300, ge=0, le=86400, description="a scale-down needs "
+                                                 "the load to fit the smaller fleet with margin this long")
+    maxStep: int = Field(default=10, ge=1, le=1024, description="most groups added or removed per decision")
+    intervalSeconds: float = Field(default=5, ge=1, le=300, description="seconds between two reads of the "
+                                   "groups' /v1/load and decisions")
+
+
 class Template(_Model):
     env: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
@@ -146,6 +166,7 @@ class DwdpGroupSpec(_Model):
     kvTransfer: KvTransfer | None = None
     serving: Serving | None = None
     inferencePool: InferencePool | None = None
+    autoscaling: Autoscaling | None = None
     httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
     storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535)
 

@@ -1,0 +1,98 @@
+"""The fleet's prefill load from its pods' ``/v1/load`` reports (pure): one set of numbers the law reads.
+
+Why the fleet recomputes the work instead of summing each pod's ``offered_load``: a pod's work figures use
+its own measured throughput, and a new pod (a group that just became Ready) has few, maybe slow, samples
+(Dynamo #12430: new workers' slow first passes inflate the count). Here every bucket's throughput is the
+mean of the serving pods' rates **weighted by the forward-seconds behind them** (``weight_seconds``), so a
+young pod's few samples weigh little; the fleet's arrivals and queue per bucket are then converted to
+rank-seconds with that one rate table, times the packing efficiency of the fleet's arrival mix (how full
+FIFO packing fills a forward: ``estimator.packing_efficiency``).
+
+Invariants: only ready, not draining pods count toward the load and the ranks (a draining group finishes
+its own queue and takes no new work; a starting one has none); ``None`` means "nothing measured anywhere"
+(the law then holds), never 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from dwdp_runtime.load.estimator import RUNNING_REMAINING, fill_nearest, packing_efficiency, work
+from dwdp_runtime.load.schema import NUM_BUCKETS, LoadReport
+
+
+@dataclass(frozen=True)
+class FleetSignals:
+    pods: int = 0                          # reports counted (ready, not draining)
+    ranks: int = 0                         # their ready ranks
+    offered_load: float | None = None      # rank-seconds of prefill arriving per second
+    backlog_seconds: float | None = None   # rank-seconds waiting or running
+    forward_seconds: float | None = None   # mean forward time, weighted by measurement
+    correction: float | None = None        # observed ÷ predicted TTFT, weighted by requests
+    correction_weight: float = 0.0
+    waiting_tokens: int = 0
+    running_tokens: int = 0
+    saturation: float = 0.0                # mean over the pods
+    ttft_observed_seconds: float | None = None
+
+    @property
+    def drain_seconds(self) -> float | None:
+        if self.backlog_seconds is None or self.ranks <= 0:
+            return None
+        return self.backlog_seconds / self.ranks
+
+    @property
+    def ttft_estimate_seconds(self) -> float | None:
+        """A new request's TTFT on the fleet now: drain the shared queue, then a forward."""
+        drain = self.drain_seconds
+        return None if drain is None else drain + (self.forward_seconds or 0.0)
+
+    def summary(self) -> dict[str, float | int | None]:
+        """The values shown in status and Events (rounded: a status write per decimal wiggle is waste)."""
+        def r(x: float | None) -> float | None:
+            return None if x is None else float(f"{x:.3g}")
+        return {"pods": self.pods, "ranks": self.ranks, "offeredLoad": r(self.offered_load),
+                "backlogSeconds": r(self.backlog_seconds), "drainSeconds": r(self.drain_seconds),
+                "forwardSeconds": r(self.forward_seconds), "ttftEstimateSeconds": r(self.ttft_estimate_seconds),
+                "ttftObservedSeconds": r(self.ttft_observed_seconds), "ttftCorrection": r(self.correction),
+                "waitingTokens": self.waiting_tokens, "runningTokens": self.running_tokens,
+                "saturation": r(self.saturation)}
+
+
+def combine(reports: Iterable[LoadReport]) -> FleetSignals:
+    serving = [r for r in reports if r.ready and not r.draining]
+    if not serving:
+        return FleetSignals()
+    rate_w, weight = [0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS
+    arrivals, queued = [0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS
+    for r in serving:
+        for i, b in enumerate(r.buckets[:NUM_BUCKETS]):
+            if b.tokens_per_second and b.weight_seconds > 0:
+                rate_w[i] += b.tokens_per_second * b.weight_seconds
+                weight[i] += b.weight_seconds
+            arrivals[i] += b.arrival_tokens_per_second
+            queued[i] += b.waiting_tokens + RUNNING_REMAINING * b.running_tokens
+    full = fill_nearest([rw / w if w > 0 else None for rw, w in zip(rate_w, weight)])
+    budgets = [r.max_num_tokens for r in serving if r.max_num_tokens]
+    eff = packing_efficiency(arrivals if any(arrivals) else queued, min(budgets)) if budgets else 1.0
+    tput = [None if t is None else t * eff for t in full]
+    fwd = _weighted((r.forward_seconds, sum(b.weight_seconds for b in r.buckets)) for r in serving)
+    corr = _weighted((r.ttft_correction, r.ttft_correction_weight) for r in serving)
+    ttft = _weighted((r.ttft_observed_seconds, r.ttft_correction_weight or 1.0) for r in serving)
+    return FleetSignals(
+        pods=len(serving), ranks=sum(r.ranks for r in serving),
+        offered_load=work(arrivals, tput), backlog_seconds=work(queued, tput), forward_seconds=fwd,
+        correction=corr, correction_weight=sum(r.ttft_correction_weight for r in serving if r.ttft_correction),
+        waiting_tokens=sum(r.waiting_prefill_tokens for r in serving),
+        running_tokens=sum(r.running_prefill_tokens for r in serving),
+        saturation=sum(r.saturation for r in serving) / len(serving), ttft_observed_seconds=ttft)
+
+
+def _weighted(pairs: Iterable[tuple[float | None, float]]) -> float | None:
+    num = den = 0.0
+    for value, w in pairs:
+        if value is not None and w > 0:
+            num += value * w
+            den += w
+    return num / den if den > 0 else None
