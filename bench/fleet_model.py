@@ -29,8 +29,8 @@ from functools import lru_cache
 from dwdp_operator.autoscale import Decision, QueueShape, ScaleHistory, decide
 from dwdp_operator.autoscale_signals import combine
 from dwdp_operator.spec import Autoscaling
-from dwdp_runtime.load.estimator import LoadEstimator, QueueState
-from dwdp_runtime.load.schema import NUM_BUCKETS, isl_bucket
+from dwdp_runtime.load.estimator import RUNNING_REMAINING, LoadEstimator, QueueState
+from dwdp_runtime.load.schema import isl_bucket
 
 
 class RooflineCost:
@@ -110,7 +110,8 @@ class _Pod:
     estimator: LoadEstimator | None
     group: "_Group | None" = None
     queue: deque = field(default_factory=deque)
-    queued: list = field(default_factory=lambda: [0] * NUM_BUCKETS)  # waiting + running tokens per bucket
+    waiting_tokens: int = 0
+    running_tokens: int = 0
 
     def queue_state(self) -> QueueState:
         running = [r.isl for rk in self.ranks if rk.batch for r in rk.batch]
@@ -118,7 +119,7 @@ class _Pod:
 
     @property
     def load(self) -> int:
-        return sum(self.queued)
+        return self.waiting_tokens + self.running_tokens
 
 
 @dataclass(eq=False)
@@ -218,10 +219,11 @@ class Fleet:
             pods = [p for g in self.live() for p in g.pods]
         pod = min(pods, key=lambda p: p.load) if self.cfg.router == "pooled" else self.rng.choice(pods)
         if pod.estimator is not None:
-            req.predicted = pod.estimator.ttft_estimate_by_bucket(req.isl, pod.queued, len(pod.ranks), now)
+            queued = pod.waiting_tokens + RUNNING_REMAINING * pod.running_tokens
+            req.predicted = pod.estimator.ttft_estimate_for(req.isl, queued, len(pod.ranks), now)
             pod.estimator.admitted(req.isl, now)
         pod.queue.append(req)
-        pod.queued[isl_bucket(req.isl)] += req.isl
+        pod.waiting_tokens += req.isl
         self._start(pod, now)
 
     def _start(self, pod: _Pod, now: float) -> None:
@@ -238,6 +240,8 @@ class Fleet:
             if not batch:  # a prompt longer than a forward (never in our traces): it runs alone
                 batch = [pod.queue.popleft()]
             lengths = [r.isl for r in batch]
+            pod.waiting_tokens -= sum(lengths)
+            pod.running_tokens += sum(lengths)
             f = self.cost.forward_s(lengths)
             buckets = {isl_bucket(n) for n in lengths}
             if buckets - rank.seen:
@@ -250,8 +254,8 @@ class Fleet:
         pod, rank = obj
         batch, rank.batch = rank.batch, None
         lengths = [r.isl for r in batch]
+        pod.running_tokens -= sum(lengths)
         for r in batch:
-            pod.queued[isl_bucket(r.isl)] -= r.isl
             if r.t >= count_from:
                 self.result.ttft.append(now - r.t)
                 self.result.arrival.append(r.t)

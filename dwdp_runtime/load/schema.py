@@ -70,16 +70,33 @@ class BucketLoad(_Model):
 
     isl_le: int | None = Field(description="inclusive upper bound of the bucket's prompt lengths; null: beyond the last edge")
     tokens_per_second: float | None = Field(
-        default=None, ge=0, description="one rank's prefill tokens/s in full forwards carrying this bucket: "
-                                         "max_num_tokens / the fitted forward time at max_num_tokens (decayed); "
-                                         "null: not measured")
-    weight_seconds: float = Field(default=0.0, ge=0, description="decayed forward-seconds behind tokens_per_second (its confidence)")
+        default=None, ge=0, description="one rank's prefill tokens/s on a long queue of this bucket's prompts, "
+                                         "FIFO-packed, timed by forward_cost; null: no forward of it measured")
+    weight_seconds: float = Field(default=0.0, ge=0, description="decayed forward-seconds of forwards carrying this bucket")
     arrival_tokens_per_second: float = Field(default=0.0, ge=0, description="prompt tokens of this bucket admitted per second (decayed)")
     waiting_tokens: int = Field(default=0, ge=0, description="prompt tokens of this bucket admitted, not yet in a forward")
     running_tokens: int = Field(default=0, ge=0, description="prompt tokens of this bucket in a forward now")
     ttft_estimate_seconds: float | None = Field(
         default=None, ge=0, description="TTFT a new prompt of the bucket's upper length would see now; null: not "
                                          "measured, or the open bucket")
+
+
+class ForwardCost(_Model):
+    """A measured roofline of forwards, ``max(floor, a·tokens + b·pairs)`` (``forward_model`` fits it): one
+    front's, or a fleet's weighted mean."""
+
+    floor_seconds: float = Field(gt=0, description="the shortest forward: the expert prefetch every forward pays")
+    seconds_per_token: float = Field(default=0.0, ge=0, description="compute cost per token above the floor")
+    seconds_per_pair: float = Field(default=0.0, ge=0, description="compute cost per attention pair (Σ l² of a forward)")
+    compute_fitted: bool = Field(default=False, description="forwards above the floor were seen (else: proportional beyond the largest)")
+    max_tokens: float = Field(default=1.0, gt=0, description="largest forward seen, in tokens")
+    max_pairs: float = Field(default=1.0, gt=0, description="largest forward seen, in attention pairs")
+    weight: float = Field(default=0.0, ge=0, description="forwards behind the model (decayed)")
+
+    def seconds(self, tokens: float, pairs: float) -> float:
+        if self.compute_fitted:
+            return max(self.floor_seconds, self.seconds_per_token * tokens + self.seconds_per_pair * pairs)
+        return self.floor_seconds * max(1.0, tokens / self.max_tokens, pairs / self.max_pairs)
 
 
 class TtftEstimate(_Model):
@@ -95,8 +112,8 @@ class LoadReport(_Model):
     draining: bool = Field(default=False, description="SIGTERM received: finishing admitted requests, taking none")
     ranks: int = Field(default=0, ge=0, description="ranks ready to take a forward")
     max_num_tokens: int | None = Field(default=None, ge=1, description="tokens one forward packs at most")
-    packing_efficiency: float = Field(default=1.0, gt=0, le=1, description="share of max_num_tokens a forward "
-                                      "carries when FIFO packing takes the recent arrivals' mix from a long queue")
+    forward_cost: ForwardCost | None = Field(default=None, description="the measured roofline of this front's "
+                                             "forwards; null: no forward measured yet")
     waiting_requests: int = Field(default=0, ge=0, description="sequences waiting for a rank (new, or between steps)")
     running_requests: int = Field(default=0, ge=0, description="admitted sequences not waiting: in a forward")
     waiting_prefill_tokens: int = Field(default=0, ge=0)

@@ -4,10 +4,12 @@ One implementation: the operator runs it on every autoscaling tick (``autoscaler
 simulator (``bench/fleet_sim.py``) imports it. docs/OPERATOR.md, "Autoscaling", justifies each step
 against the anchors (Dynamo's planner, AIBrix's KPA, llm-d's WVA).
 
-  1. **Load** ``a`` (erlangs = rank-seconds per second) = corr · (offered + backlog / BACKLOG_HORIZON_S):
-     the throughput law — prefill tokens arriving per second per ISL bucket over the fleet's measured
-     tokens/s at that ISL (Dynamo's ``rate · ISL / tput(ISL)``, with our measured rates instead of a
-     pre-deployment profile) — plus what it takes to clear the queue already there within the horizon.
+  1. **Load** ``a`` (erlangs = rank-seconds per second) = corr · (offered + min(backlog / BACKLOG_HORIZON_S,
+     offered)): the throughput law — prefill tokens arriving per second over the fleet's measured capacity
+     for that mix of lengths (Dynamo's ``rate · ISL / tput(ISL)``, with a measured roofline instead of a
+     pre-deployment profile) — plus what it takes to clear the queue already there within the horizon
+     (at most doubling the fleet). ``offered`` is averaged over STABLE_WINDOW_S (KPA's stable window)
+     for the up and down recommendations; the burst recommendation uses the signal now.
      ``corr`` = observed ÷ predicted TTFT (Dynamo's measured ÷ expected latency), bounded to
      ``CORRECTION_BOUNDS`` (it only ever raises the load) and used once ``CORRECTION_MIN_WEIGHT``
      requests stand behind it.
@@ -17,8 +19,9 @@ against the anchors (Dynamo's planner, AIBrix's KPA, llm-d's WVA).
      forwards, one pooled queue behind an endpoint picker, else one queue per pod) -> groups ``up``.
      The same for ``a · (1 + DOWN_MARGIN)`` -> ``down``: a smaller fleet must carry the load with margin
      (llm-d WVA: scale down only when the load fits the smaller fleet).
-  4. **Panic** (AIBrix KPA): ``up >= PANIC_RATIO × current`` or the queue's drain time above
-     ``PANIC_DRAIN_RATIO × q`` -> scale up now (no up-stabilization) and no scale-down for PANIC_HOLD_S.
+  4. **Panic** (AIBrix KPA): the burst recommendation ``>= PANIC_RATIO × current``, or the queue's drain
+     time above ``PANIC_DRAIN_RATIO × q`` -> scale up to it now (no up-stabilization) and no scale-down
+     for PANIC_HOLD_S.
   5. **Stabilization** (HPA's semantics): scale up to the *lowest* ``up`` of the last
      scaleUpStabilizationSeconds, down to the *highest* ``down`` of the last scaleDownStabilizationSeconds
      — and down only once the history covers that whole window (after an operator restart, too).
@@ -46,6 +49,7 @@ DOWN_MARGIN = 0.05           # the smaller fleet must carry 5 % more than the lo
 PANIC_RATIO = 2.0            # KPA's panic threshold: the load asks for twice the fleet
 PANIC_DRAIN_RATIO = 2.0      # or the queue already takes twice the wait budget to drain
 PANIC_HOLD_S = 60.0          # KPA's panic window: no scale-down this long after the last panic signal
+STABLE_WINDOW_S = 60.0       # KPA's stable window: up and down follow the offered load averaged this long
 #: only ever raises the load: TTFTs above the prediction show costs the forward times miss (dispatch,
 #: tokenizing, prefetch stalls); TTFTs below it say the queue model is pessimistic, not that capacity is larger
 CORRECTION_BOUNDS = (1.0, 2.0)
@@ -80,6 +84,7 @@ class Recommendation:
     at: float
     up: int
     down: int
+    offered: float = 0.0   # the signal's offered load then (the stable window's average is made of these)
 
 
 @dataclass(frozen=True)
@@ -159,15 +164,18 @@ def correction(signals: FleetSignals) -> float:
     return min(hi, max(lo, signals.correction))
 
 
-def recommend(signals: FleetSignals, policy: Autoscaling, shape: QueueShape) -> tuple[int, int, float, float]:
-    """Steps 1-3: (groups up, groups down, load in erlangs, wait budget); signals must be measured.
-    The backlog term adds at most the offered load again (it may double the fleet, no more: groups beyond
-    that are Ready after the doubled fleet cleared the queue) and only to ``up``: ``down`` is the
-    throughput law alone, so the groups a queue asked for go once it is gone and the panic hold passed."""
+def recommend(signals: FleetSignals, policy: Autoscaling, shape: QueueShape, *,
+              stable_offered: float | None = None) -> tuple[int, int, int, float, float]:
+    """Steps 1-3: (groups for a burst, groups up, groups down, load in erlangs, wait budget); signals must be
+    measured. ``stable_offered``: the offered load averaged over ``STABLE_WINDOW_S`` (KPA's stable window;
+    default: the signal's own) — the up and down recommendations use it, the burst one the signal's
+    fast value. The backlog term adds at most the offered load again (it may double the fleet, no more:
+    groups beyond that are Ready after the doubled fleet cleared the queue) and never to ``down``: the
+    groups a queue asked for go once it is gone and the panic hold passed."""
     corr = correction(signals)
-    offered = signals.offered_load or 0.0
-    load = corr * (offered + min((signals.backlog_seconds or 0.0) / BACKLOG_HORIZON_S, offered))
-    steady = corr * offered
+    fast = corr * (signals.offered_load or 0.0)
+    stable = fast if stable_offered is None else corr * stable_offered
+    extra = corr * (signals.backlog_seconds or 0.0) / BACKLOG_HORIZON_S
     budget = wait_budget(policy, signals.forward_seconds)
 
     def groups(erlangs: float) -> int:
@@ -175,7 +183,8 @@ def recommend(signals: FleetSignals, policy: Autoscaling, shape: QueueShape) -> 
                             ranks_per_queue=shape.ranks_per_queue)
         return math.ceil(ranks / shape.ranks_per_group)
 
-    return groups(load), groups(steady * (1 + DOWN_MARGIN)), load, budget
+    load = stable + min(extra, stable)
+    return groups(fast + min(extra, fast)), groups(load), groups(stable * (1 + DOWN_MARGIN)), load, budget
 
 
 def decide(signals: FleetSignals, history: ScaleHistory, policy: Autoscaling, shape: QueueShape, *,
@@ -188,22 +197,26 @@ def decide(signals: FleetSignals, history: ScaleHistory, policy: Autoscaling, sh
             return Decision(clamp, current, ScaleReason.BOUNDS, _bounds_msg(current, policy), hist, signals)
         return Decision(current, current, ScaleReason.NO_SIGNAL, "no serving pod has measured its prefill "
                         "throughput yet: holding", hist, signals)
-    up, down, load, budget = recommend(signals, policy, shape)
-    up, down = min(hi, max(lo, up)), min(hi, max(lo, down))
-    keep = max(policy.scaleUpStabilizationSeconds, policy.scaleDownStabilizationSeconds, PANIC_HOLD_S)
-    hist = history.recorded(Recommendation(now, up, down), keep)
+    window = [r.offered for r in history.recommendations if r.at > now - STABLE_WINDOW_S] + [signals.offered_load]
+    burst, up, down, load, budget = recommend(signals, policy, shape, stable_offered=sum(window) / len(window))
+    burst, up, down = (min(hi, max(lo, g)) for g in (burst, up, down))
+    keep = max(policy.scaleUpStabilizationSeconds, policy.scaleDownStabilizationSeconds, PANIC_HOLD_S, STABLE_WINDOW_S)
+    hist = history.recorded(Recommendation(now, up, down, signals.offered_load), keep)
     drain = signals.drain_seconds
-    panic = up > current and (up >= PANIC_RATIO * max(current, 1) or (drain is not None and drain > PANIC_DRAIN_RATIO * budget))
+    panic = burst > current and (burst >= PANIC_RATIO * max(current, 1)
+                                 or (drain is not None and drain > PANIC_DRAIN_RATIO * budget))
     if panic:
         hist = replace(hist, panic_until=now + PANIC_HOLD_S)
-    common = dict(history=hist, signals=signals, up=up, down=down, load=load, wait_budget_s=budget)
-    why = (f"load {load:.3g} rank-s/s (offered {signals.offered_load:.3g}, backlog {signals.backlog_seconds or 0:.3g} "
-           f"rank-s), wait budget {budget:.3g}s: {up} group(s) to scale up, {down} to stay down")
+    common = dict(history=hist, signals=signals, up=max(up, burst) if panic else up, down=down, load=load,
+                  wait_budget_s=budget)
+    why = (f"load {load:.3g} rank-s/s (offered {signals.offered_load:.3g} now, {window and sum(window) / len(window):.3g} "
+           f"over {STABLE_WINDOW_S:g}s; backlog {signals.backlog_seconds or 0:.3g} rank-s), wait budget {budget:.3g}s: "
+           f"{up} group(s) to scale up, {down} to stay down")
     if clamp != current:
         return Decision(clamp, current, ScaleReason.BOUNDS, _bounds_msg(current, policy), **common)
     if panic:
-        desired = min(up, current + policy.maxStep)
-        return Decision(desired, current, ScaleReason.PANIC, f"burst: {why}; scaling up now", **common)
+        desired = min(burst, current + policy.maxStep)
+        return Decision(desired, current, ScaleReason.PANIC, f"burst: {why}; {burst} group(s) now", **common)
     up_window = [r.up for r in hist.recommendations if r.at >= now - policy.scaleUpStabilizationSeconds]
     if min(up_window) > current:
         desired = min(min(up_window), current + policy.maxStep)

@@ -1,12 +1,12 @@
 """The fleet's prefill load from its pods' ``/v1/load`` reports (pure): one set of numbers the law reads.
 
 Why the fleet recomputes the work instead of summing each pod's ``offered_load``: a pod's work figures use
-its own measured throughput, and a new pod (a group that just became Ready) has few, maybe slow, samples
-(Dynamo #12430: new workers' slow first passes inflate the count). Here every bucket's throughput is the
-mean of the serving pods' rates **weighted by the forward-seconds behind them** (``weight_seconds``), so a
-young pod's few samples weigh little; the fleet's arrivals and queue per bucket are then converted to
-rank-seconds with that one rate table, times the packing efficiency of the fleet's arrival mix (how full
-FIFO packing fills a forward: ``estimator.packing_efficiency``).
+its own measured forward model, and a new pod (a group that just became Ready) has few, maybe slow,
+samples (Dynamo #12430: new workers' slow first passes inflate the count). Here the pods' measured
+rooflines (``LoadReport.forward_cost``) are averaged **weighted by the forwards behind them**
+(``forward_model.combine_costs``), so a young pod's few samples weigh little; the fleet's arrivals and
+queue are then converted to rank-seconds with the capacity that one model gives the fleet's arrival mix
+under FIFO packing (``forward_model.mix_capacity``).
 
 Invariants: only ready, not draining pods count toward the load and the ranks (a draining group finishes
 its own queue and takes no new work; a starting one has none); ``None`` means "nothing measured anywhere"
@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from dwdp_runtime.load.estimator import RUNNING_REMAINING, fill_nearest, packing_efficiency, work
+from dwdp_runtime.load.estimator import RUNNING_REMAINING
+from dwdp_runtime.load.forward_model import combine_costs, mix_capacity
 from dwdp_runtime.load.schema import NUM_BUCKETS, LoadReport
 
 
@@ -64,25 +65,25 @@ def combine(reports: Iterable[LoadReport]) -> FleetSignals:
     serving = [r for r in reports if r.ready and not r.draining]
     if not serving:
         return FleetSignals()
-    rate_w, weight = [0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS
     arrivals, queued = [0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS
     for r in serving:
         for i, b in enumerate(r.buckets[:NUM_BUCKETS]):
-            if b.tokens_per_second and b.weight_seconds > 0:
-                rate_w[i] += b.tokens_per_second * b.weight_seconds
-                weight[i] += b.weight_seconds
             arrivals[i] += b.arrival_tokens_per_second
             queued[i] += b.waiting_tokens + RUNNING_REMAINING * b.running_tokens
-    full = fill_nearest([rw / w if w > 0 else None for rw, w in zip(rate_w, weight)])
+    cost = combine_costs([r.forward_cost for r in serving if r.forward_cost is not None])
     budgets = [r.max_num_tokens for r in serving if r.max_num_tokens]
-    eff = packing_efficiency(arrivals if any(arrivals) else queued, min(budgets)) if budgets else 1.0
-    tput = [None if t is None else t * eff for t in full]
-    fwd = _weighted((r.forward_seconds, sum(b.weight_seconds for b in r.buckets)) for r in serving)
+    capacity = None
+    if cost is not None and budgets:
+        capacity = mix_capacity(cost, arrivals if any(arrivals) else queued, min(budgets))
+        if capacity is None:  # nothing arrives and nothing waits: no load to size, yet measured
+            capacity = mix_capacity(cost, [1.0] + [0.0] * (NUM_BUCKETS - 1), min(budgets))
+    fwd = _weighted((r.forward_seconds, r.forward_cost.weight if r.forward_cost else 0.0) for r in serving)
     corr = _weighted((r.ttft_correction, r.ttft_correction_weight) for r in serving)
     ttft = _weighted((r.ttft_observed_seconds, r.ttft_correction_weight or 1.0) for r in serving)
     return FleetSignals(
         pods=len(serving), ranks=sum(r.ranks for r in serving),
-        offered_load=work(arrivals, tput), backlog_seconds=work(queued, tput), forward_seconds=fwd,
+        offered_load=None if capacity is None else sum(arrivals) / capacity,
+        backlog_seconds=None if capacity is None else sum(queued) / capacity, forward_seconds=fwd,
         correction=corr, correction_weight=sum(r.ttft_correction_weight for r in serving if r.ttft_correction),
         waiting_tokens=sum(r.waiting_prefill_tokens for r in serving),
         running_tokens=sum(r.running_prefill_tokens for r in serving),

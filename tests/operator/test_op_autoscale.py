@@ -16,7 +16,8 @@ from dwdp_operator.autoscale import (BACKLOG_HORIZON_S, CORRECTION_MIN_WEIGHT, P
 from dwdp_operator.autoscale_queue import MAX_UTILIZATION, erlang_c, servers_for, wait_tail
 from dwdp_operator.autoscale_signals import FleetSignals, combine
 from dwdp_operator.spec import Autoscaling
-from dwdp_runtime.load.schema import NUM_BUCKETS, BucketLoad, LoadReport, bucket_edge
+from dwdp_runtime.load.forward_model import mix_capacity
+from dwdp_runtime.load.schema import NUM_BUCKETS, BucketLoad, ForwardCost, LoadReport, bucket_edge
 
 POLICY = Autoscaling(minGroups=1, maxGroups=40, targetTTFTSeconds=2.0, scaleUpStabilizationSeconds=30,
                      scaleDownStabilizationSeconds=300, maxStep=10, intervalSeconds=5)
@@ -89,9 +90,9 @@ def test_correction_only_raises_and_only_with_enough_requests():
 @given(st.floats(0, 500), st.floats(0, 500), st.floats(0, 20_000), st.floats(0.05, 3))
 def test_recommendations_grow_with_load_and_the_backlog_at_most_doubles_it(a, b, backlog, forward):
     lo, hi = sorted((a, b))
-    up_lo, down_lo, load_lo, _ = recommend(sig(lo, backlog, forward=forward), POLICY, POOLED)
-    up_hi, down_hi, _, _ = recommend(sig(hi, backlog, forward=forward), POLICY, POOLED)
-    assert up_hi >= up_lo and down_hi >= down_lo
+    burst_lo, up_lo, down_lo, load_lo, _ = recommend(sig(lo, backlog, forward=forward), POLICY, POOLED)
+    burst_hi, up_hi, down_hi, _, _ = recommend(sig(hi, backlog, forward=forward), POLICY, POOLED)
+    assert up_hi >= up_lo and down_hi >= down_lo and burst_hi >= burst_lo and burst_lo == up_lo
     assert lo <= load_lo <= 2 * lo + 1e-9
     assert load_lo == pytest.approx(lo + min(backlog / BACKLOG_HORIZON_S, lo))
 
@@ -131,8 +132,8 @@ def test_a_burst_panics_up_at_once_and_holds_against_a_quick_dip():
 
 
 def test_a_moderate_rise_scales_up_only_after_the_up_window():
-    rise = recommend(sig(12.0), POLICY, POOLED)[0]
-    decisions = run([sig(7.0)] * 4 + [sig(12.0)] * 10, current=3)
+    rise = recommend(sig(12.0), POLICY, POOLED)[1]
+    decisions = run([sig(7.0)] * 4 + [sig(12.0)] * 30, current=3)
     assert rise > 3 and rise < 2 * 3  # not a panic
     first_up = next(i for i, d in enumerate(decisions) if d.desired > d.current)
     assert decisions[first_up].reason == ScaleReason.SCALE_UP
@@ -141,18 +142,18 @@ def test_a_moderate_rise_scales_up_only_after_the_up_window():
 
 
 def test_scale_down_waits_for_the_window_with_margin_and_goes_by_max_step():
-    high = recommend(sig(80.0), POLICY, POOLED)[0]
+    high = recommend(sig(80.0), POLICY, POOLED)[1]
     decisions = run([sig(80.0)] * 70 + [sig(4.0)] * 80, current=high)
     downs = [i for i, d in enumerate(decisions) if d.desired < d.current]
     assert downs and (downs[0] - 70) * 5.0 >= POLICY.scaleDownStabilizationSeconds
     assert all(decisions[i].reason == ScaleReason.SCALE_DOWN for i in downs)
     assert all(decisions[i].current - decisions[i].desired <= POLICY.maxStep for i in downs)
     end = decisions[-1].desired
-    assert end == recommend(sig(4.0), POLICY, POOLED)[1]
+    assert end == recommend(sig(4.0), POLICY, POOLED)[2]
 
 
 def test_a_brief_dip_does_not_scale_down():
-    decisions = run([sig(40.0)] * 70 + [sig(5.0)] * 20 + [sig(40.0)] * 20, current=recommend(sig(40.0), POLICY, POOLED)[0])
+    decisions = run([sig(40.0)] * 70 + [sig(5.0)] * 20 + [sig(40.0)] * 20, current=recommend(sig(40.0), POLICY, POOLED)[1])
     assert all(d.desired >= d.current for d in decisions)
 
 
@@ -167,14 +168,14 @@ def test_steady_noise_inside_the_margin_never_moves_the_fleet():
     import random
     rng = random.Random(3)
     loads = [sig(30.0 * (1 + rng.uniform(-0.03, 0.03))) for _ in range(720)]  # an hour of ticks at +-3 %
-    start = recommend(sig(30.0), POLICY, POOLED)[0]
+    start = recommend(sig(30.0), POLICY, POOLED)[1]
     decisions = run(loads, current=start)
     assert sum(1 for d in decisions if d.changed) <= 1
 
 
 def test_a_random_router_needs_at_least_as_many_groups_as_an_endpoint_picker():
     for load in (1.0, 10.0, 60.0):
-        assert recommend(sig(load), POLICY, PER_POD)[0] >= recommend(sig(load), POLICY, POOLED)[0]
+        assert recommend(sig(load), POLICY, PER_POD)[1] >= recommend(sig(load), POLICY, POOLED)[1]
 
 
 def test_decision_status_is_the_crd_shape():
@@ -187,37 +188,37 @@ def test_decision_status_is_the_crd_shape():
 
 
 # -- the fleet's signals --------------------------------------------------------------------------------
-def _report(*, tput: float, weight: float, arrivals: float, waiting: int = 0, ready=True, draining=False,
+def _report(*, floor: float, weight: float, arrivals: float, waiting: int = 0, ready=True, draining=False,
             bucket: int = 2, ranks: int = 4, forward: float = 0.75) -> LoadReport:
     buckets = [BucketLoad(isl_le=bucket_edge(i)) for i in range(NUM_BUCKETS)]
-    buckets[bucket] = BucketLoad(isl_le=bucket_edge(bucket), tokens_per_second=tput, weight_seconds=weight,
-                                 arrival_tokens_per_second=arrivals, waiting_tokens=waiting)
+    buckets[bucket] = BucketLoad(isl_le=bucket_edge(bucket), arrival_tokens_per_second=arrivals, waiting_tokens=waiting)
+    cost = ForwardCost(floor_seconds=floor, max_tokens=1e9, max_pairs=1e18, weight=weight)
     return LoadReport(ready=ready, draining=draining, ranks=ranks, max_num_tokens=16384, buckets=buckets,
-                      forward_seconds=forward, waiting_prefill_tokens=waiting)
+                      forward_cost=cost, forward_seconds=forward, waiting_prefill_tokens=waiting)
 
 
-def test_combine_weighs_rates_by_their_forward_seconds_and_skips_draining_and_starting_pods():
-    old = _report(tput=20_000, weight=300.0, arrivals=40_000)
-    young = _report(tput=2_000, weight=3.0, arrivals=40_000)   # a new pod's slow first forwards
-    s = combine([old, young, _report(tput=1.0, weight=1e6, arrivals=1e9, draining=True),
-                 _report(tput=1.0, weight=1e6, arrivals=1e9, ready=False)])
+def test_combine_weighs_the_pods_models_by_their_forwards_and_skips_draining_and_starting_pods():
+    old = _report(floor=0.7, weight=300.0, arrivals=40_000)
+    young = _report(floor=3.0, weight=3.0, arrivals=40_000)   # a new pod's slow first forwards
+    s = combine([old, young, _report(floor=0.01, weight=1e6, arrivals=1e9, draining=True),
+                 _report(floor=0.01, weight=1e6, arrivals=1e9, ready=False)])
     assert s.pods == 2 and s.ranks == 8
-    rate = (20_000 * 300 + 2_000 * 3) / 303
-    from dwdp_runtime.load.estimator import packing_efficiency
-    eff = packing_efficiency([0, 0, 80_000] + [0] * (NUM_BUCKETS - 3), 16384)
-    assert s.offered_load == pytest.approx(80_000 / (rate * eff))
-    assert s.offered_load < 80_000 / (11_000 * eff)  # the plain mean of the two rates would say this much
+    mix = [0.0] * NUM_BUCKETS
+    mix[2] = 80_000.0
+    fleet = ForwardCost(floor_seconds=(0.7 * 300 + 3.0 * 3) / 303, max_tokens=1e9, max_pairs=1e18, weight=303)
+    assert s.offered_load == pytest.approx(80_000 / mix_capacity(fleet, mix, 16384))
+    plain = ForwardCost(floor_seconds=(0.7 + 3.0) / 2, max_tokens=1e9, max_pairs=1e18, weight=1)
+    assert s.offered_load < 0.5 * 80_000 / mix_capacity(plain, mix, 16384)
 
 
 def test_combine_without_measurement_is_no_signal():
     assert combine([]).offered_load is None
-    s = combine([LoadReport(ready=True, ranks=2)])
-    assert s.offered_load == 0.0 or s.offered_load is None  # no arrivals, nothing measured
+    assert combine([LoadReport(ready=True, ranks=2)]).offered_load is None
     assert decide(combine([]), ScaleHistory(), POLICY, POOLED, current=2, now=0.0).reason == ScaleReason.NO_SIGNAL
 
 
 def test_drain_and_ttft_estimate_of_the_fleet():
-    s = combine([_report(tput=20_000, weight=100.0, arrivals=10_000, waiting=40_000)])
+    s = combine([_report(floor=0.5, weight=100.0, arrivals=10_000, waiting=40_000)])
     assert s.drain_seconds == pytest.approx(s.backlog_seconds / 4)
     assert s.ttft_estimate_seconds == pytest.approx(s.drain_seconds + 0.75)
     assert math.isclose(s.summary()["drainSeconds"], s.drain_seconds, rel_tol=1e-2)

@@ -21,7 +21,7 @@ from dwdp_operator.autoscaler import Autoscaler
 from dwdp_operator.desired import DRAIN_BUSY_CAP_S, desired_state
 from dwdp_operator.spec import parse_spec, validate_spec
 from dwdp_operator.state import EventReason
-from dwdp_runtime.load.schema import NUM_BUCKETS, BucketLoad, LoadReport, bucket_edge
+from dwdp_runtime.load.schema import NUM_BUCKETS, BucketLoad, ForwardCost, LoadReport, bucket_edge
 
 from .dwdp_op_util import cr, pods_from, spec
 
@@ -129,10 +129,11 @@ def reports(monkeypatch):
 
 def _load(arrivals: float, *, waiting: int = 0, running: int = 0) -> LoadReport:
     buckets = [BucketLoad(isl_le=bucket_edge(i)) for i in range(NUM_BUCKETS)]
-    buckets[3] = BucketLoad(isl_le=bucket_edge(3), tokens_per_second=20_000, weight_seconds=100.0,
-                            arrival_tokens_per_second=arrivals, waiting_tokens=waiting, running_tokens=running)
+    buckets[3] = BucketLoad(isl_le=bucket_edge(3), arrival_tokens_per_second=arrivals, waiting_tokens=waiting,
+                            running_tokens=running)
+    cost = ForwardCost(floor_seconds=0.75, max_tokens=1e9, max_pairs=1e18, weight=100.0)
     return LoadReport(ready=True, ranks=1, max_num_tokens=16384, buckets=buckets, forward_seconds=0.75,
-                      waiting_prefill_tokens=waiting, running_prefill_tokens=running)
+                      forward_cost=cost, waiting_prefill_tokens=waiting, running_prefill_tokens=running)
 
 
 def _settled(raw_spec: dict):

@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dwdp_runtime.load.decay import Decayed, ratio
-from dwdp_runtime.load.estimator import (FIRST_PASSES_SKIPPED, SATURATION_HORIZON_S, LoadEstimator, QueueState,
-                                         fill_nearest, work)
-from dwdp_runtime.load.schema import (ISL_BUCKET_EDGES, NUM_BUCKETS, SCHEMA_VERSION, LoadReport, bucket_edge,
-                                      isl_bucket, parse_report)
+from dwdp_runtime.load.estimator import FIRST_PASSES_SKIPPED, SATURATION_HORIZON_S, LoadEstimator, QueueState
+from dwdp_runtime.load.forward_model import (FLOOR_WINDOW_S, FLOOR_WINDOWS, ForwardModelFit, bucket_capacity,
+                                             combine_costs, mix_capacity)
+from dwdp_runtime.load.schema import (ISL_BUCKET_EDGES, NUM_BUCKETS, SCHEMA_VERSION, ForwardCost, LoadReport,
+                                      bucket_edge, isl_bucket, parse_report)
 
 lengths = st.integers(1, 200_000)
 
@@ -85,59 +86,109 @@ def test_parse_report_refuses_unknown_versions_and_ignores_unknown_fields():
     assert parse_report({}) == LoadReport()  # an old worker with none of the fields: defaults
 
 
+# -- the measured roofline ------------------------------------------------------------------------------
+def _roofline(floor: float, a: float, b: float):
+    return lambda lengths: max(floor, a * sum(lengths) + b * sum(n * n for n in lengths))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 2.0), st.floats(1e-6, 1e-4), st.floats(1e-12, 1e-9), st.integers(0, 10_000))
+def test_the_fit_recovers_a_roofline_from_its_forwards(floor, a, b, seed):
+    import random
+    rng = random.Random(seed)
+    truth = _roofline(floor, a, b)
+    fit = ForwardModelFit(start=0.0)
+    for i in range(400):
+        lengths = [rng.randint(256, 65536) for _ in range(rng.randint(1, 4))]
+        fit.add(lengths, truth(lengths), float(i))
+    cost = fit.cost(400.0)
+    assert cost.floor_seconds >= floor * (1 - 1e-9)  # the smallest forward seen: never below the true floor
+    for lengths in ([4096] * 4, [65536], [1000, 30000]):
+        want = truth(lengths)
+        assert cost.seconds(sum(lengths), sum(n * n for n in lengths)) == pytest.approx(want, rel=0.15, abs=0.02 * floor)
+
+
+def test_without_compute_bound_forwards_only_bigger_ones_cost_more():
+    fit = ForwardModelFit(start=0.0)
+    for i in range(50):
+        fit.add([2000 + 10 * i], 0.7, float(i))   # every forward at the floor (prefetch-bound)
+    cost = fit.cost(50.0)
+    assert not cost.compute_fitted and cost.floor_seconds == pytest.approx(0.7)
+    assert cost.seconds(2000, 2000 ** 2) == pytest.approx(0.7)
+    assert cost.seconds(2 * cost.max_tokens, 0) == pytest.approx(1.4)  # proportional beyond what was seen
+
+
+def test_the_floor_follows_the_last_windows():
+    fit = ForwardModelFit(start=0.0)
+    fit.add([100], 0.2, 1.0)
+    for k in range(1, FLOOR_WINDOWS + 2):
+        fit.add([100], 0.5, k * FLOOR_WINDOW_S + 1.0)
+    assert fit.floor() == pytest.approx(0.5)  # the fast window aged out
+
+
+def test_capacity_of_a_floor_bound_model_is_the_packed_tokens_per_floor():
+    cost = ForwardCost(floor_seconds=0.5, max_tokens=1e9, max_pairs=1e18, weight=1.0)
+    mix = [0.0] * NUM_BUCKETS
+    mix[isl_bucket(4000)] = 1.0   # prompts in (2048, 4096]: 4..8 fit a 16K forward
+    cap = mix_capacity(cost, mix, 16384)
+    assert 0.6 * 16384 / 0.5 < cap <= 16384 / 0.5
+    slower = ForwardCost(floor_seconds=0.5, seconds_per_token=1e-4, compute_fitted=True, weight=1.0)
+    assert mix_capacity(slower, mix, 16384) < cap
+    assert bucket_capacity(cost, isl_bucket(4000), 16384) == pytest.approx(cap)
+
+
+def test_combined_costs_weigh_young_pods_little():
+    old = ForwardCost(floor_seconds=0.7, weight=300.0)
+    young = ForwardCost(floor_seconds=3.0, weight=2.0)   # slow first forwards of a new pod
+    assert combine_costs([old, young]).floor_seconds == pytest.approx((0.7 * 300 + 3.0 * 2) / 302)
+    assert combine_costs([]) is None
+
+
 # -- the estimator ------------------------------------------------------------------------------------
-def _steady(e: LoadEstimator, *, rank=0, length=4000, per_forward=4, seconds=0.5, n=50, t0=0.0, dt=1.0) -> float:
+def _steady(e: LoadEstimator, *, rank=0, lengths=(4000, 4000, 4000, 4000), seconds=0.5, n=50, t0=0.0, dt=1.0,
+            arrive=True) -> float:
     t = t0
     for _ in range(n):
         t += dt
-        for _ in range(per_forward):
-            e.admitted(length, t)
-        e.forward_done(rank, [length] * per_forward, seconds, t)
+        if arrive:
+            for length in lengths:
+                e.admitted(length, t)
+        e.forward_done(rank, list(lengths), seconds, t)
     return t
 
 
-def test_throughput_is_the_forwards_tokens_per_second_after_the_first_passes():
+def test_first_passes_of_each_rank_and_bucket_are_not_model_samples():
     e = LoadEstimator(max_num_tokens=16384, start=0.0)
-    for i in range(FIRST_PASSES_SKIPPED):  # slow first passes (compile, autotune): 10x slower, not counted
+    for i in range(FIRST_PASSES_SKIPPED):  # slow first passes (compile, autotune): 10x slower
         e.forward_done(0, [4000] * 4, 5.0, float(i))
-    assert e.throughput(10.0)[isl_bucket(4000)] is None
+    assert e.cost(10.0) is None
     t = _steady(e, t0=10.0)
-    assert e.throughput(t)[isl_bucket(4000)] == pytest.approx(16000 / 0.5)
-    # a second rank's first passes are its own: skipped too
-    e.forward_done(1, [4000] * 4, 5.0, t + 1)
-    assert e.throughput(t + 1)[isl_bucket(4000)] == pytest.approx(32000)
+    assert e.cost(t).floor_seconds == pytest.approx(0.5)
+    e.forward_done(1, [4000] * 4, 5.0, t + 1)   # a second rank's first pass is its own: skipped too
+    assert e.cost(t + 1).floor_seconds == pytest.approx(0.5)
 
 
-def test_full_forwards_outweigh_lone_ones():
-    """A DWDP forward costs a prefetch floor: a lone 1K prompt measures the floor, not the capacity."""
+def test_offered_load_is_arrivals_over_the_packed_capacity():
     e = LoadEstimator(max_num_tokens=16384, start=0.0)
-    t = _steady(e, length=1000, per_forward=1, seconds=0.8, n=40)           # 1,250 tokens/s alone
-    t = _steady(e, length=1000, per_forward=16, seconds=1.0, n=40, t0=t)    # 16,000 tokens/s packed
-    tput = e.throughput(t)[isl_bucket(1000)]
-    assert 12_000 < tput < 16_000
-    unweighted = (40 * 1000 + 40 * 16000) / (40 * 0.8 + 40 * 1.0)
-    assert tput > 1.5 * unweighted  # the plain ratio of sums would say 9,444
+    t = _steady(e, lengths=(4000,) * 4, seconds=0.5, n=200, dt=0.5)   # 32,000 tokens/s arrive
+    r = e.report(QueueState(), ranks=1, ready=True, draining=False, now=t)
+    cap = e.capacity(t)
+    assert r.offered_load == pytest.approx(32_000 / cap, rel=0.05)
+    assert r.busy_fraction == pytest.approx(1.0, rel=0.05)
+    assert r.buckets[isl_bucket(4000)].tokens_per_second == pytest.approx(cap, rel=0.01)
+    assert [b.isl_le for b in r.buckets] == list(ISL_BUCKET_EDGES) + [None] and len(r.buckets) == NUM_BUCKETS
+    assert r.forward_cost is not None and r.max_num_tokens == 16384
 
 
-@given(st.lists(st.one_of(st.none(), st.floats(1, 1e6)), min_size=1, max_size=12))
-def test_fill_nearest_keeps_measured_rates_and_borrows_the_nearest(tput):
-    out = fill_nearest(tput)
-    known = [i for i, v in enumerate(tput) if v is not None]
-    if not known:
-        assert out == [None] * len(tput)
-        return
-    for i, v in enumerate(out):
-        if tput[i] is not None:
-            assert v == tput[i]
-        else:
-            dist = min(abs(k - i) for k in known)
-            assert v in [tput[k] for k in known if abs(k - i) == dist]
-
-
-def test_work_is_tokens_over_rate_and_unknown_without_any_rate():
-    assert work([1000, 0, 3000], [1000.0, None, 1500.0]) == pytest.approx(3.0)
-    assert work([0, 0], [None, None]) == 0.0
-    assert work([5, 0], [None, None]) is None
+def test_lone_prompts_say_nothing_of_bigger_forwards_until_one_is_seen():
+    """At low load every DWDP forward carries one short prompt and costs the prefetch floor. Until a bigger
+    forward was seen the model charges bigger ones proportionally (conservative); one packed forward at the
+    same floor shows what a forward carries under load."""
+    e = LoadEstimator(max_num_tokens=16384, start=0.0)
+    t = _steady(e, lengths=(1500,), seconds=0.8, n=60)
+    assert e.capacity(t) == pytest.approx(1500 / 0.8, rel=0.05)
+    t = _steady(e, lengths=(1500,) * 10, seconds=0.8, n=3, t0=t, arrive=False)
+    assert e.capacity(t + 2) > 5 * 1500 / 0.8  # read after the cache's second
 
 
 queues = st.lists(st.integers(1, 70_000), max_size=20)
@@ -147,8 +198,8 @@ queues = st.lists(st.integers(1, 70_000), max_size=20)
 @given(queues, queues, st.integers(1, 70_000), st.integers(1, 8), st.integers(1, 70_000))
 def test_ttft_estimate_is_drain_plus_own_forward_and_grows_with_the_queue(waiting, running, length, ranks, extra):
     e = LoadEstimator(max_num_tokens=65536, start=0.0)
-    t = _steady(e, length=8000, per_forward=2, seconds=0.4, n=20)
-    t = _steady(e, length=30000, per_forward=1, seconds=0.9, n=20, t0=t)
+    t = _steady(e, lengths=(8000, 8000), seconds=0.4, n=20)
+    t = _steady(e, lengths=(30000,), seconds=0.9, n=20, t0=t)
     q = QueueState.of(waiting, running)
     report = e.report(q, ranks=ranks, ready=True, draining=False, now=t, isl=length)
     est = e.ttft_estimate(length, q, ranks, t)
@@ -165,7 +216,7 @@ def test_ttft_estimate_is_drain_plus_own_forward_and_grows_with_the_queue(waitin
 def test_saturation_is_a_share_and_grows_with_offered_load(per_second, queued, ranks):
     def saturation(arrivals_per_step: int) -> float:
         e = LoadEstimator(max_num_tokens=16384, start=0.0)
-        t = _steady(e, length=4000, per_forward=4, seconds=0.5, n=10)  # 32,000 tokens/s per rank
+        t = _steady(e, n=10, arrive=False)
         for _ in range(20):
             t += 1.0
             for _ in range(arrivals_per_step):
@@ -176,15 +227,6 @@ def test_saturation_is_a_share_and_grows_with_offered_load(per_second, queued, r
         assert r.saturation == pytest.approx(min(1.0, max(r.busy_fraction, expected)))
         return r.saturation
     assert saturation(per_second + 5) >= saturation(per_second)
-
-
-def test_offered_load_is_the_arrivals_work_per_second():
-    e = LoadEstimator(max_num_tokens=16384, start=0.0)
-    t = _steady(e, length=4000, per_forward=4, seconds=0.5, n=200, dt=0.5)  # 32,000 tokens/s; 32,000 arrive per s
-    r = e.report(QueueState(), ranks=1, ready=True, draining=False, now=t)
-    assert r.offered_load == pytest.approx(1.0, rel=0.05)  # the one rank is exactly busy
-    assert r.busy_fraction == pytest.approx(1.0, rel=0.05)
-    assert [b.isl_le for b in r.buckets] == list(ISL_BUCKET_EDGES) + [None] and len(r.buckets) == NUM_BUCKETS
 
 
 def test_ttft_correction_is_observed_over_predicted():
@@ -203,5 +245,5 @@ def test_nothing_measured_reports_no_work_and_busy_as_saturation():
     e.admitted(100, 1.0)
     r = e.report(QueueState.of([100], []), ranks=2, ready=False, draining=False, now=2.0)
     assert r.offered_load is None and r.backlog_seconds is None and r.drain_seconds is None
-    assert r.ttft_estimate is None and r.saturation == r.busy_fraction == 0.0
+    assert r.ttft_estimate is None and r.saturation == r.busy_fraction == 0.0 and r.forward_cost is None
     assert r.waiting_prefill_tokens == 100 and r.waiting_requests == 1
