@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from dwdp_operator.autoscale import Decision, QueueShape, ScaleHistory, decide
+from dwdp_operator.autoscale import DEFAULT_LEAD_S, Decision, QueueShape, ScaleHistory, decide
 from dwdp_operator.autoscale_signals import combine
 from dwdp_operator.spec import Autoscaling
 from dwdp_runtime.load.estimator import RUNNING_REMAINING, LoadEstimator, QueueState
@@ -155,6 +155,7 @@ class Fleet:
         self.shape = QueueShape(cfg.ranks_per_group, None if cfg.router == "pooled" else cfg.ranks_per_pod)
         self.result = SimResult(ttft=[], arrival=[], group_seconds=0.0)
         self.last: Decision | None = None
+        self.lead_s: float | None = None
         for _ in range(groups):
             self._add_group(0.0, ready_now=True)
 
@@ -200,6 +201,8 @@ class Fleet:
                     self._done(obj, t, count_from)
                 elif kind == "ready":
                     obj.ready = True
+                    sample = t - obj.created   # the lead the law sizes bursts for, measured as the operator does
+                    self.lead_s = sample if self.lead_s is None else 0.3 * sample + 0.7 * self.lead_s
                     for pod in obj.pods:
                         self._start(pod, t)
                 elif kind == "tick" and t < self.end_s:
@@ -277,7 +280,8 @@ class Fleet:
                    for g in self.groups if g.ready and g.removed is None for p in g.pods]
         live = self.live()
         current = len(live)
-        d = decide(combine(reports), self.history, self.policy, self.shape, current=current, now=now)
+        d = decide(combine(reports), self.history, self.policy, self.shape, current=current, now=now,
+                   lead_s=self.lead_s if self.lead_s is not None else DEFAULT_LEAD_S)
         self.history, self.last = d.history, d
         if d.desired > current:
             revived = [g for g in self.groups if g.draining and g.removed is None][: d.desired - current]

@@ -20,8 +20,9 @@ against the anchors (Dynamo's planner, AIBrix's KPA, llm-d's WVA).
      The same for ``a · (1 + DOWN_MARGIN)`` -> ``down``: a smaller fleet must carry the load with margin
      (llm-d WVA: scale down only when the load fits the smaller fleet).
   4. **Panic** (AIBrix KPA): the burst recommendation ``>= PANIC_RATIO × current``, or the queue's drain
-     time above ``PANIC_DRAIN_RATIO × q`` -> scale up to it now (no up-stabilization) and no scale-down
-     for PANIC_HOLD_S.
+     time above ``PANIC_DRAIN_RATIO × q`` -> scale up now (no up-stabilization), to what the offered load
+     projected one group start-up ahead along its rise of the last TREND_WINDOW_S asks for
+     (``projected``: new groups serve the load of then, not of now), and no scale-down for PANIC_HOLD_S.
   5. **Stabilization** (HPA's semantics): scale up to the *lowest* ``up`` of the last
      scaleUpStabilizationSeconds, down to the *highest* ``down`` of the last scaleDownStabilizationSeconds
      — and down only once the history covers that whole window (after an operator restart, too).
@@ -50,6 +51,9 @@ PANIC_RATIO = 2.0            # KPA's panic threshold: the load asks for twice th
 PANIC_DRAIN_RATIO = 2.0      # or the queue already takes twice the wait budget to drain
 PANIC_HOLD_S = 60.0          # KPA's panic window: no scale-down this long after the last panic signal
 STABLE_WINDOW_S = 60.0       # KPA's stable window: up and down follow the offered load averaged this long
+TREND_WINDOW_S = 20.0        # a burst's rise is measured over this long (4 ticks of 5 s) ...
+TREND_CAP = 2.0              # ... and projected at most to this multiple of the load now
+DEFAULT_LEAD_S = 60.0        # a new group's start-up until the operator measured one (docs: the assumption)
 #: only ever raises the load: TTFTs above the prediction show costs the forward times miss (dispatch,
 #: tokenizing, prefetch stalls); TTFTs below it say the queue model is pessimistic, not that capacity is larger
 CORRECTION_BOUNDS = (1.0, 2.0)
@@ -164,8 +168,20 @@ def correction(signals: FleetSignals) -> float:
     return min(hi, max(lo, signals.correction))
 
 
+def projected(history: ScaleHistory, offered: float, *, now: float, lead_s: float) -> float:
+    """The offered load ``lead_s`` from now if it keeps rising as over the last TREND_WINDOW_S (Dynamo's
+    planner predicts load too; a linear trend is the simplest predictor): never below the load now, never
+    above TREND_CAP times it."""
+    past = [r for r in history.recommendations if r.at >= now - TREND_WINDOW_S]
+    if not past or now - past[0].at <= 0:
+        return offered
+    slope = (offered - past[0].offered) / (now - past[0].at)
+    return min(TREND_CAP * offered, offered + max(0.0, slope) * lead_s)
+
+
 def recommend(signals: FleetSignals, policy: Autoscaling, shape: QueueShape, *,
-              stable_offered: float | None = None) -> tuple[int, int, int, float, float]:
+              stable_offered: float | None = None, burst_offered: float | None = None
+              ) -> tuple[int, int, int, float, float]:
     """Steps 1-3: (groups for a burst, groups up, groups down, load in erlangs, wait budget); signals must be
     measured. ``stable_offered``: the offered load averaged over ``STABLE_WINDOW_S`` (KPA's stable window;
     default: the signal's own) — the up and down recommendations use it, the burst one the signal's
@@ -173,8 +189,8 @@ def recommend(signals: FleetSignals, policy: Autoscaling, shape: QueueShape, *,
     groups beyond that are Ready after the doubled fleet cleared the queue) and never to ``down``: the
     groups a queue asked for go once it is gone and the panic hold passed."""
     corr = correction(signals)
-    fast = corr * (signals.offered_load or 0.0)
-    stable = fast if stable_offered is None else corr * stable_offered
+    fast = corr * (signals.offered_load or 0.0 if burst_offered is None else burst_offered)
+    stable = corr * (signals.offered_load or 0.0) if stable_offered is None else corr * stable_offered
     extra = corr * (signals.backlog_seconds or 0.0) / BACKLOG_HORIZON_S
     budget = wait_budget(policy, signals.forward_seconds)
 
@@ -188,7 +204,9 @@ def recommend(signals: FleetSignals, policy: Autoscaling, shape: QueueShape, *,
 
 
 def decide(signals: FleetSignals, history: ScaleHistory, policy: Autoscaling, shape: QueueShape, *,
-           current: int, now: float) -> Decision:
+           current: int, now: float, lead_s: float = DEFAULT_LEAD_S) -> Decision:
+    """``lead_s``: how long a new group takes to be Ready (the operator measures it); a burst is sized for
+    the load expected then."""
     lo, hi = policy.minGroups, policy.maxGroups
     clamp = min(hi, max(lo, current))
     if signals.offered_load is None:
@@ -198,15 +216,18 @@ def decide(signals: FleetSignals, history: ScaleHistory, policy: Autoscaling, sh
         return Decision(current, current, ScaleReason.NO_SIGNAL, "no serving pod has measured its prefill "
                         "throughput yet: holding", hist, signals)
     window = [r.offered for r in history.recommendations if r.at > now - STABLE_WINDOW_S] + [signals.offered_load]
-    burst, up, down, load, budget = recommend(signals, policy, shape, stable_offered=sum(window) / len(window))
+    stable = sum(window) / len(window)
+    burst, up, down, load, budget = recommend(signals, policy, shape, stable_offered=stable)
     burst, up, down = (min(hi, max(lo, g)) for g in (burst, up, down))
     keep = max(policy.scaleUpStabilizationSeconds, policy.scaleDownStabilizationSeconds, PANIC_HOLD_S, STABLE_WINDOW_S)
     hist = history.recorded(Recommendation(now, up, down, signals.offered_load), keep)
     drain = signals.drain_seconds
     panic = burst > current and (burst >= PANIC_RATIO * max(current, 1)
                                  or (drain is not None and drain > PANIC_DRAIN_RATIO * budget))
-    if panic:
+    if panic:  # sized for the load expected once new groups are Ready (a rise, projected: ``projected``)
         hist = replace(hist, panic_until=now + PANIC_HOLD_S)
+        ahead = projected(history, signals.offered_load, now=now, lead_s=lead_s)
+        burst = min(hi, max(burst, recommend(signals, policy, shape, stable_offered=stable, burst_offered=ahead)[0]))
     common = dict(history=hist, signals=signals, up=max(up, burst) if panic else up, down=down, load=load,
                   wait_budget_s=budget)
     why = (f"load {load:.3g} rank-s/s (offered {signals.offered_load:.3g} now, {window and sum(window) / len(window):.3g} "

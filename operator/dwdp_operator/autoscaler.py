@@ -17,7 +17,9 @@ Invariants:
   3. ``Tick.busy_groups``: the draining groups (index >= numGroups) whose pods still report waiting or
      running prompt tokens; the plan keeps them until they are idle (``desired``: a scale-down never cuts
      an in-flight prefill), bounded by ``desired.DRAIN_BUSY_CAP_S``.
-  4. The history lives in memory per DwdpGroup (``forget`` on deletion); after an operator restart the law
+  4. The law sizes a burst for the load expected when new groups are Ready: the lead is measured here, as
+     the time groups take from Pending to Ready in status (smoothed; ``DEFAULT_LEAD_S`` until one was seen).
+  5. The history lives in memory per DwdpGroup (``forget`` on deletion); after an operator restart the law
      starts with none, which only delays scale-downs (a down window must be covered again).
 """
 
@@ -28,7 +30,7 @@ from typing import Any, Hashable
 
 from dwdp_runtime.load.schema import LoadReport
 
-from .autoscale import Decision, QueueShape, ScaleHistory, decide
+from .autoscale import DEFAULT_LEAD_S, Decision, QueueShape, ScaleHistory, decide
 from .autoscale_signals import combine
 from .load_reader import LoadReader
 from .spec import DwdpGroupSpec, parse_spec
@@ -45,10 +47,29 @@ class Tick:
     wake: float | None = None                     # seconds to the next decision
 
 
+#: weight of the newest group start-up in the measured lead (an average over the last few)
+LEAD_SMOOTHING = 0.3
+
+
 @dataclass
 class _Memory:
     history: ScaleHistory = field(default_factory=ScaleHistory)
     next_at: float = float("-inf")
+    starting: dict[int, float] = field(default_factory=dict)   # group index -> first seen not Ready
+    lead_s: float | None = None                                 # measured start-up: not Ready -> Ready
+
+    def observe_groups(self, status: dict, now: float) -> None:
+        """Group start-ups from the phases in status: the lead the law sizes a burst for."""
+        for g in status.get("groups") or []:
+            idx, phase = g.get("index"), g.get("phase")
+            if phase == "Ready":
+                started = self.starting.pop(idx, None)
+                if started is not None:
+                    sample = now - started
+                    self.lead_s = sample if self.lead_s is None else (
+                        LEAD_SMOOTHING * sample + (1 - LEAD_SMOOTHING) * self.lead_s)
+            elif phase == "Pending":
+                self.starting.setdefault(idx, now)
 
 
 class Autoscaler:
@@ -75,11 +96,13 @@ class Autoscaler:
             self.forget(key)
             return Tick(status={} if old else None, busy_groups=busy)  # {}: the reconciler removes the key
         mem = self._memory.setdefault(key, _Memory())
+        mem.observe_groups(cr.get("status") or {}, now)
         if not due:
             return Tick(busy_groups=busy, wake=max(0.0, mem.next_at - now))
         mem.next_at = now + policy.intervalSeconds
         decision = decide(combine(reports[p["uid"]] for p in serving if p["uid"] in reports), mem.history, policy,
-                          QueueShape.of(spec), current=spec.numGroups, now=now)
+                          QueueShape.of(spec), current=spec.numGroups, now=now,
+                          lead_s=mem.lead_s if mem.lead_s is not None else DEFAULT_LEAD_S)
         mem.history = decision.history
         return Tick(decision=decision, status=decision_status(decision, old, now=now),
                     events=decision_events(decision, old, spec), busy_groups=busy, wake=policy.intervalSeconds)
