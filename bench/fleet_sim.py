@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-groups", type=int, default=1)
     p.add_argument("--max-groups", type=int, default=40)
     p.add_argument("--up-window", type=float, default=30.0)
-    p.add_argument("--down-window", type=float, default=300.0)
+    p.add_argument("--down-window", type=float, default=120.0)
     p.add_argument("--max-step", type=int, default=10)
     p.add_argument("--interval", type=float, default=5.0)
     p.add_argument("--window-s", type=float, default=60.0, help="the oracle's decision window")

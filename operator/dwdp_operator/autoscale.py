@@ -18,7 +18,7 @@ against the anchors (Dynamo's planner, AIBrix's KPA, llm-d's WVA).
   3. **Ranks** for ``a`` such that P(wait > q) <= ``MISS`` (``autoscale_queue.servers_for``: Erlang C on
      forwards, one pooled queue behind an endpoint picker, else one queue per pod) -> groups ``up``.
      The same for ``a · (1 + DOWN_MARGIN)`` -> ``down``: a smaller fleet must carry the load with margin
-     (llm-d WVA: scale down only when the load fits the smaller fleet).
+     (llm-d WVA: scale down only when the load fits the smaller fleet) — the stable load and the load now.
   4. **Panic** (AIBrix KPA): the burst recommendation ``>= PANIC_RATIO × current``, or the queue's drain
      time above ``PANIC_DRAIN_RATIO × q`` -> scale up now (no up-stabilization), to what the offered load
      projected one group start-up ahead along its rise of the last TREND_WINDOW_S asks for
@@ -246,7 +246,10 @@ def decide(signals: FleetSignals, history: ScaleHistory, policy: Autoscaling, sh
     if up > current:
         return Decision(current, current, ScaleReason.STABILIZING, f"{why}; scale-up waits until the load asked "
                         f"for it {policy.scaleUpStabilizationSeconds:g}s", **common)
+    # the stable window lags a load that came back: the load now must fit the smaller fleet too
+    down_now = min(hi, max(lo, recommend(signals, policy, shape)[2]))
     down_window = [r.down for r in hist.recommendations if r.at >= now - policy.scaleDownStabilizationSeconds]
+    down_window.append(down_now)
     if max(down_window) >= current:
         return Decision(current, current, ScaleReason.HOLD, why, **common)
     if hist.panic_until is not None and now < hist.panic_until:

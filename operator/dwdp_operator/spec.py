@@ -134,7 +134,7 @@ class Autoscaling(_Model):
                                              "sized for instead of (or as well as) targetTTFTSeconds")
     scaleUpStabilizationSeconds: float = Field(default=30, ge=0, le=3600, description="a scale-up needs the load "
                                                "to ask for it this long (a burst that panics skips it)")
-    scaleDownStabilizationSeconds: float = Field(default=300, ge=0, le=86400, description="a scale-down needs "
+    scaleDownStabilizationSeconds: float = Field(default=120, ge=0, le=86400, description="a scale-down needs "
                                                  "the load to fit the smaller fleet with margin this long")
     maxStep: int = Field(default=10, ge=1, le=1024, description="most groups added or removed per decision")
     intervalSeconds: float = Field(default=5, ge=1, le=300, description="seconds between two reads of the "

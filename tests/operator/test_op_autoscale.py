@@ -20,7 +20,7 @@ from dwdp_runtime.load.forward_model import mix_capacity
 from dwdp_runtime.load.schema import NUM_BUCKETS, BucketLoad, ForwardCost, LoadReport, bucket_edge
 
 POLICY = Autoscaling(minGroups=1, maxGroups=40, targetTTFTSeconds=2.0, scaleUpStabilizationSeconds=30,
-                     scaleDownStabilizationSeconds=300, maxStep=10, intervalSeconds=5)
+                     scaleDownStabilizationSeconds=120, maxStep=10, intervalSeconds=5)
 POOLED = QueueShape(ranks_per_group=4, ranks_per_queue=None)
 PER_POD = QueueShape(ranks_per_group=4, ranks_per_queue=1)
 
@@ -153,13 +153,15 @@ def test_scale_down_waits_for_the_window_with_margin_and_goes_by_max_step():
 
 
 def test_a_brief_dip_does_not_scale_down():
-    decisions = run([sig(40.0)] * 70 + [sig(5.0)] * 20 + [sig(40.0)] * 20, current=recommend(sig(40.0), POLICY, POOLED)[1])
+    dip = int(POLICY.scaleDownStabilizationSeconds / 5) - 4  # almost the down window, in ticks
+    decisions = run([sig(40.0)] * 70 + [sig(5.0)] * dip + [sig(40.0)] * 20,
+                    current=recommend(sig(40.0), POLICY, POOLED)[1])
     assert all(d.desired >= d.current for d in decisions)
 
 
 def test_a_fresh_history_never_scales_down_before_it_covers_the_window():
     """After an operator restart: the down window must be seen again."""
-    decisions = run([sig(2.0)] * 59, current=10)
+    decisions = run([sig(2.0)] * int(POLICY.scaleDownStabilizationSeconds / 5), current=10)
     assert all(d.desired == 10 for d in decisions)
     assert decisions[-1].reason == ScaleReason.STABILIZING
 

@@ -57,7 +57,7 @@ def test_good_settings_pass_and_take_the_defaults():
     assert errors == []
     a = parsed.autoscaling
     assert (a.minGroups, a.scaleUpStabilizationSeconds, a.scaleDownStabilizationSeconds, a.maxStep, a.intervalSeconds) \
-        == (1, 30, 300, 10, 5)
+        == (1, 30, 120, 10, 5)
 
 
 _ENV = celpy.Environment()
