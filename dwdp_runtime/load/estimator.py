@@ -36,6 +36,8 @@ from .schema import NUM_BUCKETS, BucketLoad, ForwardCost, LoadReport, TtftEstima
 #: operator's read period × 2, so one missed read does not hide a change
 ARRIVAL_HALF_LIFE_S = 10.0
 BUSY_HALF_LIFE_S = 30.0
+#: a bucket's mean prompt length (where the capacity model draws its prompts) follows the traffic in minutes
+LENGTH_HALF_LIFE_S = 120.0
 #: the latency correction moves slowly: it is a bias of the model, not a load signal
 CORRECTION_HALF_LIFE_S = 120.0
 #: forwards of each (rank, bucket) that never count as model samples (compile, autotune, graph capture)
@@ -44,6 +46,9 @@ FIRST_PASSES_SKIPPED = 2
 SATURATION_HORIZON_S = 30.0
 #: the capacity of the arrival mix moves with the mix (a half-life of seconds): once a second is enough
 CAPACITY_REFRESH_S = 1.0
+#: model samples the capacity cache tells apart: past this many one more sample moves the capacity little, and
+#: the once-a-second refresh takes it in
+SAMPLES_COUNTED = 64
 #: a running forward is, on average, half done when a new request arrives
 RUNNING_REMAINING = 0.5
 
@@ -74,6 +79,8 @@ class LoadEstimator:
         s = self.start
         self.model = ForwardModelFit(start=s)
         self._arrivals = [Decayed(ARRIVAL_HALF_LIFE_S, s) for _ in range(NUM_BUCKETS)]   # tokens per bucket
+        self._lengths = [Decayed(LENGTH_HALF_LIFE_S, s) for _ in range(NUM_BUCKETS)]     # tokens, for the mean
+        self._counts = [Decayed(LENGTH_HALF_LIFE_S, s) for _ in range(NUM_BUCKETS)]      # prompts
         self._carried = [Decayed(BUSY_HALF_LIFE_S, s) for _ in range(NUM_BUCKETS)]       # forward-seconds per bucket
         self._seen = [False] * NUM_BUCKETS
         self._fwd_seconds = Decayed(BUSY_HALF_LIFE_S, s)
@@ -85,13 +92,17 @@ class LoadEstimator:
         self._predicted = Decayed(CORRECTION_HALF_LIFE_S, s)
         self._predictions = Decayed(CORRECTION_HALF_LIFE_S, s)
         self._passes: dict[tuple[int, int], int] = {}
-        self._capacity: tuple[float | None, float | None] = (None, None)
+        self._capacity: tuple[float | None, int, float | None] = (None, 0, None)
+        self._samples = 0
 
     # -- samples ------------------------------------------------------------------------------------
     def admitted(self, length: int, now: float) -> None:
         """A prompt of ``length`` tokens entered the queue."""
         if length > 0:
-            self._arrivals[isl_bucket(length)].add(float(length), now)
+            b = isl_bucket(length)
+            self._arrivals[b].add(float(length), now)
+            self._lengths[b].add(float(length), now)
+            self._counts[b].add(1.0, now)
             self._arrived.add(1.0, now)
 
     def forward_done(self, rank: int, lengths: Sequence[int], seconds: float, now: float) -> None:
@@ -110,6 +121,7 @@ class LoadEstimator:
             self._seen[b] = True
         if not first_pass:
             self.model.add(lengths, seconds, now)
+            self._samples = min(self._samples + 1, SAMPLES_COUNTED)
 
     def first_token(self, observed_s: float, predicted_s: float | None, now: float) -> None:
         """A request got its first token ``observed_s`` after admission; ``predicted_s`` was the estimate then."""
@@ -128,16 +140,21 @@ class LoadEstimator:
 
     def capacity(self, now: float) -> float | None:
         """One rank's tokens/s on the recent arrivals' mix (None before a measured forward), recomputed at
-        most every ``CAPACITY_REFRESH_S`` (it is asked for on every admission)."""
-        at, value = self._capacity
-        if at is None or not 0 <= now - at < CAPACITY_REFRESH_S:
+        most every ``CAPACITY_REFRESH_S`` (it is asked for on every admission) and whenever the number of
+        model samples changed since (the first ones must count at once)."""
+        at, samples, value = self._capacity
+        if at is None or samples != self._samples or not 0 <= now - at < CAPACITY_REFRESH_S:
             cost = self.cost(now)
             mix = [a.value(now) for a in self._arrivals]
             if not any(mix):
                 mix = [c.value(now) for c in self._carried]
-            value = None if cost is None else mix_capacity(cost, mix, self.max_num_tokens)
-            self._capacity = (now, value)
+            value = None if cost is None else mix_capacity(cost, mix, self.max_num_tokens, self.mean_lengths(now))
+            self._capacity = (now, self._samples, value)
         return value
+
+    def mean_lengths(self, now: float) -> list[float | None]:
+        """Decayed mean prompt length per bucket (None: none seen)."""
+        return [ratio(t, c, now) for t, c in zip(self._lengths, self._counts)]
 
     def forward_seconds(self, now: float) -> float | None:
         """Decayed mean forward time."""
@@ -165,18 +182,19 @@ class LoadEstimator:
         busy = min(1.0, self._fwd_seconds.rate(now) / n)
         saturation = busy if offered is None else min(1.0, max(busy, (offered + backlog / SATURATION_HORIZON_S) / n))
         forward_s = self.forward_seconds(now)
+        means = self.mean_lengths(now)
         observed, predicted = self._observed.value(now), self._predicted.value(now)
         corrected = predicted > 0 and observed > 0
         length = isl or self.mean_arrival_length(now)
         estimate = None if not length else self.ttft_estimate(length, queue, ranks, now)
 
         def bucket(i: int) -> BucketLoad:
-            tput = bucket_capacity(cost, i, self.max_num_tokens) if cost is not None and self._seen[i] else None
+            tput = bucket_capacity(cost, i, self.max_num_tokens, means[i]) if cost is not None and self._seen[i] else None
             edge = bucket_edge(i)
             ttft = None if tput is None or edge is None or backlog is None else \
                 backlog / n + max(cost.seconds(edge, float(edge) ** 2), forward_s or 0.0)
             return BucketLoad(isl_le=edge, tokens_per_second=tput, weight_seconds=self._carried[i].value(now),
-                              arrival_tokens_per_second=arrivals[i], waiting_tokens=waiting[i],
+                              arrival_tokens_per_second=arrivals[i], mean_length=means[i], waiting_tokens=waiting[i],
                               running_tokens=running[i], ttft_estimate_seconds=ttft)
 
         return LoadReport(

@@ -16,7 +16,8 @@ the queue packs — a tokens/s measured on small forwards is not the capacity un
 
 ``mix_capacity``: tokens/s of one rank when FIFO packing (the worker's ``batcher.pack``) fills forwards of
 ``max_num_tokens`` from a long queue of the mix: ``PACKING_DRAWS`` prompts drawn deterministically (bucket by
-the mix's share of requests, length log-uniform inside it), packed, each forward timed by the model.
+the mix's share of requests, length log-uniform within a factor √2 of the bucket's measured mean, or across
+the bucket without one), packed, each forward timed by the model.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FLOOR_WINDOWS = 10
 COMPUTE_BOUND = 1.1       # a forward 10 % above the floor is compute-bound: it says what tokens cost
 FIT_HALF_LIFE_S = 300.0   # compute cost per token changes with the model and the kernels, not the load
 PACKING_DRAWS = 256
+SPREAD = math.sqrt(2)     # prompts of a bucket are drawn within a factor √2 of their measured mean
 _GOLDEN = (math.sqrt(5) - 1) / 2   # two independent low-discrepancy sequences (Weyl, irrational steps)
 _SQRT2 = math.sqrt(2) - 1
 
@@ -97,14 +99,27 @@ def bucket_range(index: int) -> tuple[float, float]:
     return float(lo if lo is not None else hi / 2), float(hi)
 
 
-def _mean_length(index: int) -> float:
+def _mean_length(lo: float, hi: float) -> float:
+    return (hi - lo) / math.log(hi / lo) if hi > lo else lo
+
+
+def draw_range(index: int, mean: float | None) -> tuple[float, float]:
+    """Where a bucket's prompts are drawn: around their measured mean (a factor √2 either way) inside the
+    bucket, or the whole bucket without one."""
     lo, hi = bucket_range(index)
-    return (hi - lo) / math.log(hi / lo)
+    if mean is None or mean <= 0:
+        return lo, hi
+    a, b = max(1.0, mean / SPREAD), mean * SPREAD
+    a, b = max(a, min(lo, mean)), min(b, max(hi, mean))   # inside the bucket, unless the mean is not
+    return (a, b) if b > a else (mean, mean * (1 + 1e-9))
 
 
-def mix_capacity(cost: ForwardCost, tokens_by_bucket: Sequence[float], max_num_tokens: int) -> float | None:
-    """One rank's tokens/s on this mix, FIFO-packed into forwards of ``max_num_tokens``; None for an empty mix."""
-    reqs = [t / _mean_length(i) for i, t in enumerate(tokens_by_bucket)]
+def mix_capacity(cost: ForwardCost, tokens_by_bucket: Sequence[float], max_num_tokens: int,
+                 mean_lengths: Sequence[float | None] | None = None) -> float | None:
+    """One rank's tokens/s on this mix, FIFO-packed into forwards of ``max_num_tokens``; None for an empty mix.
+    ``mean_lengths``: the measured mean prompt length per bucket (None: the bucket's log-uniform mean)."""
+    ranges = [draw_range(i, None if mean_lengths is None else mean_lengths[i]) for i in range(len(tokens_by_bucket))]
+    reqs = [t / _mean_length(lo, hi) for t, (lo, hi) in zip(tokens_by_bucket, ranges)]
     total = sum(reqs)
     if total <= 0:
         return None
@@ -115,7 +130,7 @@ def mix_capacity(cost: ForwardCost, tokens_by_bucket: Sequence[float], max_num_t
     seconds = carried = 0.0
     tokens = pairs = 0.0
     for i in range(PACKING_DRAWS):
-        lo, hi = bucket_range(min(bisect_right(cum, (i * _GOLDEN) % 1.0), len(cum) - 1))
+        lo, hi = ranges[min(bisect_right(cum, (i * _GOLDEN) % 1.0), len(cum) - 1)]
         n = lo * (hi / lo) ** ((i * _SQRT2) % 1.0)
         if tokens and tokens + n > max_num_tokens:
             seconds += cost.seconds(tokens, pairs)
@@ -126,11 +141,12 @@ def mix_capacity(cost: ForwardCost, tokens_by_bucket: Sequence[float], max_num_t
     return (carried + tokens) / seconds
 
 
-def bucket_capacity(cost: ForwardCost, index: int, max_num_tokens: int) -> float:
+def bucket_capacity(cost: ForwardCost, index: int, max_num_tokens: int, mean_length: float | None = None) -> float:
     """One rank's tokens/s on prompts of one bucket alone (the per-ISL rate of ``LoadReport.buckets``)."""
     mix = [0.0] * (index + 1)
     mix[index] = 1.0
-    return mix_capacity(cost, mix, max_num_tokens) or 0.0
+    means = [None] * index + [mean_length]
+    return mix_capacity(cost, mix, max_num_tokens, means) or 0.0
 
 
 def combine_costs(costs: Sequence[ForwardCost]) -> ForwardCost | None:

@@ -74,6 +74,7 @@ class BucketLoad(_Model):
                                          "FIFO-packed, timed by forward_cost; null: no forward of it measured")
     weight_seconds: float = Field(default=0.0, ge=0, description="decayed forward-seconds of forwards carrying this bucket")
     arrival_tokens_per_second: float = Field(default=0.0, ge=0, description="prompt tokens of this bucket admitted per second (decayed)")
+    mean_length: float | None = Field(default=None, gt=0, description="decayed mean length of this bucket's prompts; null: none seen")
     waiting_tokens: int = Field(default=0, ge=0, description="prompt tokens of this bucket admitted, not yet in a forward")
     running_tokens: int = Field(default=0, ge=0, description="prompt tokens of this bucket in a forward now")
     ttft_estimate_seconds: float | None = Field(

@@ -66,15 +66,21 @@ def combine(reports: Iterable[LoadReport]) -> FleetSignals:
     if not serving:
         return FleetSignals()
     arrivals, queued = [0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS
+    length_w, length_n = [0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS  # mean length per bucket, weighted by arrivals
     for r in serving:
         for i, b in enumerate(r.buckets[:NUM_BUCKETS]):
             arrivals[i] += b.arrival_tokens_per_second
             queued[i] += b.waiting_tokens + RUNNING_REMAINING * b.running_tokens
+            if b.mean_length:
+                w = b.arrival_tokens_per_second or 1e-9
+                length_w[i] += b.mean_length * w
+                length_n[i] += w
+    means = [lw / n if n > 0 else None for lw, n in zip(length_w, length_n)]
     cost = combine_costs([r.forward_cost for r in serving if r.forward_cost is not None])
     budgets = [r.max_num_tokens for r in serving if r.max_num_tokens]
     capacity = None
     if cost is not None and budgets:
-        capacity = mix_capacity(cost, arrivals if any(arrivals) else queued, min(budgets))
+        capacity = mix_capacity(cost, arrivals if any(arrivals) else queued, min(budgets), means)
         if capacity is None:  # nothing arrives and nothing waits: no load to size, yet measured
             capacity = mix_capacity(cost, [1.0] + [0.0] * (NUM_BUCKETS - 1), min(budgets))
     fwd = _weighted((r.forward_seconds, r.forward_cost.weight if r.forward_cost else 0.0) for r in serving)
