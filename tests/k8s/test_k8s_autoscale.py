@@ -11,6 +11,7 @@ the worker registered for it (the test kubelet's pods have no process; only grou
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -123,11 +124,13 @@ def test_load_scales_up_then_down_after_the_window(cluster, scaler, worker):
                 http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
 
     threads = [threading.Thread(target=hammer, daemon=True) for _ in range(8)]
+    t_load = time.time()
     for t in threads:
         t.start()
     try:
         wait_for(lambda: c.get_group(ns, "auto")["spec"]["numGroups"] >= 2, timeout=90, interval=0.5,
                  what="numGroups raised by the autoscaler under load")
+        t_up = time.time() - t_load
         st = _auto(c, ns)
         assert st["reason"] in ("PanicScaleUp", "ScaleUp") and st["desiredGroups"] >= 2, st
         assert st["signals"]["pods"] == 1 and st["signals"]["offeredLoad"] > 0 and st["loadErlangs"] > 0, st
@@ -136,19 +139,24 @@ def test_load_scales_up_then_down_after_the_window(cluster, scaler, worker):
         assert "numGroups 1 ->" in up[0], up
         wait_for(lambda: (c.get_group(ns, "auto").get("status") or {}).get("readyGroups", 0) >= 2, timeout=60,
                  what="the added group ready")
+        peak = c.get_group(ns, "auto")["spec"]["numGroups"]
     finally:
         stop.set()
         for t in threads:
             t.join(70)
+    t_stop = time.time()
     # the load is gone: after the panic hold and the down window, back to minGroups, groups drained away
     wait_for(lambda: c.get_group(ns, "auto")["spec"]["numGroups"] == 1, timeout=240, interval=1,
              what="numGroups back to 1 after the window")
+    t_down = time.time() - t_stop
     down = wait_for(lambda: _events(c, ns, "AutoscaleDown"), timeout=30, what="an AutoscaleDown Event")
     assert any("ScaleDown" in m for m in down), down
     wait_for(lambda: not c.live_pods(ns, "dwdp.io/name=auto,dwdp.io/group notin (0)"), timeout=60,
              what="the scaled-away groups' pods deleted (drained)")
     assert _auto(c, ns)["reason"] in ("ScaleDown", "Hold")
     assert "autoscaled" in op.log()
+    print(f"\nFIGURE autoscale: 8 closed-loop clients on a real CPU worker -> numGroups 1 -> {peak} in {t_up:.1f}s "
+          f"({up[0][:120]}); load stopped -> back to 1 in {t_down:.1f}s (panic hold 60 s + down window 10 s)")
 
 
 def test_a_manual_edit_is_explained_and_taken_back(cluster, scaler, worker):
