@@ -84,6 +84,7 @@ class LoadEstimator:
         self._carried = [Decayed(BUSY_HALF_LIFE_S, s) for _ in range(NUM_BUCKETS)]       # forward-seconds per bucket
         self._seen = [False] * NUM_BUCKETS
         self._fwd_seconds = Decayed(BUSY_HALF_LIFE_S, s)
+        self._fwd_squares = Decayed(BUSY_HALF_LIFE_S, s)   # Σ seconds², for the forwards' variation
         self._forwards = Decayed(BUSY_HALF_LIFE_S, s)
         self._arrived = Decayed(ARRIVAL_HALF_LIFE_S, s)
         self._ttft = Decayed(CORRECTION_HALF_LIFE_S, s)           # Σ observed TTFT, every answered request
@@ -111,6 +112,7 @@ class LoadEstimator:
         if total <= 0 or not seconds > 0:
             return
         self._fwd_seconds.add(seconds, now)
+        self._fwd_squares.add(seconds * seconds, now)
         self._forwards.add(1.0, now)
         first_pass = False
         for b in {isl_bucket(n) for n in lengths if n > 0}:
@@ -151,6 +153,13 @@ class LoadEstimator:
             value = None if cost is None else mix_capacity(cost, mix, self.max_num_tokens, self.mean_lengths(now))
             self._capacity = (now, self._samples, value)
         return value
+
+    def forward_cv(self, now: float) -> float | None:
+        """Coefficient of variation of the forward times (decayed): the queue model's service variability."""
+        mean, square = ratio(self._fwd_seconds, self._forwards, now), ratio(self._fwd_squares, self._forwards, now)
+        if mean is None or square is None or mean <= 0:
+            return None
+        return max(0.0, square - mean * mean) ** 0.5 / mean
 
     def mean_lengths(self, now: float) -> list[float | None]:
         """Decayed mean prompt length per bucket (None: none seen)."""
@@ -203,7 +212,7 @@ class LoadEstimator:
             waiting_prefill_tokens=sum(queue.waiting), running_prefill_tokens=sum(queue.running),
             buckets=[bucket(i) for i in range(NUM_BUCKETS)],
             offered_load=offered, backlog_seconds=backlog, drain_seconds=None if backlog is None else backlog / n,
-            forward_seconds=forward_s, busy_fraction=busy, saturation=saturation,
+            forward_seconds=forward_s, forward_cv=self.forward_cv(now), busy_fraction=busy, saturation=saturation,
             ttft_estimate=None if estimate is None else TtftEstimate(isl=length, seconds=estimate),
             ttft_observed_seconds=ratio(self._ttft, self._answered, now),
             ttft_correction=observed / predicted if corrected else None,

@@ -123,7 +123,8 @@ class LoadReport(_Model):
     offered_load: float | None = Field(default=None, ge=0, description="rank-seconds of prefill arriving per second")
     backlog_seconds: float | None = Field(default=None, ge=0, description="rank-seconds of waiting and running prefill")
     drain_seconds: float | None = Field(default=None, ge=0, description="backlog_seconds / ranks")
-    forward_seconds: float | None = Field(default=None, ge=0, description="decayed mean forward time (fill-weighted)")
+    forward_seconds: float | None = Field(default=None, ge=0, description="decayed mean forward time")
+    forward_cv: float | None = Field(default=None, ge=0, description="coefficient of variation of the forward times")
     busy_fraction: float = Field(default=0.0, ge=0, le=1, description="decayed share of rank time spent in forwards")
     saturation: float = Field(default=0.0, ge=0, le=1, description="share of prefill capacity that arrivals and queue ask for")
     ttft_estimate: TtftEstimate | None = None

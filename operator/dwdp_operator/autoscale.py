@@ -16,7 +16,8 @@ against the anchors (Dynamo's planner, AIBrix's KPA, llm-d's WVA).
   2. **Wait budget** ``q`` = targetQueueSeconds, and/or targetTTFTSeconds minus one forward (the request's
      own), never below ``MIN_WAIT_SHARE`` of the TTFT target.
   3. **Ranks** for ``a`` such that P(wait > q) <= ``MISS`` (``autoscale_queue.servers_for``: Erlang C on
-     forwards, one pooled queue behind an endpoint picker, else one queue per pod) -> groups ``up``.
+     forwards with the Allen-Cunneen correction for the forwards' measured variation, one pooled queue
+     behind an endpoint picker, else one queue per pod) -> groups ``up``.
      The same for ``a · (1 + DOWN_MARGIN)`` -> ``down``: a smaller fleet must carry the load with margin
      (llm-d WVA: scale down only when the load fits the smaller fleet) — the stable load and the load now.
   4. **Panic** (AIBrix KPA): the burst recommendation ``>= PANIC_RATIO × current``, or the queue's drain
@@ -196,7 +197,7 @@ def recommend(signals: FleetSignals, policy: Autoscaling, shape: QueueShape, *,
 
     def groups(erlangs: float) -> int:
         ranks = servers_for(erlangs, wait_s=budget, service_s=signals.forward_seconds, miss=MISS,
-                            ranks_per_queue=shape.ranks_per_queue)
+                            ranks_per_queue=shape.ranks_per_queue, cv=signals.forward_cv)
         return math.ceil(ranks / shape.ranks_per_group)
 
     load = stable + min(extra, stable)

@@ -30,6 +30,7 @@ class FleetSignals:
     offered_load: float | None = None      # rank-seconds of prefill arriving per second
     backlog_seconds: float | None = None   # rank-seconds waiting or running
     forward_seconds: float | None = None   # mean forward time, weighted by measurement
+    forward_cv: float | None = None        # their coefficient of variation (the queue model's service variability)
     correction: float | None = None        # observed ÷ predicted TTFT, weighted by requests
     correction_weight: float = 0.0
     waiting_tokens: int = 0
@@ -84,12 +85,13 @@ def combine(reports: Iterable[LoadReport]) -> FleetSignals:
         if capacity is None:  # nothing arrives and nothing waits: no load to size, yet measured
             capacity = mix_capacity(cost, [1.0] + [0.0] * (NUM_BUCKETS - 1), min(budgets))
     fwd = _weighted((r.forward_seconds, r.forward_cost.weight if r.forward_cost else 0.0) for r in serving)
+    cv = _weighted((r.forward_cv, r.forward_cost.weight if r.forward_cost else 0.0) for r in serving)
     corr = _weighted((r.ttft_correction, r.ttft_correction_weight) for r in serving)
     ttft = _weighted((r.ttft_observed_seconds, r.ttft_correction_weight or 1.0) for r in serving)
     return FleetSignals(
         pods=len(serving), ranks=sum(r.ranks for r in serving),
         offered_load=None if capacity is None else sum(arrivals) / capacity,
-        backlog_seconds=None if capacity is None else sum(queued) / capacity, forward_seconds=fwd,
+        backlog_seconds=None if capacity is None else sum(queued) / capacity, forward_seconds=fwd, forward_cv=cv,
         correction=corr, correction_weight=sum(r.ttft_correction_weight for r in serving if r.ttft_correction),
         waiting_tokens=sum(r.waiting_prefill_tokens for r in serving),
         running_tokens=sum(r.running_prefill_tokens for r in serving),

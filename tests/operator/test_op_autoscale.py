@@ -63,6 +63,16 @@ def test_more_load_or_less_wait_never_needs_fewer_ranks(a, b, wait, service, per
         assert wait_tail(n_lo, lo, wait, service) <= 0.05
 
 
+@given(st.floats(0.1, 200), st.floats(0, 3), st.floats(0, 3), st.sampled_from([None, 1, 4]))
+def test_more_variable_forwards_never_need_fewer_ranks(load, cv_a, cv_b, per_queue):
+    """Allen-Cunneen: the wait grows with (1 + cv²); constant forwards (cv 0) are M/D/c."""
+    lo, hi = sorted((cv_a, cv_b))
+    assert servers_for(load, wait_s=1.2, service_s=0.75, miss=0.05, ranks_per_queue=per_queue, cv=hi) >= \
+        servers_for(load, wait_s=1.2, service_s=0.75, miss=0.05, ranks_per_queue=per_queue, cv=lo)
+    assert servers_for(load, wait_s=1.2, service_s=0.75, miss=0.05, ranks_per_queue=per_queue, cv=0.0) == \
+        servers_for(load, wait_s=1.2, service_s=0.75, miss=0.05, ranks_per_queue=per_queue)
+
+
 @given(st.floats(0.1, 200))
 def test_one_pooled_queue_needs_no_more_ranks_than_a_queue_per_pod(load):
     pooled = servers_for(load, wait_s=1.2, service_s=0.75, miss=0.05)

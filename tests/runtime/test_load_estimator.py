@@ -247,3 +247,12 @@ def test_nothing_measured_reports_no_work_and_busy_as_saturation():
     assert r.offered_load is None and r.backlog_seconds is None and r.drain_seconds is None
     assert r.ttft_estimate is None and r.saturation == r.busy_fraction == 0.0 and r.forward_cost is None
     assert r.waiting_prefill_tokens == 100 and r.waiting_requests == 1
+
+
+def test_forward_cv_is_the_spread_of_the_forward_times():
+    e = LoadEstimator(max_num_tokens=16384, start=0.0)
+    _steady(e, lengths=(4000,), seconds=0.5, n=20)
+    assert e.forward_cv(20.0) == pytest.approx(0.0, abs=1e-6)
+    for i in range(20):
+        e.forward_done(0, [4000], 1.5 if i % 2 else 0.5, 21.0 + i)
+    assert 0.2 < e.forward_cv(41.0) < 0.6
