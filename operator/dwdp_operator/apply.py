@@ -64,6 +64,10 @@ class ApiError(RuntimeError):
     """A transient API failure, described in one line (``refusals.describe``): retried."""
 
 
+class ScaleRefused(RuntimeError):
+    """The scale subresource write was refused (RBAC): only a person can fix it; the message says how."""
+
+
 class CreateMemory:
     """Keys remembered until their TTL passes; insertion-ordered, so expiry pops from the front."""
 
@@ -203,6 +207,17 @@ class Applier:
             out.created_pods = [n for n in out.created_pods if n not in gang]
             out.counts["created"] -= len(created)
             out.counts["deleted"] += len(created)
+
+    def scale(self, ns: str, name: str, groups: int) -> None:
+        """numGroups through the scale subresource (what ``kubectl scale`` and an HPA write): the autoscaler's
+        only write to the spec. A refusal raises ``ScaleRefused`` with the fix, a transient error ``ApiError``."""
+        try:
+            self.api.merge_patch(GROUP_VERSION, ns, PLURAL, name, {"spec": {"replicas": groups}}, subresource="scale")
+        except ApiException as e:
+            if e.status == 403:
+                raise ScaleRefused(f"the API server refused to scale DwdpGroup {ns}/{name} ({describe(e)}): grant the "
+                                   f"operator patch on dwdpgroups/scale (Helm: --set groupAutoscaling.enabled=true)") from None
+            raise ApiError(f"scale DwdpGroup {ns}/{name}: {describe(e)}") from None
 
     def _patch_status(self, ns: str, name: str, status: dict[str, Any]) -> dict | None:
         """Merge-patch the status; the DwdpGroup as the server returned it (the reconciler's newest copy)."""

@@ -102,3 +102,14 @@ SPEC_RULES = (
     CelRule("has(self.model.path) != has(self.model.synthetic)", "set exactly one of model.path or model.synthetic"),
     CelRule("self.httpPort != self.storePort", "httpPort and storePort must differ"),
 )
+
+#: rules of one spec object, on that object's schema (``self`` is the object): spec.autoscaling's cross-field
+#: rules of ``autoscale.autoscaling_errors`` (tests/operator/test_op_autoscaling_spec.py holds the two to each
+#: other, property test)
+OBJECT_RULES = {
+    "autoscaling": (
+        CelRule("self.minGroups <= self.maxGroups", "autoscaling.minGroups must not be above autoscaling.maxGroups"),
+        CelRule("has(self.targetTTFTSeconds) || has(self.targetQueueSeconds)",
+                "autoscaling: set targetTTFTSeconds and/or targetQueueSeconds"),
+    ),
+}

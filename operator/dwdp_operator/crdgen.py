@@ -172,6 +172,10 @@ def openapi_schema() -> dict[str, Any]:
             "properties": {"spec": _node(js["properties"]["spec"], defs, path="spec", in_status=False),
                            "status": _node(js["properties"]["status"], defs, path="status", in_status=True)}}
     spec = root["properties"]["spec"]
+    for name, rules in X.OBJECT_RULES.items():
+        obj = spec["properties"][name]
+        spec["properties"][name] = {**{k: obj[k] for k in ("type", "description", "required") if k in obj},
+                                    "x-kubernetes-validations": [r.to_crd() for r in rules], **obj}
     root["properties"]["spec"] = {**{k: spec[k] for k in ("type", "description", "required")},
                                   "x-kubernetes-validations": [r.to_crd() for r in X.SPEC_RULES],
                                   "properties": spec["properties"]}

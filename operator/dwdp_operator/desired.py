@@ -14,7 +14,7 @@ Per group g the phase machine (``state.GroupPhase``, status.groups[g].phase):
                  │                               └─(budget spent)──► Failed (pods deleted)
                  └── no pods left ◄── Updating ◄── template hash changed (≤ maxUnavailableGroups at once;
                                                    groups already unavailable roll at once)
-    g ≥ numGroups: Draining (pods leave the client Service) ──drainUntil──► pods deleted ──► removed
+    g ≥ numGroups: Draining (pods leave the client Service) ──drainUntil, and idle──► pods deleted ──► removed
 
 Invariants:
   1. A new attempt's pods are created only when no pod of the group is left (pod names are reused,
@@ -44,6 +44,9 @@ Invariants:
   6. ``Plan.requeue_after`` is the time until the next transition that no API event announces
      (a backoff ending, a drain ending, a placement dead end maturing); the reconciler sleeps that
      long instead of polling. ``None``: only an event (or the long safety resync) changes anything.
+  6a. A draining group whose pods still report prompt tokens waiting or running (``busy_groups``, read from
+     their ``/v1/load``) is kept past ``drainUntil`` until it is idle — a scale-down never cuts an in-flight
+     prefill — for at most ``DRAIN_BUSY_CAP_S`` (then the pods' own SIGTERM drain finishes what is left).
   7. Group state is typed (``state.GroupStatus``, frozen): each pass derives new values from the
      status it read; ``status.refusals`` (written by the reconciler from apply's answers) is carried
      over untouched and rendered as the ChildrenAccepted condition.
@@ -65,6 +68,10 @@ from .state import (BUSY_PHASES, EventReason, EventType, Failure, FailureKind, G
 from .status import invalid_conditions, iso, object_status, parse_iso, summarize
 
 HISTORY = 10
+#: the longest a draining group is kept for prefill work still on it (a stuck or lying pod cannot hold a
+#: scale-down forever; the pod's SIGTERM drain then answers what is left); it is re-checked this often
+DRAIN_BUSY_CAP_S = 120.0
+DRAIN_BUSY_RECHECK_S = 1.0
 
 
 @dataclass
@@ -93,9 +100,11 @@ class Plan:
 
 
 def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float, token: str = "",
-                  health: dict[str, int] | None = None, drain_seconds: float = 5.0) -> Plan:
+                  health: dict[str, int] | None = None, drain_seconds: float = 5.0,
+                  busy_groups: frozenset[int] = frozenset()) -> Plan:
     """Children and actions for one DwdpGroup. ``pods``: ``observed.slim_pod`` of its pods;
-    ``health``: pod uid -> prefetch_restarts read from the pod's /healthz (missing = unknown)."""
+    ``health``: pod uid -> prefetch_restarts read from the pod's /healthz (missing = unknown);
+    ``busy_groups``: draining groups still holding prefill work (invariant 6a)."""
     meta = cr.get("metadata") or {}
     name, ns, uid = meta["name"], meta.get("namespace", "default"), meta.get("uid", "")
     gen = meta.get("generation")
@@ -106,7 +115,7 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
 
     thash = M.template_hash(spec)
     ctx = _Ctx(name=name, ns=ns, uid=uid, spec=spec, thash=thash, now=now, health=health or {},
-               drain_seconds=drain_seconds, whole=not old.get("refusals"))
+               drain_seconds=drain_seconds, whole=not old.get("refusals"), busy=busy_groups)
     plan = Plan(status={})
     if not old.get("groups") and not old.get("templateHash"):
         plan.event(EventType.NORMAL, EventReason.CREATED,
@@ -169,6 +178,7 @@ class _Ctx:
     whole: bool  # invariant 2a: a group with no pod may be created whole (no refusal on record)
     # invariant 5: a group's entry with the pods this pass creates counted (only groups that create)
     after_creates: dict[int, GroupStatus] = field(default_factory=dict)
+    busy: frozenset[int] = frozenset()  # invariant 6a
 
 
 def _new_group(g: int, thash: str) -> GroupStatus:
@@ -292,8 +302,12 @@ def _surplus_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict], *,
                                                               f"deleted in {ctx.drain_seconds:g}s")
     plan.patches += [(p["name"], M.serving_patch(False)) for p in gpods
                      if p["labels"].get(L.SERVING) != "false" and not p["deleting"]]
-    if ctx.now >= (parse_iso(st.drainUntil) or 0.0):
-        _delete_all(plan, gpods)
+    until = parse_iso(st.drainUntil) or 0.0
+    if ctx.now >= until:
+        if g in ctx.busy and ctx.now < until + DRAIN_BUSY_CAP_S:
+            plan.wake_in(DRAIN_BUSY_RECHECK_S)  # prefill still running on it: look again soon
+        else:
+            _delete_all(plan, gpods)
     return _observe(ctx, st, [p for p in gpods if p["attempt"] == st.attempt])
 
 
@@ -323,8 +337,8 @@ def _schedule_wake(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) ->
     """Invariant 6: when this group next changes without an API event."""
     if st.phase in (GroupPhase.RESTARTING, GroupPhase.UPDATING) and st.restartAt:
         plan.wake_in((parse_iso(st.restartAt) or ctx.now) - ctx.now)
-    if st.phase == GroupPhase.DRAINING and st.drainUntil:
-        plan.wake_in((parse_iso(st.drainUntil) or ctx.now) - ctx.now)
+    if st.phase == GroupPhase.DRAINING and st.drainUntil and (parse_iso(st.drainUntil) or 0.0) > ctx.now:
+        plan.wake_in((parse_iso(st.drainUntil) or ctx.now) - ctx.now)  # past it: the busy recheck (6a) asks
     if st.phase in BUSY_PHASES:
         _, since = unschedulable_since(ctx.spec, [p for p in gpods if p["attempt"] == st.attempt], now=ctx.now)
         if since is not None:

@@ -79,10 +79,11 @@ def claim_template_name(name: str) -> str:
 
 def template_hash(spec: DwdpGroupSpec) -> str:
     # kvTransfer and serving shape the pod env, but an absent section must not change existing groups' hash;
-    # inferencePool is not pod-shaping: adding or removing an InferencePool never restarts a group
+    # inferencePool is not pod-shaping: adding or removing an InferencePool never restarts a group;
+    # autoscaling only moves numGroups
     unset = {k for k in ("kvTransfer", "serving") if getattr(spec, k) is None}
     shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing",
-                                                    "inferencePool"} | unset)
+                                                    "inferencePool", "autoscaling"} | unset)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -24,6 +24,10 @@ Invariants:
      itself; ``apply.Applier`` is the only writer of status (its invariant).
   5. Every background task is held in ``_tasks`` until done, and every timer in its key's state;
      ``close()`` cancels them all.
+  6. Autoscaling (``autoscaler``): a pass of a DwdpGroup with ``spec.autoscaling`` reads its pods' load when
+     a decision is due (every ``intervalSeconds``: the pass wakes for it), writes a changed numGroups through
+     the scale subresource *before* its status (which records the decision in ``status.autoscaling``), and
+     plans with the numGroups it read: the scale write's own event brings the pass that acts on it.
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ from typing import Any, Callable, Coroutine
 from dwdp_runtime.contract import DEFAULT_HTTP_PORT
 
 from . import metrics
-from .apply import POD_REMEMBER_S, ApiError, Applier
+from .apply import POD_REMEMBER_S, ApiError, Applier, ScaleRefused
+from .autoscaler import Autoscaler, Tick
 from .desired import desired_state
 from .expectations import PodExpectation
 from .health import HealthReader
 from .refusals import describe
-from .state import EventReason, EventType
+from .state import EventReason, EventType, PlannedEvent
 
 log = logging.getLogger("dwdp_operator.reconcile")
 Key = tuple[str, str]  # (namespace, name)
@@ -103,6 +108,7 @@ class Reconciler:
     settings: Settings = field(default_factory=Settings)
     applier: Applier | None = None
     health: HealthReader | None = None
+    autoscaler: Autoscaler | None = None
     pods_of: Callable[[Key], list[dict] | None] = lambda key: None
     _state: dict[Key, _KeyState] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -112,6 +118,7 @@ class Reconciler:
     def __post_init__(self) -> None:
         self.applier = self.applier or Applier(parallel=IO_THREADS)
         self.health = self.health or HealthReader(min_interval=self.settings.health_interval)
+        self.autoscaler = self.autoscaler or Autoscaler()
 
     @property
     def keys(self) -> set[Key]:
@@ -190,6 +197,7 @@ class Reconciler:
         if st is not None and st.timer is not None:
             st.timer.cancel()
         self.health.forget(key)
+        self.autoscaler.forget(key)
 
     def close(self) -> None:
         for st in self._state.values():
@@ -225,8 +233,16 @@ class Reconciler:
             return None  # garbage collection removes the children (owner references)
         port = int(((cr.get("spec") or {}).get("httpPort")) or DEFAULT_HTTP_PORT)
         health = await self._blocking(self.health.read_all, key, pods, port=port, namespace=ns)
+        tick = await self._blocking(self.autoscaler.observe, key, cr, pods, port=port, namespace=ns, now=time.time())
+        await self._scale(cr, tick)
         now, token = time.time(), secrets.token_urlsafe(32)
-        plan = desired_state(cr, pods, now=now, token=token, health=health, drain_seconds=self.settings.drain_seconds)
+        plan = desired_state(cr, pods, now=now, token=token, health=health, drain_seconds=self.settings.drain_seconds,
+                             busy_groups=tick.busy_groups)
+        if plan.valid and tick.status is not None:  # invariant 6; {}: spec.autoscaling removed, drop the key
+            for status in (plan.status, plan.status_after_creates):
+                if status is not None:
+                    status["autoscaling"] = tick.status or None
+            plan.events += tick.events
         try:
             result = await self._blocking(self.applier.apply, cr, plan, now=now)
         except Exception:
@@ -250,12 +266,39 @@ class Reconciler:
         if any(result.counts.values()):
             log.info("reconciled %s/%s: %s", ns, name, result.counts)
         wake = plan.requeue_after
+        if tick.wake is not None:
+            wake = tick.wake if wake is None else min(wake, tick.wake)
         st.refused = st.refused + 1 if result.refusals else 0
         if result.refusals:  # retried until a person fixed it: backoff up to RETRY_CAP_S
             wake = min(self.settings.retry_seconds * 2 ** (st.refused - 1), RETRY_CAP_S)
         if any(p.get("phase") == "Running" and p.get("ip") for p in pods):
             wake = self.settings.health_interval if wake is None else min(wake, self.settings.health_interval)
         return wake
+
+    async def _scale(self, cr: dict, tick: Tick) -> None:
+        """Invariant 6: a changed decision goes to the scale subresource first. Refused (RBAC): the decision
+        holds, and the status and a Warning Event say how to fix it; a transient error fails the pass."""
+        d = tick.decision
+        if d is None or not d.changed or tick.status is None:
+            return
+        meta = cr["metadata"]
+        try:
+            await self._blocking(self.applier.scale, meta["namespace"], meta["name"], d.desired)
+        except ScaleRefused as e:
+            old = (cr.get("status") or {}).get("autoscaling") or {}
+            message = f"wanted {d.desired} group(s): {e}"
+            tick.status.update(desiredGroups=d.current, message=message)
+            if old.get("lastScaleTime"):
+                tick.status["lastScaleTime"] = old["lastScaleTime"]
+            else:
+                tick.status.pop("lastScaleTime", None)
+            tick.events = [ev for ev in tick.events if ev.reason not in (EventReason.AUTOSCALE_UP,
+                                                                         EventReason.AUTOSCALE_DOWN)]
+            if old.get("message") != message:  # one Warning per refusal, not one per tick
+                tick.events.append(PlannedEvent(EventType.WARNING, EventReason.AUTOSCALE_FAILED, str(e)))
+            return
+        log.info("autoscaled %s/%s: numGroups %d -> %d (%s)", meta["namespace"], meta["name"], d.current, d.desired,
+                 d.reason)
 
     async def _announce_refusals(self, cr: dict, refusals: list) -> None:
         """Invariant 4: an Event and a log line per cause that is not on record in ``cr`` (the object

@@ -166,6 +166,26 @@ class InferencePool(_Model):
         "the endpoint picker (EPP) Service the pool's gateway asks for an endpoint"))
 
 
+class Autoscaling(_Model):
+    """Prefill-aware autoscaling of numGroups (docs/OPERATOR.md, "Autoscaling"); cross-field rules:
+    ``autoscale.autoscaling_errors`` (registered check)."""
+
+    minGroups: int = Field(default=1, ge=1, le=1024, description="fewest groups the autoscaler keeps (>= 1: a "
+                           "fleet of 0 has nobody to measure load)")
+    maxGroups: int = Field(ge=1, le=1024, description="most groups the autoscaler creates (>= minGroups)")
+    targetTTFTSeconds: float | None = Field(default=None, gt=0, le=3600, description="time to first token the "
+                                            "fleet is sized for: 95 % of requests within it")
+    targetQueueSeconds: float | None = Field(default=None, gt=0, le=3600, description="queue wait the fleet is "
+                                             "sized for instead of (or as well as) targetTTFTSeconds")
+    scaleUpStabilizationSeconds: float = Field(default=30, ge=0, le=3600, description="a scale-up needs the load "
+                                               "to ask for it this long (a burst that panics skips it)")
+    scaleDownStabilizationSeconds: float = Field(default=120, ge=0, le=86400, description="a scale-down needs "
+                                                 "the load to fit the smaller fleet with margin this long")
+    maxStep: int = Field(default=10, ge=1, le=1024, description="most groups added or removed per decision")
+    intervalSeconds: float = Field(default=5, ge=1, le=300, description="seconds between two reads of the "
+                                   "groups' /v1/load and decisions")
+
+
 class Template(_Model):
     env: list[dict[str, Any]] = Field(default_factory=list, description=(
         "extra container env (the pod contract's DWDP_* variables are set by the operator and refused here)"))
@@ -212,6 +232,9 @@ class DwdpGroupSpec(_Model):
     inferencePool: InferencePool | None = Field(default=None, description=(
         "create an InferencePool (inference.networking.k8s.io/v1, Gateway API Inference Extension) selecting "
         "this group's serving pods (llm-d.ai/role: prefill) on httpPort; removing it deletes the pool"))
+    autoscaling: Autoscaling | None = Field(default=None, description=(
+        "prefill-aware autoscaling: the operator sets numGroups from the groups' GET /v1/load within "
+        "[minGroups, maxGroups] (docs/OPERATOR.md, Autoscaling); absent: numGroups is yours (kubectl scale, HPA)"))
     httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535, description=(
         "workers' HTTP port: API, /healthz, /readyz, /metrics"))
     storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535, description=(

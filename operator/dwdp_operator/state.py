@@ -73,6 +73,10 @@ class EventReason(StrEnum):
     SCALE_DOWN = "ScaleDown"
     INVALID_SPEC = "InvalidSpec"
     RECONCILE_ERROR = "ReconcileError"  # a pass failed on a transient API error (one per distinct error)
+    AUTOSCALE_UP = "AutoscaleUp"        # spec.autoscaling raised numGroups (the message: reason and signals)
+    AUTOSCALE_DOWN = "AutoscaleDown"    # spec.autoscaling lowered numGroups
+    MANUAL_SCALE_OVERRIDDEN = "ManualScaleOverridden"  # numGroups changed by someone else while autoscaling
+    AUTOSCALE_FAILED = "AutoscaleFailed"  # the scale subresource write was refused (the message: the fix)
 
 
 class EventType(StrEnum):

@@ -47,6 +47,44 @@ class SizingStatus(_Model):
     isl: int | None = Field(default=None, description="input length of the prediction")
 
 
+class AutoscalingSignals(_Model):
+    """``status.autoscaling.signals``: the fleet's load from the serving pods' ``GET /v1/load``
+    (``autoscale_signals``)."""
+
+    pods: int | None = Field(default=None, description="serving pods that reported")
+    ranks: int | None = Field(default=None, description="their ready ranks")
+    offeredLoad: float | None = Field(default=None, description="rank-seconds of prefill arriving per second")
+    backlogSeconds: float | None = Field(default=None, description=(
+        "rank-seconds of prefill waiting (and half the running)"))
+    drainSeconds: float | None = Field(default=None, description="backlogSeconds / ranks")
+    forwardSeconds: float | None = Field(default=None, description="mean forward time")
+    ttftEstimateSeconds: float | None = Field(default=None, description="a new request's TTFT now (drain + a forward)")
+    ttftObservedSeconds: float | None = Field(default=None, description="mean TTFT of answered requests (decayed)")
+    ttftCorrection: float | None = Field(default=None, description="observed / predicted TTFT")
+    waitingTokens: int | None = Field(default=None, description="prompt tokens waiting")
+    runningTokens: int | None = Field(default=None, description="prompt tokens in a forward")
+    saturation: float | None = Field(default=None, description="mean of the pods' saturation, 0..1")
+
+
+class AutoscalingStatus(_Model):
+    """``status.autoscaling``: the autoscaler's last decision (``autoscaler``; spec.autoscaling)."""
+
+    desiredGroups: int | None = Field(default=None, description="numGroups the last decision asked for")
+    currentGroups: int | None = Field(default=None, description="numGroups when it decided")
+    reason: str | None = Field(default=None, description=(
+        "ScaleUp, PanicScaleUp, ScaleDown, Hold, Stabilizing, NoSignal or Bounds"))
+    message: str | None = Field(default=None, description="the law's numbers: load, wait budget, the groups it asks for")
+    recommendedUp: int | None = Field(default=None, description="groups the load asks for now")
+    recommendedDown: int | None = Field(default=None, description="groups that carry the load with the scale-down margin")
+    loadErlangs: float | None = Field(default=None, description=(
+        "rank-seconds of prefill per second the fleet is sized for (corrected offered load + backlog share)"))
+    waitBudgetSeconds: float | None = Field(default=None, description="how long a request may wait for a forward")
+    lastDecisionTime: str | None = Field(default=None, description="when it last decided")
+    lastScaleTime: str | None = Field(default=None, description="when it last changed numGroups")
+    signals: AutoscalingSignals | None = Field(default=None, description=(
+        "the fleet's load from the serving pods' GET /v1/load"))
+
+
 class DwdpGroupStatus(_Model):
     observedGeneration: int | None = Field(default=None, description="the spec generation this status describes")
     state: str | None = Field(default=None, description=(
@@ -62,6 +100,8 @@ class DwdpGroupStatus(_Model):
     refusals: list[Refusal] | None = Field(default=None, description=(
         "child objects the API server refuses (one entry per distinct cause; condition ChildrenAccepted)"))
     sizing: SizingStatus | None = Field(default=None, description="the planner's verdict for spec.sizing")
+    autoscaling: AutoscalingStatus | None = Field(default=None, description=(
+        "the autoscaler's last decision (spec.autoscaling)"))
     groups: list[GroupStatus] | None = Field(default=None, description="one entry per group")
     conditions: list[Condition] | None = Field(default=None, description=(
         f"{', '.join(ConditionType)} (docs/OPERATOR.md lists every reason)"))

@@ -110,7 +110,8 @@ LOGGED_403 = re.compile(r"(?<![\d,.:])403(?!\d)")
 
 def test_chart_rbac_is_exactly_the_operator_api_calls(cluster, tmp_path):
     """Install the chart; run the real operator with the chart's ServiceAccount through every code
-    path that writes (create, Ready, pod restart, scale up and down with drain, invalid spec); the API
+    path that writes (create, Ready, pod restart, scale up and down with drain, an autoscaler's scale
+    subresource write, invalid spec); the API
     server's audit log must show exactly the (group, resource, verb) set the ClusterRole grants:
     a verb granted but never used fails, a verb used but not granted fails."""
     c = cluster
@@ -149,6 +150,10 @@ def test_chart_rbac_is_exactly_the_operator_api_calls(cluster, tmp_path):
             c.patch_spec(ns, "rb", {"numGroups": 1})
             wait_for(lambda: [g["index"] for g in c.get_group(ns, "rb")["status"]["groups"]] == [0]
                      and not c.live_pods(ns, "dwdp.io/name=rb,dwdp.io/group=1"), timeout=60, what="group 1 removed")
+            # spec.autoscaling moves numGroups into [minGroups, maxGroups] through the scale subresource
+            c.patch_spec(ns, "rb", {"autoscaling": {"minGroups": 2, "maxGroups": 2, "targetTTFTSeconds": 1}})
+            wait_for(lambda: c.get_group(ns, "rb")["spec"]["numGroups"] == 2
+                     and c.get_group(ns, "rb")["status"]["readyGroups"] == 2, timeout=60, what="autoscaling bounds")
             c.patch_spec(ns, "rb", {"gpusPerPod": 3})  # Invalid: status + Warning event
             wait_for(lambda: (x := c.condition(ns, "rb", "Invalid")) and x["status"] == "True", what="Invalid")
             log = op.log()

@@ -7,6 +7,12 @@
   - apiGroups: [dwdp.io]
     resources: [dwdpgroups/status]
     verbs: [patch]
+  {{- if .Values.groupAutoscaling.enabled }}
+  # spec.autoscaling: numGroups through the scale subresource (what kubectl scale and an HPA write), nothing else
+  - apiGroups: [dwdp.io]
+    resources: [dwdpgroups/scale]
+    verbs: [patch]
+  {{- end }}
   # worker pods: indexed (list/watch), created, deleted as whole groups, patched (gang gate, serving label)
   - apiGroups: [""]
     resources: [pods]

@@ -1,7 +1,8 @@
 """HTTP routes (thin): parse, hand to ``Supervisor``, shape the answer.
 
 Routes: the OpenAI-compatible ones (``openai_routes``: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``, ``GET /v1/models/{id}``), ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+``GET /v1/models``, ``GET /v1/models/{id}``), ``GET /healthz``, ``GET /readyz``, ``GET /metrics``, ``GET /v1/load``
+(the prefill load record the operator's autoscaler reads: ``dwdp_runtime.load.schema.LoadReport``).
 
 Invariants:
   * Statuses (each route's OpenAPI entry lists the ones it returns): malformed JSON 400 ``json_invalid``,
@@ -20,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
+
+from dwdp_runtime.load.schema import LoadReport
 
 from .http_errors import install_handlers
 from .http_limits import BodyGuard, HttpBounds
@@ -90,6 +93,13 @@ def create_app(sup: Supervisor) -> FastAPI:
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(sup.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/load", response_model=LoadReport,
+             responses={200: {"description": "this front's prefill load (also while starting or draining: see "
+                                             "ready and draining)"}})
+    async def load(isl: int | None = Query(None, ge=1, le=10_000_000, description="prompt length of the TTFT "
+                                           "estimate (default: the recent mean)")):
+        return JSONResponse(sup.load_report(isl).model_dump(mode="json"))
 
     register_request_schemas(app)
     return app

@@ -15,6 +15,11 @@ Invariants:
     readiness goes false, and ``exit_code`` becomes 1 (the operator restarts the group).
   * Drain (SIGTERM): readiness false at once, new requests 503, every admitted request finishes
     (bounded by ``drain_timeout_s``), then ranks are told to stop; ``exit_code`` 0.
+  * Prefill load (``GET /v1/load``, the ``dwdp_prefill_*`` gauges): the front feeds
+    ``dwdp_runtime.load.LoadEstimator`` with what it knows anyway — each admitted prompt's length, each
+    answered forward's sequence lengths and wall time, each request's first-token time against the
+    estimate it had at admission — and reads its queue from the job set at report time, so the
+    waiting/running tokens cannot drift from the jobs.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import asyncio
 import logging
 import pathlib
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from dwdp_runtime.load.estimator import LoadEstimator, QueueState
+from dwdp_runtime.load.schema import LoadReport
 from dwdp_runtime.serving_options import ServingOptions
 
 from . import probes
@@ -71,7 +79,9 @@ class Supervisor:
         self.tokenizer_ready = not text.has_tokenizer_files(model_dir)
         self.started_at = time.time()
         self.metrics = Metrics(self.snapshot)
-        self.serving = ServingMetrics(self.metrics.registry, self.request_load)
+        self.load = LoadEstimator(max_num_tokens=options.max_num_tokens, start=time.monotonic())
+        self._predicted_ttft: weakref.WeakKeyDictionary[Job, float] = weakref.WeakKeyDictionary()
+        self.serving = ServingMetrics(self.metrics.registry, self.request_load, prefill=self.load_report)
         self.dispatch = Dispatcher(self.ranks, self.metrics, max_num_tokens=options.max_num_tokens,
                                    max_num_seqs=options.max_num_seqs, batch_wait_s=batch_wait_s, serving=self.serving)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,6 +183,7 @@ class Supervisor:
     def _on_message(self, h: RankHandle, msg: p.RankMessage) -> None:
         h.apply(msg, time.monotonic())
         if isinstance(msg, p.StepResult):
+            self._observe_forward(h, msg)
             self.dispatch.on_result(h, msg)
         elif isinstance(msg, p.StepFailed):
             self.dispatch.on_step_failed(h, msg)
@@ -279,11 +290,43 @@ class Supervisor:
             raise BadPrompt(refusal.message, param=refusal.param)
         if len(self.dispatch.queue) >= self.options.max_queue:
             raise QueueFull(f"the request queue is full ({self.options.max_queue} waiting); retry later")
-        return self.dispatch.enqueue(tokens, max_tokens=max_tokens, top_n=top_n, score_prompt=score_prompt,
-                                     on_step=on_step, remote_decode=remote_decode)
+        now = time.monotonic()
+        predicted = self.load.ttft_estimate(len(tokens), self.prefill_queue(), self._ready_ranks(), now)
+        job = self.dispatch.enqueue(tokens, max_tokens=max_tokens, top_n=top_n, score_prompt=score_prompt,
+                                    on_step=on_step, remote_decode=remote_decode)
+        self.load.admitted(len(tokens), now)
+        if predicted is not None:
+            self._predicted_ttft[job] = predicted
+        return job
 
     def cancel(self, job: Job) -> None:
         self.dispatch.cancel(job)
+
+    # -- prefill load ---------------------------------------------------------------------------------
+    def _observe_forward(self, h: RankHandle, msg: p.StepResult) -> None:
+        """A forward answered (before dispatch folds it): its sequences' lengths and wall time, and the
+        first-token time of the requests this was the first forward of."""
+        held = h.batch
+        if held is None or held.batch_id != msg.batch_id:
+            return
+        now = time.monotonic()
+        self.load.forward_done(h.gid, [len(j) for j in held.jobs], now - held.sent_at, now)
+        for job in held.jobs:
+            if not job.ranks and not job.future.done():
+                self.load.first_token(now - job.t_admit, self._predicted_ttft.pop(job, None), now)
+
+    def _ready_ranks(self) -> int:
+        return sum(1 for h in self.ranks if h.ready)
+
+    def prefill_queue(self) -> QueueState:
+        running = [len(j) for h in self.ranks if h.batch is not None for j in h.batch.jobs if not j.future.done()]
+        waiting = [len(j) for j in self.dispatch.queue if not j.future.done()]
+        return QueueState.of(waiting, running, running_requests=len(self.jobs) - len(waiting))
+
+    def load_report(self, isl: int | None = None) -> LoadReport:
+        """``GET /v1/load``: this front's prefill load (``dwdp_runtime.load.schema``)."""
+        return self.load.report(self.prefill_queue(), ranks=self._ready_ranks(), ready=self.snapshot()["ready"],
+                                draining=self.draining, now=time.monotonic(), isl=isl)
 
     # -- views ----------------------------------------------------------------------------------------
     @property
