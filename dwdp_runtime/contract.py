@@ -101,6 +101,7 @@ class ServingEnv(StrEnum):
     MAX_NEW_TOKENS = "DWDP_MAX_NEW_TOKENS"        # largest max_tokens served (--max-new-tokens)
     SERVED_MODEL_NAME = "DWDP_SERVED_MODEL_NAME"  # model id in the API (--served-model-name)
     CUDA_GRAPHS = "DWDP_CUDA_GRAPHS"              # prefill shapes replayed from CUDA graphs, 0 = off (--cuda-graphs)
+    BATCH_INVARIANT = "DWDP_BATCH_INVARIANT"      # true: batch-invariant dense GEMMs (--batch-invariant)
 
 
 POD_ENV_OPTIONAL: tuple[str, ...] = tuple(v.value for v in KvEnv) + tuple(v.value for v in ServingEnv)
@@ -118,6 +119,7 @@ class TuningEnv(StrEnum):
     # reaches (a NAT, a node port, a DNS name): --kv-advertise-host; a user sets it through spec.template.env
     KV_ADVERTISE_HOST = "DWDP_KV_ADVERTISE_HOST"
     KV_REGION_MEMORY = "DWDP_KV_REGION_MEMORY"  # how a CUDA rank allocates its KV region (kv.region.RegionMemory)
+    COMPILE_CACHE_DIR = "DWDP_COMPILE_CACHE_DIR"  # kernel compile caches kept across starts (dwdp_runtime.compile_cache)
 
 
 class Transfer(StrEnum):

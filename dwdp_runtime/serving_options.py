@@ -53,6 +53,10 @@ class ServingOptions(BaseModel):
                              description="prefill batch shapes per rank replayed from CUDA graphs (a shape's second "
                                          "forward is captured; each graph keeps its activations' memory); 0: off; "
                                          "GPU pods only")
+    batch_invariant: bool = Field(default=False,
+                                  description="dense GEMMs through a fixed-tiling Triton matmul so a sequence's "
+                                              "logits are bitwise the same alone and packed (costs prefill "
+                                              "speed: bench/batch_invariant.py); GPU pods only")
 
     @classmethod
     def env_var(cls, field: str) -> ServingEnv:
@@ -83,6 +87,8 @@ class ServingOptions(BaseModel):
     def expected(cls, field: str) -> str:
         """What ``field`` accepts, in words (``an integer >= 1 and <= 256``)."""
         info = cls.model_fields[field]
+        if info.annotation is bool:
+            return "true or false"
         if info.annotation is not int:
             return "a non-empty string"
         bounds = [f">= {m.ge}" for m in info.metadata if getattr(m, "ge", None) is not None]
@@ -91,7 +97,16 @@ class ServingOptions(BaseModel):
 
     def env(self) -> list[tuple[ServingEnv, str]]:
         """This object as pod environment (the operator's rendering): every field, in declaration order."""
-        return [(self.env_var(f), "" if getattr(self, f) is None else str(getattr(self, f))) for f in type(self).model_fields]
+        return [(self.env_var(f), _env_text(getattr(self, f))) for f in type(self).model_fields]
+
+
+def _env_text(value: Any) -> str:
+    """A field's pod-env text: booleans as ``true`` / ``false`` (what ``from_env`` and the CRD agree on)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def camel(field: str) -> str:

@@ -92,9 +92,9 @@ def _plan(num_tokens: int, top_k: int, weights: ExpertWeights, layout: ExpertsLa
                  tuning.ShapeKey("down", hidden, inter, num_experts, top_k, d, load))
 
 
-def _stage1(x, ids, weights: ExpertWeights, layout: ExpertsLayout, p: _Plan, cfg):
+def _stage1(x, ids, weights: ExpertWeights, layout: ExpertsLayout, p: _Plan, cfg, counts=None):
     """Routing plan for ``cfg.block_m`` and GEMM 1 over it: (plan, ``[rows, I]`` activations)."""
-    plan = align_routing(ids, weights.gate_up.shape[0], cfg.block_m)
+    plan = align_routing(ids, weights.gate_up.shape[0], cfg.block_m, counts=counts)
     return plan, gate_up(x, weights.gate_up, plan, cfg, inter=p.inter,
                          w_strides=_nk_strides(weights.gate_up, layout.is_transposed), up_offset=p.up_offset,
                          col_step=p.col_step, has_gate=layout.has_gate, activation=layout.activation,
@@ -109,16 +109,18 @@ def _stage2(act, topk_weights, weights: ExpertWeights, layout: ExpertsLayout, p:
 
 
 def fused_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  weights: ExpertWeights, layout: ExpertsLayout = ExpertsLayout()) -> torch.Tensor:
+                  weights: ExpertWeights, layout: ExpertsLayout = ExpertsLayout(),
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (see module docstring). ``hidden_states`` is cast to the
-    weights' dtype, like `transformers`' grouped_mm path does."""
+    weights' dtype, like `transformers`' grouped_mm path does. ``counts``: the fused router's per-chunk expert
+    counts (``router.Routed.counts``): the alignment then skips its count kernel."""
     x = hidden_states.to(weights.gate_up.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     p = _plan(x.shape[0], topk_ids.shape[1], weights, layout, x.dtype)
     cfg1 = tuning.config_for(p.key1)
     cfg2 = tuning.with_block_m(tuning.config_for(p.key2), cfg1.block_m)
-    plan, act = _stage1(x, topk_ids, weights, layout, p, cfg1)
+    plan, act = _stage1(x, topk_ids, weights, layout, p, cfg1, counts=counts)
     y = _stage2(act, topk_weights, weights, layout, p, plan, cfg2)
     return reduce_topk(y, topk_ids, weights.gate_up.shape[0], out_dtype=x.dtype)
 
@@ -155,4 +157,23 @@ def tune_experts(weights: ExpertWeights, layout: ExpertsLayout, *, top_k: int, t
                               block_m=cfg1.block_m, rep_ms=rep_ms, wide=wide)
         out[t] = TuneResult(cfg1, cfg2, ms1, ms2)
     return out
+
+
+def moe_block(hidden_states: torch.Tensor, gate_weight: torch.Tensor, spec, weights: ExpertWeights,
+              layout: ExpertsLayout = ExpertsLayout(), bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Router + routed experts of one MoE block in 8 launches — the gate GEMM, the fused router, 3 alignment
+    kernels, GEMM 1, GEMM 2, the reduction (`transformers`' Qwen3 router + our experts: 6 + 4 + 3 = 13; its
+    DeepSeek-V3 router alone ~15) — and no host sync: ``router.route`` on ``hidden @ gate_weightᵀ``
+    (computed as the model does: fp32 operands for sigmoid routers, DeepSeek-V3's ``F.linear`` in fp32), then
+    ``fused_experts`` reading the router's chunk counts. ``spec``: ``router.RouterSpec``; ``bias``: DeepSeek-V3's
+    ``e_score_correction_bias``. Shared experts are not here (a dense MLP the model adds)."""
+    from . import router
+
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if spec.score == "sigmoid":
+        logits = torch.nn.functional.linear(x.float(), gate_weight.float())
+    else:
+        logits = torch.nn.functional.linear(x, gate_weight)
+    routed = router.route(logits, spec, bias)
+    return fused_experts(x, routed.topk_ids, routed.topk_weights, weights, layout, counts=routed.counts)
 

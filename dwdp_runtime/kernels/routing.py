@@ -19,7 +19,8 @@ anything back; programs of idle blocks exit at once.
 Kernels (4 launches; every one is a pure function of its inputs — no atomics, so the plan is
 deterministic bit for bit):
   1. ``_count_kernel``   grid = chunks of BLOCK_PAIRS pairs: a one-hot ``[BLOCK_PAIRS, E_P2]`` compare
-                         summed over pairs gives the chunk's count per expert;
+                         summed over pairs gives the chunk's count per expert (skipped when the fused
+                         router ``router.route`` wrote the same table: ``counts=``);
   2. ``_prefix_kernel``  grid = tiles of EXPERT_TILE experts: walks the chunks in order and writes each
                          chunk's exclusive prefix per expert, and the per-expert totals;
   3. ``_blocks_kernel``  grid = tiles of BLOCK_B row blocks: expert starts = exclusive cumsum of the
@@ -68,6 +69,16 @@ class RoutingPlan:
     @property
     def max_blocks(self) -> int:
         return self.block_expert.numel()
+
+
+def expert_width(num_experts: int) -> int:
+    """Columns of the per-chunk count table (a power of two ≥ ``EXPERT_TILE``)."""
+    return max(EXPERT_TILE, triton.next_power_of_2(num_experts))
+
+
+def chunk_pairs(num_experts: int) -> int:
+    """Pairs per chunk of the count/scatter kernels for ``num_experts`` (``router`` writes counts per chunk)."""
+    return max(16, ONE_HOT_ELEMENTS // expert_width(num_experts))
 
 
 def max_padded_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -145,8 +156,11 @@ def _scatter_kernel(ids_ptr, prefix_ptr, totals_ptr, sorted_ptr, row_of_pair_ptr
     tl.store(row_of_pair_ptr + offs, tl.where(rank >= 0, pos, -1), mask=offs < num_pairs)
 
 
-def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutingPlan:
-    """The ``RoutingPlan`` of ``topk_ids [T, k]`` for GEMM row blocks of ``block_m`` (a power of two)."""
+def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                  counts: torch.Tensor | None = None) -> RoutingPlan:
+    """The ``RoutingPlan`` of ``topk_ids [T, k]`` for GEMM row blocks of ``block_m`` (a power of two).
+    ``counts``: the per-chunk expert counts ``[num_chunks, expert_width(E)]`` already written by the fused
+    router (``router.route``): kernel 1 is skipped (3 launches instead of 4); the plan is the same bits."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [tokens, top_k], got shape {tuple(topk_ids.shape)}")
     if block_m < 1 or block_m & (block_m - 1):
@@ -154,19 +168,24 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Rou
     ids = topk_ids.contiguous().view(-1)
     num_pairs, top_k = ids.numel(), topk_ids.shape[1]
     dev = ids.device
-    e_p2 = max(EXPERT_TILE, triton.next_power_of_2(num_experts))
-    block_pairs = max(16, ONE_HOT_ELEMENTS // e_p2)
+    e_p2 = expert_width(num_experts)
+    block_pairs = chunk_pairs(num_experts)
     num_chunks = max(1, triton.cdiv(num_pairs, block_pairs))
+    if counts is not None and tuple(counts.shape) != (num_chunks, e_p2):
+        raise ValueError(f"counts {tuple(counts.shape)}: expected ({num_chunks}, {e_p2}) for {num_pairs} pairs")
     max_blocks = max(1, max_padded_blocks(num_pairs, num_experts, block_m))
     i32 = dict(dtype=torch.int32, device=dev)
-    counts = torch.empty(num_chunks, e_p2, **i32)
+    fused = counts is not None
+    if not fused:
+        counts = torch.empty(num_chunks, e_p2, **i32)
     prefix = torch.empty(num_chunks, e_p2, **i32)
     totals = torch.empty(e_p2, **i32)
     sorted_pairs = torch.empty(max_blocks * block_m, **i32)
     block_expert = torch.empty(max_blocks, **i32)
     num_padded = torch.empty(1, **i32)
     row_of_pair = torch.empty(num_pairs, **i32)
-    _count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, BLOCK_PAIRS=block_pairs, E_P2=e_p2)
+    if not fused:
+        _count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, BLOCK_PAIRS=block_pairs, E_P2=e_p2)
     _prefix_kernel[(e_p2 // EXPERT_TILE,)](counts, prefix, totals, num_chunks, E_P2=e_p2,
                                            EXPERT_TILE=EXPERT_TILE, PREFIX_ROWS=PREFIX_ROWS)
     _blocks_kernel[(triton.cdiv(max_blocks, BLOCK_B),)](totals, sorted_pairs, block_expert, num_padded, num_pairs,

@@ -144,6 +144,7 @@ class Serving(_Model):
     maxNewTokens: int = camel_field("max_new_tokens")
     servedModelName: str | None = camel_field("served_model_name")
     cudaGraphs: int = camel_field("cuda_graphs")
+    batchInvariant: bool = camel_field("batch_invariant")
 
     def options(self) -> ServingOptions:
         return ServingOptions(**{f: getattr(self, camel(f)) for f in ServingOptions.model_fields})
@@ -227,7 +228,8 @@ class DwdpGroupSpec(_Model):
         "kv_transfer_params.do_remote_decode in a NIXL-registered region for a decode engine to pull"))
     serving: Serving | None = Field(default=None, description=(
         "the workers' HTTP front, passed to every pod through the env contract (DWDP_MAX_QUEUE, "
-        "DWDP_MAX_NUM_TOKENS, DWDP_MAX_NUM_SEQS, DWDP_MAX_NEW_TOKENS, DWDP_SERVED_MODEL_NAME, DWDP_CUDA_GRAPHS); "
+        "DWDP_MAX_NUM_TOKENS, DWDP_MAX_NUM_SEQS, DWDP_MAX_NEW_TOKENS, DWDP_SERVED_MODEL_NAME, DWDP_CUDA_GRAPHS, "
+        "DWDP_BATCH_INVARIANT); "
         "absent: the worker's defaults; changing it rolls the groups"))
     inferencePool: InferencePool | None = Field(default=None, description=(
         "create an InferencePool (inference.networking.k8s.io/v1, Gateway API Inference Extension) selecting "

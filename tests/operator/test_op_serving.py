@@ -19,11 +19,14 @@ def _env(**over) -> dict[str, str]:
 
 def test_serving_section_becomes_the_worker_flags():
     env = _env(serving={"maxQueue": 32, "maxNumTokens": 4096, "maxNewTokens": 24, "servedModelName": "r1-prefill",
-                        "cudaGraphs": 4})
+                        "cudaGraphs": 4, "batchInvariant": True})
     assert {v.value for v in ServingEnv} <= set(env)
+    assert env["DWDP_BATCH_INVARIANT"] == "true"
     assert serving_overrides(env) == {"max_queue": 32, "max_num_tokens": 4096, "max_num_seqs": 256,
-                                      "max_new_tokens": 24, "served_model_name": "r1-prefill", "cuda_graphs": 4}
+                                      "max_new_tokens": 24, "served_model_name": "r1-prefill", "cuda_graphs": 4,
+                                      "batch_invariant": True}
     assert serving_overrides(_env(serving={"maxQueue": 8}))["cuda_graphs"] == 0  # the default: off
+    assert serving_overrides(_env(serving={"maxQueue": 8}))["batch_invariant"] is False
 
 
 def test_absent_serving_sets_nothing_and_keeps_the_template_hash():

@@ -24,7 +24,22 @@ PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 1, 250, 64, 2, 2, 31, 12]]
 def cpu_engine_path(monkeypatch):
     """What a CPU engine runs: no Triton interpreter (tests/kernels' conftest turns it on for the whole session;
     under it the kernels would run here, and its state is not safe for two ranks as threads of one process)."""
+    _define_kernels_first()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _define_kernels_first() -> None:
+    """Import every kernel module under the session's own TRITON_INTERPRET before it is turned off here:
+    ``triton.jit`` picks interpreter or driver when a kernel is defined, so a kernel first defined inside this
+    fixture would stay driver-bound for the rest of the session, and a later interpreter test of it fails
+    ("0 active drivers")."""
+    import importlib
+    import pkgutil
+
+    import dwdp_runtime.kernels as kernels
+
+    for mod in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{mod.name}")
 
 
 def snapshot(model, local: tuple[int, int] | None = None) -> dict:

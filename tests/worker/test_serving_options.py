@@ -49,18 +49,19 @@ def test_env_names_are_the_contract():
 
 @settings(max_examples=60, deadline=None)
 @given(queue=st.integers(1, 10**6), tokens=st.integers(1, 10**7), seqs=st.integers(1, 65536),
-       new=st.integers(1, 10**6), graphs=st.integers(0, 64),
+       new=st.integers(1, 10**6), graphs=st.integers(0, 64), invariant=st.booleans(),
        name=st.one_of(st.none(), st.text("abcdefgh-0123", min_size=1, max_size=12)))
-def test_the_operator_env_reads_back_as_the_same_options(queue, tokens, seqs, new, graphs, name):
+def test_the_operator_env_reads_back_as_the_same_options(queue, tokens, seqs, new, graphs, invariant, name):
     sv = Serving(maxQueue=queue, maxNumTokens=tokens, maxNumSeqs=seqs, maxNewTokens=new, cudaGraphs=graphs,
-                 servedModelName=name)
+                 servedModelName=name, batchInvariant=invariant)
     env = {str(k): v for k, v in sv.options().env()}
     assert ServingOptions(**serving_overrides(env)) == sv.options()
 
 
 @pytest.mark.parametrize("var,bad,bound", [("DWDP_MAX_NUM_SEQS", "65537", "<= 65536"),
                                            ("DWDP_MAX_NUM_TOKENS", "lots", ">= 1"),
-                                           ("DWDP_CUDA_GRAPHS", "65", "<= 64")])
+                                           ("DWDP_CUDA_GRAPHS", "65", "<= 64"),
+                                           ("DWDP_BATCH_INVARIANT", "maybe", "true or false")])
 def test_a_bad_env_value_names_the_variable_and_the_bound(var, bad, bound):
     with pytest.raises(EnvContractError) as err:
         serving_overrides({var: bad})
@@ -75,3 +76,20 @@ def test_a_flag_out_of_bounds_is_refused_before_anything_starts(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "--max-num-seqs=0: must be an integer >= 1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_batch_invariant_is_a_switch_on_the_cli_and_in_the_env():
+    """``--batch-invariant`` / ``--no-batch-invariant`` (default off); the pod env spells it ``true`` / ``false``."""
+    assert _parsed(add_pod_arguments, ["--batch-invariant"]).batch_invariant is True
+    assert _parsed(add_pod_arguments, ["--batch-invariant", "--no-batch-invariant"]).batch_invariant is False
+    assert dict(ServingOptions(batch_invariant=True).env())[ServingEnv.BATCH_INVARIANT] == "true"
+    assert serving_overrides({"DWDP_BATCH_INVARIANT": "false"}) == {"batch_invariant": False}
+
+
+def test_batch_invariant_without_a_gpu_is_refused_before_anything_starts(tmp_path):
+    from dwdp_worker.launch.group import check_batch_invariant
+
+    check_batch_invariant(False, 0)
+    check_batch_invariant(True, 1)
+    with pytest.raises(ValueError, match="--batch-invariant: .*need the ranks on GPUs"):
+        check_batch_invariant(True, 0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,9 @@ class LoadReport:
     layers: list[int]
     local_scale_bytes: int = 0  # of local_expert_bytes: the block scales (FP8 ``*_scale_inv``)
     mapped: Any = None          # quant.ExpertMemory: mapped bytes by part (weights, scales, pool), as planned
+    model_s: float = 0.0        # the meta model: its transformers modeling module imported, modules built
+    read_s: float = 0.0         # checkpoint read (dense + local experts, their allocation included)
+    map_s: float = 0.0          # manager.setup: peer handles exchanged, composites mapped
 
 
 def dtype_plan(model, dtype) -> dict:
@@ -263,6 +267,7 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     """
     import torch
 
+    t_start = time.monotonic()
     model_dir = pathlib.Path(model_dir)
     config = config or load_config(model_dir)
     arch.check_supported_config(config)
@@ -271,6 +276,7 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     model = build_meta_model(config, dtype)
     layout = arch.model_layout(model)
     a, b = manager.local_range
+    t_read = time.monotonic()
     with SafetensorsIndex(model_dir) as ckpt:
         cmap = CheckpointMap.build(model, ckpt.entries)
         layout, quantized = quant.resolve_layout(layout, quant.quant_config_of(config), cmap, ckpt)
@@ -295,7 +301,9 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
                     largest = max(largest, (b - a) * per_expert)
                     total_bytes += experts.num_experts * per_expert
                     scale_bytes += (b - a) * per_expert if p.role.value == "scale" else 0
+    t_map = time.monotonic()
     manager.setup()
+    t_done = time.monotonic()
     for experts in layout.experts:
         module = model.get_submodule(experts.path)
         for p in experts.params:
@@ -309,7 +317,8 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     log.info("loaded %s from %s: dense %.1f MiB, local experts [%d, %d) %.1f MiB of %.1f MiB (mapped: %s)",
              layout.model_type, model_dir, dense / 2**20, a, b, local_bytes / 2**20, total_bytes / 2**20, by_part)
     report = LoadReport(dense, local_bytes, total_bytes, largest, layout.layers, local_scale_bytes=scale_bytes,
-                        mapped=by_part)
+                        mapped=by_part, model_s=t_read - t_start, read_s=t_map - t_read,
+                        map_s=t_done - t_map)
     return LoadedModel(model, report, overrides)
 
 

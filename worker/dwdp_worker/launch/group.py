@@ -69,6 +69,14 @@ def check_cuda_graphs(cuda_graphs: int, gpus: int) -> None:
                          f"host backend (no GPU visible, or --backend host); drop --cuda-graphs")
 
 
+def check_batch_invariant(batch_invariant: bool, gpus: int) -> None:
+    """``--batch-invariant``: refused (ValueError, before any rank starts) without a GPU — its GEMM is a Triton
+    kernel, and a host rank has no device to run it on."""
+    if batch_invariant and gpus == 0:
+        raise ValueError("--batch-invariant: the batch-invariant GEMMs are Triton kernels and need the ranks on "
+                         "GPUs; these run on the host backend (no GPU visible, or --backend host); drop it")
+
+
 def synthetic_checkpoint(stack: contextlib.ExitStack, arch: str, **kw) -> str:
     """A seeded synthetic checkpoint (with a tokenizer) in a temp dir removed when ``stack`` closes."""
     from ..checkpoint.synth import write_synthetic
@@ -85,6 +93,10 @@ def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = DEF
     g.add_argument("--port", type=int, default=default_port, help=f"HTTP port (default {default_port})")
     for field, info in ServingOptions.model_fields.items():  # the options spec.serving can set too
         shown = "none" if info.default is None else info.default
+        if info.annotation is bool:  # --batch-invariant / --no-batch-invariant
+            g.add_argument(ServingOptions.flag(field), action=argparse.BooleanOptionalAction, default=info.default,
+                           help=f"{info.description} (default {'on' if info.default else 'off'})")
+            continue
         g.add_argument(ServingOptions.flag(field), type=int if info.annotation is int else str, default=info.default,
                        metavar="N" if info.annotation is int else "NAME", help=f"{info.description} (default {shown})")
     g.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,

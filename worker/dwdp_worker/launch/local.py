@@ -26,7 +26,7 @@ from dwdp_runtime.contract import Backend, ModelDtype, Transfer
 
 from ..rank import timeouts
 from ..kv.options import advertise_host_for, settings_from_args
-from .group import (FrontPlan, add_serving_arguments, check_cuda_graphs, cuda_count, free_port, run_front,
+from .group import (FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, free_port, run_front,
                      synthetic_checkpoint)
 from ..rank.protocol import RankSpec
 
@@ -59,7 +59,8 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
                       transfer: str = Transfer.COPY_ENGINE.value, backend: str = Backend.AUTO.value, dtype: str | None = None,
                       threads_per_rank: int | None = None,
                       rendezvous_timeout_s: float = timeouts.RENDEZVOUS_LOCAL_S,
-                      num_experts: int | None = None, cuda_graphs: int = 0) -> list[RankSpec]:
+                      num_experts: int | None = None, cuda_graphs: int = 0,
+                      batch_invariant: bool = False) -> list[RankSpec]:
     """The G×D rank specs; raises ValueError with the fix on a bad shape."""
     if groups < 1:
         raise ValueError(f"--groups={groups}: must be >= 1")
@@ -75,6 +76,7 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     if backend == "cuda" and gpus == 0:
         raise ValueError("--backend cuda: no CUDA GPU is visible (use --backend host or auto)")
     check_cuda_graphs(cuda_graphs, gpus)
+    check_batch_invariant(batch_invariant, gpus)
     n = groups * dwdp_size
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))
     specs = []
@@ -86,7 +88,7 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
                                   store_host="127.0.0.1", store_port=port, job="local", attempt=0, token=token,
                                   backend="host" if not gpus else backend, device=f"cuda:{gid % gpus}" if gpus else None,
                                   dtype=dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s,
-                                  cuda_graphs=cuda_graphs))
+                                  cuda_graphs=cuda_graphs, batch_invariant=batch_invariant))
     return specs
 
 
@@ -99,7 +101,7 @@ def plan_local(args: argparse.Namespace, stack: contextlib.ExitStack) -> FrontPl
                               prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
                               transfer=args.transfer, backend=args.backend, dtype=args.dtype,
                               threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s,
-                              cuda_graphs=args.cuda_graphs)
+                              cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant)
     name = args.synthetic or pathlib.Path(model_dir).resolve().name
     kv = settings_from_args(args)
     return FrontPlan(specs=specs, model_dir=model_dir, model_name=name, port=args.port, kv=kv,

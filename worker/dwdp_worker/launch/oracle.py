@@ -39,7 +39,8 @@ def realign(model) -> None:
 class Reference:
     """One unsharded model, kept for several forwards."""
 
-    def __init__(self, model_dir, *, dtype=None, device="cpu", experts: str | None = None):
+    def __init__(self, model_dir, *, dtype=None, device="cpu", experts: str | None = None,
+                 batch_invariant: bool = False, fused_router: bool = False):
         import torch
 
         from ..model.synth_config import serving_auto_class
@@ -50,7 +51,8 @@ class Reference:
         self.model.to(self.device).eval()
         realign(self.model)
         # e.g. experts="dwdp": the unsharded model on the same experts kernels as the engine
-        self.attachment = attach(self.model, device=self.device, experts=experts)
+        self.attachment = attach(self.model, device=self.device, experts=experts, batch_invariant=batch_invariant,
+                                 fused_router=fused_router)
 
     def logits(self, sequences: Sequence[Sequence[int]]):
         return packed_logits(self.model, sequences, self.device)

@@ -21,7 +21,7 @@ import pathlib
 from ..rank import timeouts
 from .envcontract import EnvContractError, parse_env, serving_overrides
 from .gpu_map import rank_devices
-from .group import FrontPlan, add_serving_arguments, check_cuda_graphs, cuda_count, run_front, synthetic_checkpoint
+from .group import FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, run_front, synthetic_checkpoint
 from ..rank.protocol import RankSpec
 
 
@@ -30,17 +30,19 @@ def add_pod_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(host="0.0.0.0")
 
 
-def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float, cuda_graphs: int = 0) -> list[RankSpec]:
+def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float, cuda_graphs: int = 0,
+                    batch_invariant: bool = False) -> list[RankSpec]:
     gpus = 0 if env.backend == "host" else cuda_count()
     devices = rank_devices(gpus_per_pod=env.gpus_per_pod, visible_gpus=gpus, backend=env.backend)
     check_cuda_graphs(cuda_graphs, gpus)
+    check_batch_invariant(batch_invariant, gpus)
     threads = 1 if gpus else max(1, (os.cpu_count() or 1) // env.gpus_per_pod)
     return [RankSpec(model_dir=model_dir, config=env.dwdp_config().to_dict(), rank=env.rank_base + i,
                      group=env.group, global_id=i, store_host=env.store_addr, store_port=env.store_port,
                      job=f"{env.namespace}/{env.job}", attempt=env.attempt, token=env.token,
                      backend=env.backend if devices[i] else "host", device=devices[i],
                      dtype=env.dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s,
-                     cuda_graphs=cuda_graphs if devices[i] else 0)
+                     cuda_graphs=cuda_graphs if devices[i] else 0, batch_invariant=batch_invariant)
             for i in range(env.gpus_per_pod)]
 
 
@@ -61,7 +63,7 @@ def plan_pod(args: argparse.Namespace, environ, stack: contextlib.ExitStack) -> 
         raise EnvContractError(f"DWDP_NUM_EXPERTS={env.num_experts} but the checkpoint {model_dir} has {n} "
                                f"routed experts per layer: set experts.numExperts to {n} in the DwdpGroup")
     specs = build_pod_specs(env, model_dir, rendezvous_timeout_s=args.rendezvous_timeout_s,
-                            cuda_graphs=args.cuda_graphs)
+                            cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant)
     kv = _kv_settings(args, environ)
     return FrontPlan(specs=specs, model_dir=model_dir, kv=kv, kv_advertise_host=_kv_host(args, environ, kv),
                      model_name=env.model_synthetic or pathlib.Path(model_dir).resolve().name,

@@ -11,7 +11,11 @@ What ``attach`` does, in this order (``Attachment.close()`` undoes each, in reve
   3. **Fused layers** on CUDA with ``dwdp`` (``layers_impl``): the canonical RMSNorm modules' instance
      ``forward``; the modeling modules' ``apply_rotary_pos_emb`` global, which is process-wide: every
      attached model is an owner of it and the last owner's close puts `transformers`' function back.
-  4. **DWDP hooks** with a ``manager`` (``hooks.DwdpHooks``): ``start_forward`` before the model, before each
+  4. **Batch-invariant GEMMs** with ``batch_invariant`` (``dwdp_runtime.kernels.batch_invariant``): the dispatcher's
+     mm/addmm/bmm kernels of the model's device type, process-wide and reference counted; closed on undo.
+  5. **Fused router** with ``fused_router`` (opt-in; ``router_impl``): router modules' instance ``forward``, where
+     a probe shows it reproduces the module's (``router_impl.install``). Undo: the instance forwards popped.
+  6. **DWDP hooks** with a ``manager`` (``hooks.DwdpHooks``): ``start_forward`` before the model, before each
      experts module the stream wait and the binding of its sharded parameters to the layer's composites
      (``param.data = composite``: the one place a parameter is rebound), ``finish_layer`` after it. The
      ``.data`` every sharded parameter held at attach is saved and put back on close.
@@ -35,7 +39,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import experts_impl, layers_impl
+from . import experts_impl, layers_impl, router_impl
 from .hooks import DwdpHooks
 from .registry import experts_sites
 
@@ -59,6 +63,8 @@ class Attachment:
     experts: str                                   # the experts implementation in use
     hooks: DwdpHooks | None = None
     fused: layers_impl.Installed | None = None
+    batch_invariant: Any = None                    # kernels.batch_invariant.BatchInvariantMode, or None
+    routers: list = field(default_factory=list)    # router modules given the fused forward (router_impl)
     _overridden: list = field(default_factory=list)          # experts modules with an instance forward
     _kernel_layouts: list = field(default_factory=list)      # modules given ``_dwdp_kernels``
     _previous_experts: str | None = None                     # the implementation before attach
@@ -71,6 +77,9 @@ class Attachment:
         self.closed = True
         if self.hooks is not None:
             self.hooks.remove()
+        if self.batch_invariant is not None:
+            self.batch_invariant.close()
+        router_impl.uninstall(self.routers)
         for param, data in self._saved_data:
             param.data = data
         if self.fused is not None:
@@ -91,7 +100,8 @@ class Attachment:
 
 
 def attach(model: Any, *, device: Any, experts: str | None = "auto", manager: Any = None,
-           overrides: tuple[ForwardOverride, ...] = (), fused_layers: bool | None = None) -> Attachment:
+           overrides: tuple[ForwardOverride, ...] = (), fused_layers: bool | None = None,
+           batch_invariant: bool = False, fused_router: bool = False) -> Attachment:
     """Make ``model`` a DWDP model (module docstring). ``experts=None`` keeps the model's implementation;
     ``fused_layers=None`` installs them exactly where ``dwdp`` runs on CUDA."""
     att = Attachment(model=model, experts=str(model.config._experts_implementation))
@@ -115,6 +125,14 @@ def attach(model: Any, *, device: Any, experts: str | None = "auto", manager: An
             fused_layers = att.experts == experts_impl.IMPL_NAME and experts_impl.device_type(device) == "cuda"
         if fused_layers:
             att.fused = layers_impl.install(model)
+        if batch_invariant:
+            from dwdp_runtime.kernels import batch_invariant as bi
+
+            att.batch_invariant = bi.enable(experts_impl.device_type(device))
+            log.info("batch-invariant dense GEMMs on %s", experts_impl.device_type(device))
+        if fused_router:
+            att.routers = router_impl.install(model, device)
+            log.info("fused router on %d router modules", len(att.routers))
         if manager is not None:
             layout = getattr(model, "dwdp_layout", None)
             att._saved_data = [(getattr(site.module, p.name), getattr(site.module, p.name).data)

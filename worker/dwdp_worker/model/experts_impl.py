@@ -111,11 +111,15 @@ def dwdp_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if reason is not None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index.long(), top_k_weights)
     from dwdp_runtime.kernels.moe import fused_experts
 
+    from .router_impl import COUNTS_ATTR
+
     layout = layout_of(self)
-    return fused_experts(hidden_states, top_k_index, top_k_weights, weights_of(self, layout), layout)
+    # the fused router's chunk counts ride on its index tensor (router_impl): the alignment then skips counting
+    return fused_experts(hidden_states, top_k_index, top_k_weights, weights_of(self, layout), layout,
+                         counts=getattr(top_k_index, COUNTS_ATTR, None))
 
 
 def register() -> None:

@@ -48,6 +48,7 @@ from .generation import check_requests, generate_batch
 from ..model.packing import packed_logits, packed_scored_logits, validate
 from .prefill_graphs import PrefillGraphs, check_max_graphs
 from .protocol import RankStats
+from .startup import StartupTimes
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ def num_experts_of(model_dir) -> int:
 
 
 class Engine:
-    def __init__(self, *, model, manager, attachment, hf_config, model_dir, load_report=None, kv=None, graphs=None):
+    def __init__(self, *, model, manager, attachment, hf_config, model_dir, load_report=None, kv=None, graphs=None,
+                 startup: StartupTimes = StartupTimes()):
         self.model, self.manager, self.attachment = model, manager, attachment
+        self.startup = startup  # this build's phases (rank.startup); process._serve adds import/rendezvous/warm-up
         self.graphs = graphs  # prefill_graphs.PrefillGraphs, or None (eager only)
         self.kv = kv  # kv.service.KvService, or None (no KV budget)
         self.hf_config = hf_config
@@ -98,31 +101,44 @@ class Engine:
     def build(cls, *, model_dir, config, rank: int, rendezvous, backend: str = "auto", device=None,
               token: str = "", dtype: str | None = None, progress: bool = True,
               copy_delay_s: float = 0.0, experts: str = "auto", kv=None, identity=None,
-              cuda_graphs: int = 0) -> "Engine":
+              cuda_graphs: int = 0, batch_invariant: bool = False, fused_router: bool = False) -> "Engine":
         """``kv``: ``kv.service.KvSettings`` (a budget > 0 starts the KV service); ``identity``: its ``RankIdentity``;
-        ``cuda_graphs``: how many prefill batch shapes may be captured in CUDA graphs (0: none; a CUDA device only)."""
+        ``cuda_graphs``: how many prefill batch shapes may be captured in CUDA graphs (0: none; a CUDA device only);
+        ``batch_invariant``: dense GEMMs through ``kernels.batch_invariant`` (a CUDA device only; process-wide,
+        undone by ``close``); ``fused_router``: the router modules run ``kernels.router`` (``model.router_impl``)."""
         from dwdp_runtime.manager import DwdpManager
 
         check_max_graphs(cuda_graphs, "cuda_graphs")  # before minutes of loading
+        t_config = time.monotonic()
         hf_config = load_config(model_dir)
         n = arch.num_experts_in_config(hf_config)
         if config.num_experts != n:
             raise ValueError(f"DWDP config num_experts={config.num_experts} but the model in {model_dir} has {n} "
                              f"routed experts per layer; set num_experts={n} (and experts-per-worker/stride to match)")
+        t0 = time.monotonic()
         manager = DwdpManager.create(config=config, rank=rank, rendezvous=rendezvous, backend=backend,
                                      device=device, token=token, progress=progress, copy_delay_s=copy_delay_s)
         try:
             _set_cuda_device(manager.device)
+            t1 = time.monotonic()
             loaded = load_sharded(model_dir, manager, dtype=dtype, progress=progress, config=hf_config)
+            t2 = time.monotonic()
             attachment = attach(loaded.model, device=manager.device, experts=experts, manager=manager,
-                                overrides=loaded.overrides)
+                                overrides=loaded.overrides, batch_invariant=batch_invariant,
+                                fused_router=fused_router)
+            t3 = time.monotonic()
             graphs = _graphs(loaded.model, manager, cuda_graphs)
+            t4 = time.monotonic()
             kv_service = _start_kv(kv, manager.device, identity, rank)
+            t5 = time.monotonic()
         except BaseException:
             manager.release(barrier=False)
             raise
+        rep = loaded.report
+        startup = StartupTimes(manager_s=t1 - t0, model_s=(t0 - t_config) + rep.model_s, read_s=rep.read_s, map_s=rep.map_s, attach_s=t3 - t2,
+                               graphs_s=t4 - t3, kv_s=t5 - t4, read_bytes=rep.dense_bytes + rep.local_expert_bytes)
         return cls(model=loaded.model, manager=manager, attachment=attachment, hf_config=hf_config,
-                   model_dir=model_dir, load_report=loaded.report, kv=kv_service, graphs=graphs)
+                   model_dir=model_dir, load_report=loaded.report, kv=kv_service, graphs=graphs, startup=startup)
 
     # -- run ------------------------------------------------------------------------------------------------
     def _bind_wait_s(self) -> float:

@@ -34,12 +34,14 @@ import threading
 import time
 import traceback
 
+from dwdp_runtime import compile_cache
 from dwdp_runtime.contract import TuningEnv
 
 from . import protocol as p
 from . import timeouts
 from .load_progress import report_bars_to
 from .scoring import PromptScores, next_tokens, prompt_scores
+from .startup import STEP as STARTUP_STEP
 
 log = logging.getLogger("dwdp_worker.rank")
 
@@ -130,6 +132,9 @@ def rank_main(spec: p.RankSpec, conn) -> None:
 
 def _serve(spec: p.RankSpec, link: RankLink) -> int:
     link.send(p.PhaseChanged(p.RankPhase.STARTING))
+    caches = compile_cache.apply()  # before torch/triton read their cache variables
+    cache_files = caches.entries()
+    t_import = time.monotonic()
     import torch
 
     from dwdp_runtime.config import DwdpConfig
@@ -141,20 +146,22 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
     torch.set_num_threads(max(1, spec.threads))
     config = DwdpConfig(**spec.config)
     dtype = getattr(torch, spec.dtype) if spec.dtype else None
+    import_s = time.monotonic() - t_import
     link.send(p.PhaseChanged(p.RankPhase.RENDEZVOUS))
     t0 = time.monotonic()
     with StoreRendezvous(host=spec.store_host, port=spec.store_port, rank=spec.rank,
                          world_size=config.dwdp_size, job=spec.job, group=spec.group, attempt=spec.attempt,
                          token=spec.token, timeout_s=spec.rendezvous_timeout_s) as rdzv:
-        link.send(p.LoadProgress("rendezvous", f"group of {config.dwdp_size} ranks formed in "
-                                               f"{time.monotonic() - t0:.1f} s"))
+        rendezvous_s = time.monotonic() - t0
+        link.send(p.LoadProgress("rendezvous", f"group of {config.dwdp_size} ranks formed in {rendezvous_s:.1f} s"))
         link.send(p.PhaseChanged(p.RankPhase.LOADING))
         t0 = time.monotonic()
         with report_bars_to(lambda step, detail: link.send(p.LoadProgress(step, detail))):
             engine = Engine.build(model_dir=spec.model_dir, config=config, rank=spec.rank, rendezvous=rdzv,
                                   backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
                                   progress=True, copy_delay_s=_test_copy_delay(), kv=spec.kv,
-                                  identity=_kv_identity(spec), cuda_graphs=spec.cuda_graphs)
+                                  identity=_kv_identity(spec), cuda_graphs=spec.cuda_graphs,
+                                  batch_invariant=spec.batch_invariant)
         rep = engine.load_report
         link.send(p.LoadProgress("weights", (
             f"{len(rep.layers)} MoE layers, dense {rep.dense_bytes / 2**20:.1f} MiB, local experts "
@@ -167,7 +174,12 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
         try:
             link.send(p.PhaseChanged(p.RankPhase.WARMUP))
             warm = [t % engine.vocab_size for t in spec.warmup_tokens][: max(1, engine.max_positions)]
+            t_warm = time.monotonic()
             engine.forward([warm])
+            startup = dataclasses.replace(engine.startup, import_s=import_s, rendezvous_s=rendezvous_s,
+                                          warmup_s=time.monotonic() - t_warm, cache_files_before=cache_files,
+                                          cache_files_after=caches.entries())
+            link.send(p.LoadProgress(STARTUP_STEP, startup.describe()))
             link.stats = _stats(engine)
             if engine.kv is not None:
                 link.kv_stats = engine.kv.stats

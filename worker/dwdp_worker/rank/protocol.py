@@ -63,6 +63,7 @@ class RankSpec:
     log_level: str = "WARNING"       # the front's level: load progress reaches the log at info
     kv: KvSettings = field(default_factory=KvSettings)  # KV handoff (docs/KV_TRANSFER.md); budget 0 = off
     cuda_graphs: int = 0             # prefill batch shapes replayed from CUDA graphs (prefill_graphs); 0 = off
+    batch_invariant: bool = False    # dense GEMMs through kernels.batch_invariant (CUDA ranks only)
     env: dict = field(default_factory=dict)
 
 

@@ -1,0 +1,161 @@
+"""The MoE block INCLUDING its router, ÷ the block's two-GEMM floor (reports, never asserts; issue #34 "small T").
+
+For every (shape, T), side by side in one process:
+  * ``tf router + ours`` — what the model runs today: `transformers`' router module (gate GEMM, softmax or
+    DeepSeek-V3's sigmoid/group-limited top-k, renormalisation) then our experts (``dwdp_experts_forward``);
+  * ``fused``            — ``kernels.moe.moe_block``: the gate GEMM, the fused router (one launch, chunk counts
+    included), the 3 remaining alignment kernels, our two GEMMs and the reduction;
+  * ``floor``            — the two grouped GEMMs alone (``torch._grouped_mm`` on pre-sorted rows,
+    ``bench/moe_kernels.floor_fn``), the number issue #34's goals divide by;
+  * ``router`` columns   — the routers alone (gate GEMM included): `transformers`' vs the fused one.
+Printed: ms of each, ``÷ floor`` of both blocks (goals: ≤ 1.3× at 4K and ≤ 1.15× at 16K for Qwen3, ≤ 1.1× for
+DeepSeek-V3), the experts chosen by both routers (same set %), and max |Δ| fused vs `transformers` block.
+
+Shapes: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8, softmax) and the DeepSeek-V3 expert shape (H 7168,
+I 2048, top-8, sigmoid + bias, 8 groups keep 4) over ``--dsv3-experts`` experts (default 64, as
+bench/moe_kernels.py; 256 is the real model).
+
+Run on a GPU:   python bench/moe_block.py [--tokens 1024 4096 16384] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for _p in (ROOT / "worker", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from bench.moe_kernels import BlockShape, experts_module, floor_fn  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    score: str            # softmax | sigmoid
+    num_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+
+SHAPES = {"qwen3": (BlockShape("qwen3", 2048, 768, 128, 8), RouterShape("softmax")),
+          "dsv3": (BlockShape("dsv3", 7168, 2048, 64, 8), RouterShape("sigmoid", 8, 4, 2.5))}
+
+
+def router_module(shape: BlockShape, rs: RouterShape, device):
+    """`transformers`' router of the shape, bf16 weights (DeepSeek-V3 computes its logits in fp32 anyway)."""
+    import torch
+
+    if rs.score == "softmax":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        mod = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=shape.hidden, num_experts=shape.experts,
+                                                num_experts_per_tok=shape.top_k, norm_topk_prob=True))
+    else:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        mod = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=shape.hidden, n_routed_experts=shape.experts,
+                                                    n_group=rs.num_group, topk_group=rs.topk_group,
+                                                    num_experts_per_tok=shape.top_k, routed_scaling_factor=rs.scale))
+    mod = mod.to(device).eval()
+    gen = torch.Generator(device=device).manual_seed(7)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen, device=device) * shape.hidden ** -0.5)
+        if hasattr(mod, "e_score_correction_bias"):
+            mod.e_score_correction_bias.copy_(0.02 * torch.randn(shape.experts, generator=gen, device=device))
+    mod = mod.to(torch.bfloat16)
+    if hasattr(mod, "e_score_correction_bias"):  # fp32 in DeepSeek-V3's checkpoints
+        mod.e_score_correction_bias.data = mod.e_score_correction_bias.data.float()
+    return mod
+
+
+def bench_one(name: str, tokens: int, args, device) -> dict:
+    import torch
+    import triton.testing
+
+    from dwdp_runtime.kernels import router
+    from dwdp_runtime.kernels.moe import moe_block
+    from dwdp_worker.model import experts_impl
+
+    shape, rs = SHAPES[name]
+    if name == "dsv3" and args.dsv3_experts != shape.experts:
+        shape = BlockShape("dsv3", shape.hidden, shape.inter, args.dsv3_experts, shape.top_k)
+    experts = experts_module(shape, device)
+    gate = router_module(shape, rs, device)
+    layout = experts_impl.layout_of(experts)
+    weights = experts_impl.weights_of(experts, layout)
+    spec = router.of_module(gate, torch.bfloat16)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    x = torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16,
+                    generator=torch.Generator(device=device).manual_seed(tokens))
+
+    def tf_block():
+        _, w, ids = gate(x)
+        return experts_impl.dwdp_experts_forward(experts, x, ids, w)
+
+    def fused_block():
+        return moe_block(x, gate.weight, spec, weights, layout, bias=bias)
+
+    def fused_router():
+        logits = (torch.nn.functional.linear(x.float(), gate.weight.float()) if spec.score == "sigmoid"
+                  else torch.nn.functional.linear(x, gate.weight))
+        return router.route(logits, spec, bias)
+
+    def bench(fn):
+        return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+
+    with torch.inference_mode():
+        _, w_tf, ids_tf = gate(x)
+        got = fused_router()
+        same = (torch.sort(ids_tf.long(), -1).values == torch.sort(got.topk_ids.long(), -1).values).all(-1)
+        want, mine = tf_block(), fused_block()
+        diff = (mine.float() - want.float()).abs().max().item()
+        _, _, ids_floor = gate(x)
+        t_tf, t_fused = bench(tf_block), bench(fused_block)
+        t_floor = bench(floor_fn(experts, x, ids_floor))
+        t_rtf, t_rfused = bench(lambda: gate(x)), bench(fused_router)
+    return dict(shape=name, experts=shape.experts, tokens=tokens, tf_router_ours_ms=t_tf, fused_ms=t_fused,
+                floor_ms=t_floor, tf_over_floor=t_tf / t_floor, fused_over_floor=t_fused / t_floor,
+                router_tf_ms=t_rtf, router_fused_ms=t_rfused, same_experts_pct=100.0 * same.float().mean().item(),
+                max_abs_diff=diff, max_abs_ref=want.float().abs().max().item())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
+    p.add_argument("--dsv3-experts", type=int, default=64)
+    p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/moe_block.py: needs a CUDA GPU (the kernels are Triton on CUDA)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0)
+    rows = []
+    for name in args.shapes:
+        for t in args.tokens:
+            rows.append(bench_one(name, t, args, device))
+            r = rows[-1]
+            print(f"{name} E={r['experts']} T={t}: tf-router+ours {r['tf_router_ours_ms']:.3f} ms "
+                  f"(÷floor {r['tf_over_floor']:.3f}), fused {r['fused_ms']:.3f} ms (÷floor {r['fused_over_floor']:.3f}), "
+                  f"floor {r['floor_ms']:.3f} ms; router tf {r['router_tf_ms']:.3f} / fused {r['router_fused_ms']:.3f} ms; "
+                  f"same experts {r['same_experts_pct']:.2f} %, max|Δ| {r['max_abs_diff']:.3g} (|ref| {r['max_abs_ref']:.3g})",
+                  flush=True)
+            torch.cuda.empty_cache()
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Kernel compile caches on one path that outlives the process: a second start compiles nothing.
+
+``DWDP_COMPILE_CACHE_DIR=/path`` (``contract.TuningEnv.COMPILE_CACHE_DIR``; unset: each library's default under
+``~/.cache``, which a pod loses on restart). ``apply(environ)`` — called by a rank process before it imports
+torch or triton — points every JIT cache our kernels use below that path, unless the variable of that cache is
+already set (an explicit setting wins):
+
+  ======================  ==================  =====================================================
+  cache                   variable            what it keeps
+  ======================  ==================  =====================================================
+  ``triton/``             ``TRITON_CACHE_DIR``  compiled Triton kernels (experts GEMMs, router, norms,
+                                              RoPE, the batch-invariant matmul), keyed by source,
+                                              constexprs, device and Triton version
+  ``inductor/``           ``TORCHINDUCTOR_CACHE_DIR``  torch.compile artefacts (none in the default path)
+  ``cutlass/``            ``CUTE_DSL_CACHE_DIR``  CuTe DSL kernels (FP8 experts, sm_gather)
+  ======================  ==================  =====================================================
+
+In Kubernetes the path is a volume (an ``emptyDir`` survives container restarts in the pod; a PVC or a
+``hostPath`` survives pod replacement), added to the worker pods with ``spec.template`` and named by the
+variable in the template's env — docs/OPERATOR.md. An image can be pre-warmed by one start at build time
+with the variable pointing into the image (``bench/cold_start.py --cache-dir``).
+
+Autotuning is not cached here: our tuner only runs when asked (``tune_experts``), forwards read the built-in
+table (docs/KERNELS.md), so a start never autotunes. Pure stdlib: imported before torch.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import MutableMapping
+
+from .contract import TuningEnv
+
+#: sub-directory → the library's own cache variable
+CACHES: dict[str, str] = {"triton": "TRITON_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR",
+                          "cutlass": "CUTE_DSL_CACHE_DIR"}
+
+
+@dataclass(frozen=True)
+class CompileCache:
+    """Where each cache lives for this process (``None`` root: the variable is unset, library defaults)."""
+    root: pathlib.Path | None
+    dirs: dict[str, str]             # variable -> directory in effect (ours or the one already set)
+
+    def entries(self) -> int:
+        """Files under the caches in effect (a start that compiled nothing leaves this number unchanged)."""
+        return sum(count_files(d) for d in self.dirs.values())
+
+
+def count_files(path: str | os.PathLike) -> int:
+    p = pathlib.Path(path)
+    if not p.is_dir():
+        return 0
+    return sum(1 for _, _, files in os.walk(p) for _ in files)
+
+
+def apply(environ: MutableMapping[str, str] | None = None) -> CompileCache:
+    """Point the compile caches below ``DWDP_COMPILE_CACHE_DIR`` (module docstring); creates the directories."""
+    env = os.environ if environ is None else environ
+    raw = env.get(TuningEnv.COMPILE_CACHE_DIR.value, "")
+    if not raw:
+        return CompileCache(None, {var: env[var] for var in CACHES.values() if env.get(var)})
+    root = pathlib.Path(raw).expanduser()
+    dirs = {}
+    for sub, var in CACHES.items():
+        if not env.get(var):
+            env[var] = str(root / sub)
+        pathlib.Path(env[var]).mkdir(parents=True, exist_ok=True)
+        dirs[var] = env[var]
+    return CompileCache(root, dirs)

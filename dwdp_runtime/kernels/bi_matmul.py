@@ -1,0 +1,177 @@
+"""Batch-invariant dense matmul: a persistent Triton GEMM whose per-element arithmetic does not depend on M.
+
+``matmul(a, b, bias=None)``: ``a [.., M, K] @ b [.., K, N] (+ bias [N])`` → ``[.., M, N]`` in ``a``'s dtype,
+any strides (no copy of a weight's ``.t()`` view), an optional leading batch dimension (``bmm``).
+
+Invariant (what ``--batch-invariant`` rests on): output element ``(m, n)`` is ``round(Σ_k a[m,k]·b[k,n]
+(+ bias[n]))`` accumulated in fp32 over K in ``BLOCK_K``-wide steps in ascending order, inside one
+``tl.dot`` tiling that is chosen from ``(N, K, dtype)`` only (``config_for``) — never from M. No split-K, no
+atomics, no stream-K: a row's result is the same bits whether it is computed alone (M = 1) or as row 9,000
+of a packed batch. cuBLAS does not promise that: it picks another kernel (tiling, split-K) for another M, which
+is why Qwen3-MoE and Mixtral logits differed alone vs packed at ``self_attn.o_proj`` (issue #34).
+
+Persistent: a grid of at most ``NUM_PROGRAMS`` (the SM count on H200: 132) programs walks the output tiles
+``pid, pid + NUM_PROGRAMS, …`` in GROUP_M-swizzled order (L2 reuse of the weight columns). Which program
+computes a tile changes nothing in the tile's arithmetic, so persistence is a speed choice only (one wave, no
+tail launch), not a correctness one. ``M`` and the batch strides (multiples of M) are not specialised
+(``do_not_specialize``): Triton would otherwise compile another variant for M = 1 or M divisible by 16, which
+must not be a second code path.
+
+Precision: 16-bit operands use tensor cores with fp32 accumulation; fp32 operands use ``ieee`` (torch's
+default matmul precision is full fp32, ``allow_tf32 = False``), e.g. DeepSeek-V3's fp32 router.
+
+Interpreter (CPU tests): the K step is a broadcast product summed in fp32 (``_dot``: numpy's BLAS, the
+interpreter's ``tl.dot``, is not position-independent inside a tile, and multiplies bf16 as raw bits) and the
+epilogue rounds on the bits (``_cast``). The CPU tests therefore check the structural half of the invariant
+(tiling, masks and reduction order free of M); the GPU test checks the hardware half (an MMA computes an
+element the same way wherever it sits in the tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast_out
+from .support import interpreting
+
+#: persistent programs when the device count is unknown (the interpreter): H200's SM count
+DEFAULT_PROGRAMS = 132
+#: 16-bit tiling (H200: 128×128 wgmma tiles, 64-wide K steps as every other GEMM of ours, 8 warps = 2 warpgroups)
+TILE_16BIT = (128, 128, 64, 8, 3)
+#: narrow-N tiling (routers: N = #experts ≤ 64) so a 16-bit router does not waste 128 - N columns
+TILE_16BIT_NARROW = (128, 64, 64, 4, 3)
+#: fp32 (ieee FMA dot, no tensor cores): small tiles keep the register file from spilling
+TILE_FP32 = (64, 64, 32, 4, 2)
+NARROW_N = 64
+GROUP_M = 8
+SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A fixed tiling: the invariant says it may depend on ``(N, K, dtype)`` only."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def config_for(n: int, k: int, dtype: torch.dtype) -> Tile:
+    """The tiling of an ``[·, K] @ [K, N]`` GEMM of ``dtype`` — a function of N, K and dtype, never of M."""
+    del k  # every K uses the same step; kept in the signature: a K-dependent table must stay M-free too
+    if dtype == torch.float32:
+        return Tile(*TILE_FP32)
+    return Tile(*(TILE_16BIT_NARROW if n <= NARROW_N else TILE_16BIT))
+
+
+@triton.jit
+def _dot(a, b, acc, INTERP: tl.constexpr, IEEE: tl.constexpr):
+    if INTERP:
+        # the interpreter's tl.dot is numpy's BLAS, whose result for an element depends on its position in the
+        # tile (edge micro-kernels) and which multiplies bf16 as raw bits: a broadcast product summed along K
+        # in fp32 is exact per product and the same for every position, like a GPU MMA's per-element order
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["M", "s_ab", "s_cb"])
+def _persistent_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                   s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, INTERP: tl.constexpr, IEEE: tl.constexpr,
+                   EXACT_BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    a_ptr += batch * s_ab
+    b_ptr += batch * s_bb
+    c_ptr += batch * s_cb
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP * num_n
+    for tile in range(pid, num_m * num_n, NUM_PROGRAMS):
+        first_m = (tile // per_group) * GROUP
+        group_m = tl.minimum(num_m - first_m, GROUP)
+        pid_m = first_m + ((tile % per_group) % group_m)
+        pid_n = (tile % per_group) // group_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * s_am
+        b_cols = b_ptr + offs_n.to(tl.int64)[None, :] * s_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # ascending, fixed step: the reduction order of every element
+            kk = k0 + offs_k
+            a = tl.load(a_rows + kk[None, :] * s_ak, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & mask_n[None, :], other=0.0)
+            acc = _dot(a, b, acc, INTERP, IEEE)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c = cast_out(acc, c_ptr.dtype.element_ty, EXACT_BF16)
+        tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn, c,
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+_PROGRAMS: dict[int, int] = {}
+
+
+def num_programs(device: torch.device) -> int:
+    """The persistent grid: the device's SM count (cached per device), ``DEFAULT_PROGRAMS`` off CUDA."""
+    if device.type != "cuda":
+        return DEFAULT_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROGRAMS:
+        _PROGRAMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROGRAMS[index]
+
+
+def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The kernel computes this product: same floating dtype, 2-D or 3-D operands with matching batch."""
+    return (a.dtype == b.dtype and a.dtype in SUPPORTED and a.dim() == b.dim() and a.dim() in (2, 3)
+            and a.shape[-1] == b.shape[-2] and (a.dim() == 2 or a.shape[0] == b.shape[0]))
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)``, batch invariant (module docstring). ``a [M, K]`` / ``[B, M, K]``, ``b [K, N]`` /
+    ``[B, K, N]``, ``bias [N]`` (added in fp32 before the one rounding), result in ``a.dtype``."""
+    if not supports(a, b):
+        raise ValueError(f"bi_matmul: unsupported operands {tuple(a.shape)} {a.dtype} @ {tuple(b.shape)} {b.dtype}")
+    batched = a.dim() == 3
+    a3 = a if batched else a.unsqueeze(0)
+    b3 = b if batched else b.unsqueeze(0)
+    nb, m, k = a3.shape
+    n = b3.shape[-1]
+    if out is None:
+        out = torch.empty((nb, m, n) if batched else (m, n), dtype=a.dtype, device=a.device)
+    c3 = out if out.dim() == 3 else out.unsqueeze(0)
+    if m == 0 or n == 0 or nb == 0:
+        return out
+    if k == 0:
+        c3.zero_()
+        if bias is not None:
+            c3 += bias.to(c3.dtype)
+        return out
+    tile = config_for(n, k, a.dtype)
+    programs = num_programs(a.device)
+    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    if bias is not None:
+        bias = bias.reshape(-1)
+        if bias.numel() != n:
+            raise ValueError(f"bi_matmul: bias of {bias.numel()} elements for N = {n}")
+    _persistent_mm[(min(tiles, programs), nb)](
+        a3, b3, c3, bias if bias is not None else a3, m, n, k,
+        a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+        c3.stride(0), c3.stride(1), c3.stride(2),
+        HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP=GROUP_M, NUM_PROGRAMS=programs, INTERP=interpreting(), IEEE=a.dtype == torch.float32,
+        EXACT_BF16=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out

@@ -1,0 +1,123 @@
+"""``--batch-invariant`` on CPU, under Triton's interpreter: the persistent GEMM and the dispatcher override.
+
+What the interpreter can prove is the structural half of the invariant (bi_matmul's docstring): the tiling,
+masks and K order of a row do not depend on M or on the row's place in the batch. The hardware half (an MMA
+computes an element the same way wherever it sits in the tile) is tests/gpu/test_batch_invariant_gpu.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _operands(m, n, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype)  # nn.Linear's [out, in]; the GEMM reads w.t()
+    return x, w
+
+
+@pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 200, 96),   # 2 column tiles, a ragged K step
+                                        (torch.bfloat16, 40, 130),   # the narrow-N (router) tiling
+                                        (torch.float32, 72, 1),      # K < BLOCK_K (RoPE's outer product)
+                                        (torch.float32, 24, 70)])
+def test_a_row_is_the_same_bits_alone_and_anywhere_in_a_batch(dtype, n, k):
+    from dwdp_runtime.kernels import bi_matmul
+
+    x, w = _operands(300, n, k, dtype)
+    packed = bi_matmul.matmul(x, w.t())  # 3 row tiles: rows land at every position of a tile
+    for start, m in ((0, 1), (131, 1), (5, 7), (120, 129), (0, 300)):
+        assert torch.equal(bi_matmul.matmul(x[start:start + m], w.t()), packed[start:start + m]), (start, m)
+    batched = bi_matmul.matmul(x.view(3, 100, k), w.t().expand(3, k, n))  # bmm: 100-row batches, stride-0 B
+    assert torch.equal(batched.reshape(300, n), packed)
+    exact = (x.double() @ w.double().t())
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # one rounding of the fp32 sum to the output dtype
+    assert ((packed.double() - exact).abs() <= tol * exact.abs() + 1e-6).all()
+
+
+def test_bias_is_added_in_the_epilogue_and_stays_invariant():
+    from dwdp_runtime.kernels import bi_matmul
+
+    x, w = _operands(70, 50, 64, torch.bfloat16, seed=3)
+    bias = torch.randn(50).bfloat16()
+    got = bi_matmul.matmul(x, w.t(), bias=bias)
+    exact = x.double() @ w.double().t() + bias.double()
+    assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6).all()  # half a bf16 ulp: one rounding
+    assert torch.equal(bi_matmul.matmul(x[9:10], w.t(), bias=bias), got[9:10])
+
+
+def test_the_mode_routes_linear_mm_bmm_and_close_restores_torch():
+    from dwdp_runtime.kernels import batch_invariant, bi_matmul
+
+    x, w = _operands(33, 48, 64, torch.bfloat16, seed=4)
+    bias = torch.randn(48).bfloat16()
+    before = torch.nn.functional.linear(x, w, bias)
+    with batch_invariant.enable("cpu") as mode:
+        assert batch_invariant.active("cpu")
+        lin2 = torch.nn.functional.linear(x, w, bias)                 # aten::addmm
+        lin3 = torch.nn.functional.linear(x.unsqueeze(0), w)          # aten::matmul -> mm
+        bmm = torch.bmm(x.view(3, 11, 64), w.t().expand(3, 64, 48))
+        assert mode.calls == {"mm": 1, "addmm": 1, "bmm": 1}
+        inner = batch_invariant.enable("cpu")  # nested: shares the registration
+        inner.close()
+        assert batch_invariant.active("cpu")
+        with pytest.raises(RuntimeError, match="not covered"):
+            torch.mm(torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64))
+    assert not batch_invariant.active("cpu")
+    assert torch.equal(lin2, bi_matmul.matmul(x, w.t(), bias=bias))
+    assert torch.equal(lin3[0], bi_matmul.matmul(x, w.t()))
+    assert torch.equal(bmm.reshape(33, 48), bi_matmul.matmul(x, w.t()))
+    assert torch.equal(torch.nn.functional.linear(x, w, bias), before)  # torch's own kernel again
+    assert torch.equal(torch.mm(torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64)),
+                       torch.full((2, 2), 2, dtype=torch.int64))
+
+
+def test_a_tiny_model_sees_the_same_logits_alone_and_packed(tmp_path):
+    """A 2-layer Qwen3-MoE (bf16) with the mode on: a sequence alone = the same sequence packed with two others,
+    bitwise, and every dense GEMM of the forward went through our kernel (the model is still the model: the
+    logits stay within bf16 rounding of the mode-off ones). Alone vs packed is not asserted on CPU: CPU SDPA's
+    masked path reduces differently for another total length or offset (measured with transformers 5.25,
+    torch 2.13: 0.0156 apart, mode on or off), which is attention, not the GEMMs this mode replaces. The
+    discriminating checks here are the call count and the kernel-level tests above; alone vs packed on the
+    whole model is the GPU test's (cuBLAS is not invariant there, flash attention is)."""
+    from dwdp_runtime.kernels import batch_invariant
+    from dwdp_worker.checkpoint.synth import write_synthetic
+    from dwdp_worker.launch.oracle import Reference
+
+    ckpt = write_synthetic("qwen3_moe", tmp_path / "m", seed=5, hidden_size=64, num_layers=2, num_experts=4,
+                           moe_intermediate_size=32, intermediate_size=64, dtype="bfloat16", vocab_size=128,
+                           num_heads=2, top_k=2)
+    ref = Reference(ckpt, experts="eager")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (5, 11, 3)]
+    off = ref.logits(prompts)
+    with batch_invariant.enable("cpu") as mode:
+        alone = ref.logits([prompts[1]])
+        packed = ref.logits(prompts)
+        calls = sum(mode.calls.values())
+    assert calls >= 2 * (2 * 4 + 1)  # q,k,v,o + router per layer (x2 forwards) at least, and the LM head
+    assert (alone[0] - off[1]).abs().max().item() < 0.1 * off.abs().max().item()
+    assert (packed - off).abs().max().item() < 0.1 * off.abs().max().item()
+
+
+def test_the_attachment_owns_the_mode(tmp_path):
+    """``Reference(batch_invariant=True)`` (= ``attach``, as ``Engine.build`` calls it): on while attached, its
+    forwards go through our GEMM and equal the mode's own logits; ``close`` takes it off."""
+    from dwdp_runtime.kernels import batch_invariant
+    from dwdp_worker.checkpoint.synth import write_synthetic
+    from dwdp_worker.launch.oracle import Reference
+
+    ckpt = write_synthetic("mixtral", tmp_path / "m", seed=7, hidden_size=64, num_layers=2, num_experts=4,
+                           intermediate_size=64, dtype="bfloat16", vocab_size=128, num_heads=2, top_k=2)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    ref = Reference(ckpt, experts=None, batch_invariant=True)  # experts=None: close undoes the mode only
+    assert batch_invariant.active("cpu")
+    mode = ref.attachment.batch_invariant
+    got = ref.logits(prompt)
+    assert sum(mode.calls.values()) > 0
+    ref.attachment.close()
+    assert not batch_invariant.active("cpu")
+    with batch_invariant.enable("cpu"):
+        assert torch.equal(ref.logits(prompt), got)
