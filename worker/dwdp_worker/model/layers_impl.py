@@ -12,7 +12,8 @@ What is swapped, and how (the same in transformers 5.17 and 5.24):
     transformers' own extension point; the module, its weight and its state dict are untouched. The fused
     forward falls back to the class's forward for any input the kernel does not cover (CPU tensors too).
   * **RoPE** — the modeling modules' ``apply_rotary_pos_emb`` (decorated ``@use_kernel_forward_from_hub
-    ("rotary_pos_emb")``, a no-op without the ``kernels`` package) is looked up as a module global by the
+    ("rotary_pos_emb")``: a no-op without the ``kernels`` package, an ``nn.Module`` instance calling the
+    function with it, as transformers 5.25 installs it; its code is checked on the module's source) is looked up as a module global by the
     attention forward at every call in both versions; that global is replaced by a dispatcher that runs
     ``kernels.rope.apply_rope`` for CUDA tensors it supports and the original otherwise. This is
     process-wide (a plain `transformers` model of the same architecture in the process gets it too, until the
@@ -100,6 +101,21 @@ def _same_code(fn: Any, canonical: str) -> bool:
         return False
 
 
+def _module_function_is(mod: Any, name: str, canonical: str) -> bool:
+    """The ``def name`` written in ``mod``'s source is ``canonical`` (decorators aside). Read from the module's
+    source rather than from the global: with the ``kernels`` package installed (a dependency of transformers
+    5.25), ``@use_kernel_forward_from_hub`` turns a decorated function into an ``nn.Module`` instance that calls
+    it, and ``inspect.getsource`` of that instance finds no code."""
+    try:
+        tree = ast.parse(inspect.getsource(mod))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return _function_ast(ast.unparse(node)) == _function_ast(canonical)
+    return False
+
+
 @functools.cache
 def norm_is_canonical(cls: type) -> bool:
     """``cls`` is a known RMSNorm class whose forward is the T5/Llama math (decided once per class: a model
@@ -159,7 +175,8 @@ def install_rope(module_name: str, owner: int = 0) -> bool:
     if fn is None:
         return False
     if not getattr(fn, "_dwdp_fused", False):
-        if not (_same_code(fn, _CANONICAL_ROPE) and _same_code(getattr(mod, "rotate_half", None), _CANONICAL_ROTATE_HALF)):
+        if not (_module_function_is(mod, "apply_rotary_pos_emb", _CANONICAL_ROPE)
+                and _module_function_is(mod, "rotate_half", _CANONICAL_ROTATE_HALF)):
             return False
         mod.apply_rotary_pos_emb = _rope_dispatcher(fn)
     _ROPE_OWNERS.setdefault(module_name, set()).add(owner)
