@@ -18,8 +18,8 @@ Invariants:
   * A claim that does not name ``params.PROTOCOL`` is refused with the reason, in fields a ``dwdp-kv/1``
     consumer decodes; it never gets a lease.
   * A remote agent is loaded for the first claim it sends and unloaded once it holds no claim and has
-    been idle ``PEER_IDLE_S`` since its last message or its last claim's end (a lapse included), so a
-    late ``pulled`` still reaches a loaded peer and gets its stale verdict.
+    been idle ``PEER_IDLE_S`` since its last message or since the grace period after its last claim's end
+    (a lapse included), so a late ``pulled`` still reaches a loaded peer and gets its stale verdict.
   * A malformed notification is logged and dropped; it never stops the thread.
 """
 
@@ -165,8 +165,12 @@ class KvServer:
             before = self._claims.get(peer, set())
             held = {r for r in before if self.store.get(r) is not None}
             self._claims[peer] = held
-            if held != before:           # a claim ended (lapsed, aborted): its late `pulled` must find the peer
-                self._peers[peer] = last = now
+            if held != before:
+                # a claim ended (lapsed, aborted): its late `pulled` must find the peer. The blocks wait out the
+                # grace first, so the READ that can see another request's bytes comes only after it: the idle
+                # clock starts at the grace's end (with the grace at 5 s, a READ just after it found the peer
+                # dropped and got no verdict)
+                self._peers[peer] = last = now + self.store.grace_s
             if not held and now - last >= self.peer_idle_s:
                 self._agent.remove_remote_agent(peer)
                 del self._peers[peer]
