@@ -54,9 +54,10 @@ class ServingOptions(BaseModel):
                                          "forward is captured; each graph keeps its activations' memory); 0: off; "
                                          "GPU pods only")
     batch_invariant: bool = Field(default=False,
-                                  description="dense GEMMs through a fixed-tiling Triton matmul so a sequence's "
-                                              "logits are bitwise the same alone and packed (costs prefill "
-                                              "speed: bench/batch_invariant.py); GPU pods only")
+                                  description="dense GEMMs through a fixed-tiling Triton matmul and attention "
+                                              "run per packed sequence, so a sequence's logits are bitwise the "
+                                              "same alone and packed (costs prefill speed: "
+                                              "bench/batch_invariant.py); GPU pods only; excludes cuda_graphs")
 
     @classmethod
     def env_var(cls, field: str) -> ServingEnv:

@@ -7,10 +7,12 @@ What it changes: the dispatcher's kernels of ``aten::mm``, ``aten::addmm`` and `
 Every ``nn.Linear``, router ``F.linear`` and ``lm_head`` of a `transformers` model reaches one of those three
 (``aten::linear`` and ``aten::matmul`` are composite: they decompose into them), so one registration covers the
 attention projections, the dense MLP, shared experts, routers and the LM head of every architecture — no
-per-model list of modules to keep in sync. Our experts kernels are batch invariant already (docs/KERNELS.md);
-attention (SDPA, flash / cuDNN) reduces each query row over its own keys and was bitwise alone vs packed in
-the H200 runs (the first divergence was ``o_proj``); ``tests/gpu/test_batch_invariant_gpu.py`` checks the
-whole model and names the first module that breaks it if that ever changes.
+per-model list of modules to keep in sync. Our experts kernels are batch invariant already (docs/KERNELS.md).
+Attention is not a GEMM of this dispatcher: a sequence alone runs SDPA's causal kernel, packed the masked one
+(other bits: H200, 2026-12-04, qwen3_moe / mixtral 0.03 apart with these GEMMs on), so the worker's
+``--batch-invariant`` also runs attention per packed sequence (``dwdp_worker.model.attention_bi``, installed by
+``attach``); ``tests/gpu/test_batch_invariant_gpu.py`` checks the whole model and names the first module that
+breaks it.
 
 Scope: **process-wide** for that device type (a rank process serves one model, so the engine enables it at build
 and closes it with the engine). Operands the kernel does not cover (integer,

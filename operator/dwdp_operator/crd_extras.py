@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .spec import GROUP, HGX_FIX, KIND, PLURAL
+from .spec import GROUP, HGX_FIX, KIND, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS
 
 SINGULAR = KIND.lower()
 LIST_KIND = f"{KIND}List"
@@ -107,6 +107,11 @@ SPEC_RULES = (
 #: rules of ``autoscale.autoscaling_errors`` (tests/operator/test_op_autoscaling_spec.py holds the two to each
 #: other, property test)
 OBJECT_RULES = {
+    # spec.serving: the rule of ``spec.serving_errors`` (batch-invariant attention finds the packed sequences on
+    # the host, which a CUDA-graph replay cannot do)
+    "serving": (
+        CelRule("!(self.batchInvariant && self.cudaGraphs > 0)", SERVING_BATCH_INVARIANT_GRAPHS),
+    ),
     "autoscaling": (
         CelRule("self.minGroups <= self.maxGroups", "autoscaling.minGroups must not be above autoscaling.maxGroups"),
         CelRule("has(self.targetTTFTSeconds) || has(self.targetQueueSeconds)",

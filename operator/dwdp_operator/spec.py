@@ -257,6 +257,20 @@ def register_check(fn: Check) -> Check:
     return fn
 
 
+SERVING_BATCH_INVARIANT_GRAPHS = ("serving.batchInvariant excludes serving.cudaGraphs > 0: batch-invariant attention "
+                                  "reads each forward's packed sequences on the host, which a graph replay cannot; "
+                                  "set cudaGraphs: 0 or batchInvariant: false")
+
+
+@register_check
+def serving_errors(spec: DwdpGroupSpec) -> list[str]:
+    """spec.serving's cross-field rule (the CRD's CEL twin: ``crd_extras.OBJECT_RULES["serving"]``)."""
+    s = spec.serving
+    if s is not None and s.batchInvariant and s.cudaGraphs > 0:
+        return [f"spec.{SERVING_BATCH_INVARIANT_GRAPHS} (cudaGraphs={s.cudaGraphs})"]
+    return []
+
+
 # the shared rules' parameter names -> the DwdpGroup's field names (invariant 5)
 SPEC_NAMES = {
     "num_experts_per_worker": "experts.numExpertsPerWorker",

@@ -74,32 +74,74 @@ def test_the_mode_routes_linear_mm_bmm_and_close_restores_torch():
                        torch.full((2, 2), 2, dtype=torch.int64))
 
 
-def test_a_tiny_model_sees_the_same_logits_alone_and_packed(tmp_path):
-    """A 2-layer Qwen3-MoE (bf16) with the mode on: a sequence alone = the same sequence packed with two others,
-    bitwise, and every dense GEMM of the forward went through our kernel (the model is still the model: the
-    logits stay within bf16 rounding of the mode-off ones). Alone vs packed is not asserted on CPU: CPU SDPA's
-    masked path reduces differently for another total length or offset (measured with transformers 5.25,
-    torch 2.13: 0.0156 apart, mode on or off), which is attention, not the GEMMs this mode replaces. The
-    discriminating checks here are the call count and the kernel-level tests above; alone vs packed on the
-    whole model is the GPU test's (cuBLAS is not invariant there, flash attention is)."""
-    from dwdp_runtime.kernels import batch_invariant
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_a_tiny_model_sees_the_same_logits_alone_and_packed(arch, tmp_path):
+    """A 2-layer model (bf16) attached with ``batch_invariant=True`` (our GEMM for every dense GEMM, attention run
+    per packed sequence): a sequence alone = the same sequence packed with two others, bitwise, at every place
+    in the pack; every dense GEMM of the forward went through our kernel; and the model is still the model (the
+    logits stay within bf16 rounding of the mode-off ones). Without the per-sequence attention the packed
+    forward ran SDPA's masked path, which reduces differently for another total length (CPU, transformers
+    5.25: 0.0156 apart, GEMMs invariant or not)."""
     from dwdp_worker.checkpoint.synth import write_synthetic
     from dwdp_worker.launch.oracle import Reference
 
-    ckpt = write_synthetic("qwen3_moe", tmp_path / "m", seed=5, hidden_size=64, num_layers=2, num_experts=4,
-                           moe_intermediate_size=32, intermediate_size=64, dtype="bfloat16", vocab_size=128,
-                           num_heads=2, top_k=2)
-    ref = Reference(ckpt, experts="eager")
+    extra = {"moe_intermediate_size": 32} if arch != "mixtral" else {}
+    ckpt = write_synthetic(arch, tmp_path / "m", seed=5, hidden_size=64, num_layers=2, num_experts=4,
+                           intermediate_size=64, dtype="bfloat16", vocab_size=128, num_heads=2, top_k=2, **extra)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (5, 11, 3)]
-    off = ref.logits(prompts)
-    with batch_invariant.enable("cpu") as mode:
-        alone = ref.logits([prompts[1]])
+    off = Reference(ckpt, experts="eager").logits(prompts)
+    ref = Reference(ckpt, experts="eager", batch_invariant=True)
+    try:
+        mode = ref.attachment.batch_invariant
         packed = ref.logits(prompts)
-        calls = sum(mode.calls.values())
-    assert calls >= 2 * (2 * 4 + 1)  # q,k,v,o + router per layer (x2 forwards) at least, and the LM head
-    assert (alone[0] - off[1]).abs().max().item() < 0.1 * off.abs().max().item()
-    assert (packed - off).abs().max().item() < 0.1 * off.abs().max().item()
+        reordered = ref.logits([prompts[2], prompts[1], prompts[0]])
+        for i, prompt in enumerate(prompts):
+            alone = ref.logits([prompt])
+            assert torch.equal(alone[0], packed[i]), (arch, i, (alone[0] - packed[i]).abs().max().item())
+            assert torch.equal(alone[0], reordered[2 - i]), (arch, i)
+        assert sum(mode.calls.values()) >= 2 * (2 * 4 + 1)  # q,k,v,o + router per layer, the LM head
+        assert (packed - off).abs().max().item() < 0.1 * off.abs().max().item()
+    finally:
+        ref.attachment.close()
+
+
+def test_packed_sequences_are_found_by_their_position_restarts():
+    from dwdp_worker.model import attention_bi
+
+    assert attention_bi.segments([0, 1, 2, 0, 1, 0]) == ((0, 3), (3, 5), (5, 6))
+    assert attention_bi.segments([4, 5, 6]) == ((0, 3),)            # one sequence, whatever its first position
+    assert attention_bi.segments([0, 1, 1, 2]) == ((0, 2), (2, 4))  # a repeat is a restart, as transformers says
+    # the mask a sequence gets alone: SDPA skips it unless a sliding window is shorter; eager always builds one
+    assert not attention_bi.alone_mask_needed("sdpa", 4096, None)
+    assert not attention_bi.alone_mask_needed("sdpa", 4096, 4096)
+    assert attention_bi.alone_mask_needed("sdpa", 4097, 4096)
+    assert attention_bi.alone_mask_needed("eager", 8, None)
+
+
+def test_attention_close_restores_transformers_and_other_implementations_are_refused(tmp_path):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from dwdp_worker.checkpoint.synth import write_synthetic
+    from dwdp_worker.launch.oracle import Reference
+    from dwdp_worker.model import attention_bi
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ckpt = write_synthetic("mixtral", tmp_path / "m", seed=7, hidden_size=64, num_layers=1, num_experts=4,
+                           intermediate_size=64, dtype="bfloat16", vocab_size=128, num_heads=2, top_k=2)
+    one, two = Reference(ckpt, experts=None), Reference(ckpt, experts=None)
+    first, second = attention_bi.install(one.model), attention_bi.install(two.model)
+    assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "dwdp_batch_invariant", False)
+    first.close()
+    first.close()  # idempotent
+    assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "dwdp_batch_invariant", False)  # still owned by the second
+    second.close()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+    assert not one.model._forward_pre_hooks and not one.model._forward_hooks
+    one.model.config._attn_implementation = "flex_attention"
+    with pytest.raises(attention_bi.BatchInvariantAttentionError, match="flex_attention"):
+        attention_bi.install(one.model)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
 
 
 def test_the_attachment_owns_the_mode(tmp_path):

@@ -59,4 +59,7 @@ def test_serving_bounds_and_reserved_names():
     assert validate_spec(spec(serving={"maxQueue": 0}))
     assert validate_spec(spec(serving={"cudaGraphs": -1})) and validate_spec(spec(serving={"cudaGraphs": 65}))
     assert not validate_spec(spec(serving={"cudaGraphs": 64}))
+    assert not validate_spec(spec(serving={"batchInvariant": True}))
+    [both] = validate_spec(spec(serving={"batchInvariant": True, "cudaGraphs": 2}))
+    assert "batchInvariant excludes serving.cudaGraphs" in both and "cudaGraphs=2" in both
     assert validate_spec(spec(template={"env": [{"name": "DWDP_MAX_QUEUE", "value": "9"}]}))

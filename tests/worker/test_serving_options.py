@@ -93,3 +93,6 @@ def test_batch_invariant_without_a_gpu_is_refused_before_anything_starts(tmp_pat
     check_batch_invariant(True, 1)
     with pytest.raises(ValueError, match="--batch-invariant: .*need the ranks on GPUs"):
         check_batch_invariant(True, 0)
+    check_batch_invariant(False, 1, cuda_graphs=4)
+    with pytest.raises(ValueError, match="--batch-invariant excludes --cuda-graphs=4: .*host"):
+        check_batch_invariant(True, 1, cuda_graphs=4)

@@ -69,12 +69,16 @@ def check_cuda_graphs(cuda_graphs: int, gpus: int) -> None:
                          f"host backend (no GPU visible, or --backend host); drop --cuda-graphs")
 
 
-def check_batch_invariant(batch_invariant: bool, gpus: int) -> None:
+def check_batch_invariant(batch_invariant: bool, gpus: int, cuda_graphs: int = 0) -> None:
     """``--batch-invariant``: refused (ValueError, before any rank starts) without a GPU — its GEMM is a Triton
-    kernel, and a host rank has no device to run it on."""
+    kernel, and a host rank has no device to run it on — and with ``--cuda-graphs``: its attention reads each
+    forward's packed sequences on the host (``model.attention_bi``), which a graph replay cannot."""
     if batch_invariant and gpus == 0:
         raise ValueError("--batch-invariant: the batch-invariant GEMMs are Triton kernels and need the ranks on "
                          "GPUs; these run on the host backend (no GPU visible, or --backend host); drop it")
+    if batch_invariant and cuda_graphs > 0:
+        raise ValueError(f"--batch-invariant excludes --cuda-graphs={cuda_graphs}: batch-invariant attention reads "
+                         f"each forward's packed sequences on the host, which a graph replay cannot; drop one")
 
 
 def synthetic_checkpoint(stack: contextlib.ExitStack, arch: str, **kw) -> str:

@@ -76,7 +76,7 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     if backend == "cuda" and gpus == 0:
         raise ValueError("--backend cuda: no CUDA GPU is visible (use --backend host or auto)")
     check_cuda_graphs(cuda_graphs, gpus)
-    check_batch_invariant(batch_invariant, gpus)
+    check_batch_invariant(batch_invariant, gpus, cuda_graphs)
     n = groups * dwdp_size
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))
     specs = []

@@ -35,7 +35,7 @@ def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float, cuda_gr
     gpus = 0 if env.backend == "host" else cuda_count()
     devices = rank_devices(gpus_per_pod=env.gpus_per_pod, visible_gpus=gpus, backend=env.backend)
     check_cuda_graphs(cuda_graphs, gpus)
-    check_batch_invariant(batch_invariant, gpus)
+    check_batch_invariant(batch_invariant, gpus, cuda_graphs)
     threads = 1 if gpus else max(1, (os.cpu_count() or 1) // env.gpus_per_pod)
     return [RankSpec(model_dir=model_dir, config=env.dwdp_config().to_dict(), rank=env.rank_base + i,
                      group=env.group, global_id=i, store_host=env.store_addr, store_port=env.store_port,

@@ -11,8 +11,10 @@ What ``attach`` does, in this order (``Attachment.close()`` undoes each, in reve
   3. **Fused layers** on CUDA with ``dwdp`` (``layers_impl``): the canonical RMSNorm modules' instance
      ``forward``; the modeling modules' ``apply_rotary_pos_emb`` global, which is process-wide: every
      attached model is an owner of it and the last owner's close puts `transformers`' function back.
-  4. **Batch-invariant GEMMs** with ``batch_invariant`` (``dwdp_runtime.kernels.batch_invariant``): the dispatcher's
-     mm/addmm/bmm kernels of the model's device type, process-wide and reference counted; closed on undo.
+  4. **Batch invariance** with ``batch_invariant``: the dispatcher's mm/addmm/bmm kernels of the model's device
+     type (``dwdp_runtime.kernels.batch_invariant``, process-wide and reference counted) and the model's attention
+     run per packed sequence as that sequence alone (``attention_bi``: the registry entry of its attention
+     implementation, reference counted, and a forward pre-hook on the model); both closed on undo.
   5. **Fused router** with ``fused_router`` (opt-in; ``router_impl``): router modules' instance ``forward``, where
      a probe shows it reproduces the module's (``router_impl.install``). Undo: the instance forwards popped.
   6. **DWDP hooks** with a ``manager`` (``hooks.DwdpHooks``): ``start_forward`` before the model, before each
@@ -39,7 +41,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import experts_impl, layers_impl, router_impl
+from . import attention_bi, experts_impl, layers_impl, router_impl
 from .hooks import DwdpHooks
 from .registry import experts_sites
 
@@ -64,6 +66,7 @@ class Attachment:
     hooks: DwdpHooks | None = None
     fused: layers_impl.Installed | None = None
     batch_invariant: Any = None                    # kernels.batch_invariant.BatchInvariantMode, or None
+    attention: attention_bi.Installed | None = None  # per-sequence attention with batch_invariant
     routers: list = field(default_factory=list)    # router modules given the fused forward (router_impl)
     _overridden: list = field(default_factory=list)          # experts modules with an instance forward
     _kernel_layouts: list = field(default_factory=list)      # modules given ``_dwdp_kernels``
@@ -79,6 +82,8 @@ class Attachment:
             self.hooks.remove()
         if self.batch_invariant is not None:
             self.batch_invariant.close()
+        if self.attention is not None:
+            self.attention.close()
         router_impl.uninstall(self.routers)
         for param, data in self._saved_data:
             param.data = data
@@ -128,8 +133,10 @@ def attach(model: Any, *, device: Any, experts: str | None = "auto", manager: An
         if batch_invariant:
             from dwdp_runtime.kernels import batch_invariant as bi
 
+            att.attention = attention_bi.install(model)
             att.batch_invariant = bi.enable(experts_impl.device_type(device))
-            log.info("batch-invariant dense GEMMs on %s", experts_impl.device_type(device))
+            log.info("batch-invariant dense GEMMs on %s, %s attention per packed sequence",
+                     experts_impl.device_type(device), att.attention.implementation)
         if fused_router:
             att.routers = router_impl.install(model, device)
             log.info("fused router on %d router modules", len(att.routers))
