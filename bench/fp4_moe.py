@@ -8,8 +8,8 @@ uniformly random routing, all in one run:
   * ``bf16 grouped_mm``  — ``torch._grouped_mm`` on expert-sorted rows of the dequantized bf16 weights, gate_up
                            then down (the floor the fused-kernel issue uses; no activation, gather or scatter);
   * ``fp4 GEMMs``        — the two weight-only FP4 grouped GEMMs alone (``fp4_gate_up`` incl. its act·mul
-                           epilogue, ``fp4_down`` incl. the routing weight) on a prepared routing plan: FP4 → bf16
-                           in the weight load, bf16 MMA; ratio ``bf16 grouped_mm ÷ fp4 GEMMs`` (issue #31 asks
+                           epilogue, ``fp4_down`` incl. the routing weight) on a prepared routing plan, in ``fp4_moe.fp4_configs``'
+                           tiling: FP4 → bf16 in the weight load, bf16 MMA; ratio ``bf16 grouped_mm ÷ fp4 GEMMs`` (issue #31 asks
                            ≥ 1.0 at 16K for weight-only);
   * ``bf16 block`` / ``fp4 block`` — whole routed-experts forwards: ``kernels.fused_experts`` on the dequantized
                            weights vs ``kernels.fp4_moe.fp4_experts`` on the packed ones, and how close (the
@@ -25,6 +25,8 @@ median and range over R rounds, each ratio formed inside its round).
 
     python bench/fp4_moe.py                          (both shapes, both formats, T = 4K and 16K)
     python bench/fp4_moe.py --formats nvfp4 --tokens 16384 --rounds 3 --json out.json
+    python bench/fp4_moe.py --sweep --tokens 16384   (each FP4 GEMM alone under the SWEEP_* tilings)
+    DWDP_FP4_GENERIC_DECODE=1 python bench/fp4_moe.py --sweep-first   (the generic float32 decode: "before")
     TRITON_INTERPRET=1 python bench/fp4_moe.py --smoke   (the script's own CPU test, tiny shape)
 """
 
@@ -109,7 +111,7 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
 
     from dwdp_runtime.kernels import tuning
     from dwdp_runtime.kernels.fp4_grouped_gemm import fp4_down, fp4_gate_up
-    from dwdp_runtime.kernels.fp4_moe import SCALE_FORMATS, fp4_experts
+    from dwdp_runtime.kernels.fp4_moe import SCALE_FORMATS, fp4_configs, fp4_experts
     from dwdp_runtime.kernels.moe import fused_experts
     from dwdp_runtime.kernels.routing import align_routing
 
@@ -140,6 +142,7 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
         load = tuning.load_bucket(t, k, e)
         c1 = tuning.config_for(tuning.ShapeKey("gate_up", i, h, e, k, "bfloat16", load))
         c2 = tuning.with_block_m(tuning.config_for(tuning.ShapeKey("down", h, i, e, k, "bfloat16", load)), c1.block_m)
+        c1, c2 = fp4_configs(c1, c2, load)
         plan = align_routing(ids, e, c1.block_m)
         fmt_code = SCALE_FORMATS[fmt]
 
@@ -172,6 +175,74 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
     return rows
 
 
+#: ``--sweep``: FP4 tilings timed per GEMM (block_m, block_n, block_k, num_warps, num_stages)
+SWEEP_GATE_UP = ((128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+                 (128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (128, 64, 64, 4, 3), (256, 64, 64, 8, 4),
+                 (128, 32, 64, 4, 4))
+SWEEP_DOWN = ((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+              (128, 128, 128, 8, 3), (256, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
+
+
+def sweep(name, fmt, tokens, *, rep_ms: int, only_first: bool = False) -> list[dict]:
+    """Each FP4 GEMM alone under each tiling of ``SWEEP_*`` (a plan per block_m), beside bf16 ``_grouped_mm``."""
+    import torch
+    import triton.testing
+
+    from dwdp_runtime.kernels.fp4_grouped_gemm import fp4_down, fp4_gate_up
+    from dwdp_runtime.kernels.fp4_moe import SCALE_FORMATS
+    from dwdp_runtime.kernels.routing import align_routing
+    from dwdp_runtime.kernels.tuning import GemmConfig
+
+    h, i, e, k, _ = SHAPES[name]
+    dev = torch.device("cuda")
+    packed, twin = experts(fmt, h, i, e, dev)
+    bench = lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))  # noqa: E731
+    out = []
+    for t in tokens:
+        g = torch.Generator(device=dev).manual_seed(t)
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=g)
+        w, ids = torch.topk(torch.rand(t, e, device=dev, generator=g), k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(torch.float32)
+        order = torch.sort(ids.flatten(), stable=True)
+        xs = x[order.indices // k]
+        offs = torch.cumsum(torch.bincount(order.values, minlength=e), 0).to(torch.int32)
+        act_in = torch.randn(t * k, i, device=dev, dtype=torch.bfloat16, generator=g)
+        t_g1 = bench(lambda: torch._grouped_mm(xs, twin.gate_up.transpose(-2, -1), offs=offs))
+        t_g2 = bench(lambda: torch._grouped_mm(act_in, twin.down.transpose(-2, -1), offs=offs))
+        fmt_code = SCALE_FORMATS[fmt]
+        plans = {}
+        best = {}
+        for gemm, grid, ref in (("gate_up", SWEEP_GATE_UP, t_g1), ("down", SWEEP_DOWN, t_g2)):
+            for bm, bn, bk, nw, ns in (grid[:1] if only_first else grid):
+                cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                plan = plans.setdefault(bm, align_routing(ids, e, bm))
+                act = torch.randn(plan.sorted_pairs.numel(), i, device=dev, dtype=torch.bfloat16, generator=g)
+                if gemm == "gate_up":
+                    fn = lambda: fp4_gate_up(x, packed.gate_up, packed.gate_up_scale, packed.gate_up_scale_2, plan,  # noqa: E731
+                                             cfg, inter=i, up_offset=i, col_step=1, has_gate=True, scale_fmt=fmt_code)
+                else:
+                    fn = lambda: fp4_down(act, packed.down, packed.down_scale, packed.down_scale_2, w, plan, cfg,  # noqa: E731
+                                          hidden=h, scale_fmt=fmt_code)
+                try:
+                    ms = bench(fn)
+                except Exception as exc:  # a tiling that does not compile or fit: reported, not fatal
+                    print(f"[{name}] {fmt} T={t} {gemm} {cfg}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                flops = 2 * t * k * h * i * (2 if gemm == "gate_up" else 1)
+                row = dict(shape=name, format=fmt, tokens=t, gemm=gemm, cfg=(bm, bn, bk, nw, ns), ms=ms,
+                           bf16_ms=ref, over_bf16=ref / ms, tflops=flops / ms / 1e9)
+                out.append(row)
+                if gemm not in best or ms < best[gemm]["ms"]:
+                    best[gemm] = row
+                print(f"[{name}] {fmt} T={t} {gemm} bm={bm} bn={bn} bk={bk} w={nw} s={ns}: {ms:.3f} ms "
+                      f"({row['tflops']:.0f} TFLOP/s) = {ref / ms:.2f}x bf16 grouped_mm ({ref:.3f} ms)", flush=True)
+        if len(best) == 2:
+            tot = best["gate_up"]["ms"] + best["down"]["ms"]
+            print(f"[{name}] {fmt} T={t}: best gate_up {best['gate_up']['cfg']} + down {best['down']['cfg']}: "
+                  f"{tot:.3f} ms = {(t_g1 + t_g2) / tot:.2f}x bf16 grouped_mm ({t_g1 + t_g2:.3f} ms)", flush=True)
+    return out
+
+
 def summarize(rounds: list[list[dict]]) -> list[dict]:
     """Median and range of each ratio over rounds, per (shape, format, T); each ratio formed inside its round."""
     out = []
@@ -196,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=int, default=50)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--sweep", action="store_true", help="time each FP4 GEMM under the SWEEP_* tilings")
+    p.add_argument("--sweep-first", action="store_true", help="--sweep with the first tiling of each GEMM only")
     p.add_argument("--smoke", action="store_true", help="CPU self-test (TRITON_INTERPRET=1, tiny shape)")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -211,6 +284,12 @@ def main(argv=None) -> int:
         print("bench/fp4_moe.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "summary": []}
+    if a.sweep or a.sweep_first:
+        out["sweep"] = [row for name in a.shapes for fmt in a.formats
+                        for row in sweep(name, fmt, a.tokens, rep_ms=a.rep_ms, only_first=a.sweep_first)]
+        if a.json:
+            pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
+        return 0
     for name in a.shapes:
         for fmt in a.formats:
             rounds = [run_shape(name, fmt, a.tokens, rep_ms=a.rep_ms) for _ in range(a.rounds)]

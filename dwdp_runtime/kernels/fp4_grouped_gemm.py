@@ -25,12 +25,26 @@ BLOCK_K = 64, fp32), so the output is batch invariant for the same reasons; unde
 the bf16 kernels on the dequantized weights bitwise (``tests/kernels/test_fp4_kernels.py``), on the GPU within
 a few bf16 ulps (the same exact products, summed by the other operand order: ``tests/gpu/test_fp4_gpu.py``).
 
-Cost: HBM reads a quarter of the bf16 weight bytes (+ 1/32 or 1/16 B of scale per weight); the decode is
-ALU work in the load loop (about 12 integer/float ops per weight, once per row block that sweeps the
-tile). TMA is not used for the packed tiles (the unpack needs registers anyway).
+Two decodes of the same values. The generic one (``_e2m1``/``_scale`` in float32, then ``cast_out``) runs under
+the interpreter and for fp16 activations. Compiled with bf16 activations the kernels take ``_fp4_tile_fast``
+(``FAST``): each byte becomes two bf16 bit patterns in one 32-bit word by integer multiplies and masks (the
+codes' ``e e m`` bits at bf16 bits 8..6, e2m1 · 2^-126 exactly, subnormals included), and packed
+``mul.rn.bf16x2`` by power-of-two scale factors built once per group restores the value and applies the E8M0
+scale in the same exact step (NVFP4: × 2^126, × the e4m3 scale, then × ``s2`` in float32 and ``cvt.rn`` —
+``quant.fp4``'s one rounding). About 7 SASS instructions per weight in the loop against 21 for the generic
+decode (Triton 3.9's sm_90 build); outputs on the H200 equal the bf16 kernels on the dequantized weights
+(max |diff| 0 in tests/gpu/test_fp4_gpu.py, 2026-12-04). ``DWDP_FP4_GENERIC_DECODE=1`` forces the generic
+decode on the GPU (A/B measurements).
+
+Cost: HBM reads a quarter of the bf16 weight bytes (+ 1/32 or 1/16 B of scale per weight); the decode is ALU
+work in the load loop, once per row block that sweeps the tile, in the warps that issue the MMA (register-A
+wgmma): the compiled tiling (``fp4_moe.FP4_TILE``) keeps two programs per SM so one decodes while the other's
+MMA runs. TMA is not used for the packed tiles (the unpack needs registers anyway).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -71,25 +85,99 @@ def _scale(byte, SCALE_FMT: tl.constexpr):
     return tl.where((byte & 0x80) != 0, -value, value)
 
 
+#: E2M1 pair placement (``_FAST`` decode): byte ``b`` (two codes, the low nibble the even k) → two bf16 bit
+#: patterns in one 32-bit word, each code's exponent/mantissa bits ``e e m`` at bf16 bits 8..6 and its sign at
+#: bit 15 (the odd code at bits 24..22 and 31): ``((b·0x40040) & 0x01C001C0) | ((b·0x1001000) & 0x80008000)``
+#: (the two shifted copies of ``b`` never overlap). Each half is then exactly ``e2m1 · 2^-126`` as a bf16 — codes
+#: with ``e = 0`` land on bf16 subnormals (``0.5 · 2^-126``, ±0), which ``mul.rn.bf16x2`` keeps (PTX: subnormals
+#: supported) — so multiplying by a power of two restores the value and applies a scale in the same, exact, step.
+_PLACE = """
+    .reg .b32 m, t;
+    mul.lo.u32 m, $1, 0x40040;
+    and.b32 m, m, 0x01C001C0;
+    mul.lo.u32 t, $1, 0x1001000;
+    and.b32 t, t, 0x80008000;
+    or.b32 m, m, t;
+"""
+#: MXFP4: ``× F1 × F2`` with ``F1 = 2^(min(s,128) − 1)``, ``F2 = 2^(max(s,128) − 128)`` (bf16x2 splats, per group):
+#: ``e2m1 · 2^-126 · 2^(s − 1) = e2m1 · 2^(s − 127)``, split in two so no factor overflows bf16; both products are
+#: exact (2 significant bits, never below bf16's subnormal step)
+_MX_ASM = tl.constexpr("{" + _PLACE + """
+    mul.rn.bf16x2 m, m, $2;
+    mul.rn.bf16x2 $0, m, $3;
+}""")
+#: NVFP4: ``× 2^126`` (→ e2m1 exactly), ``× s`` (the e4m3 scale as a bf16x2 splat: ≤ 6 significant bits, exact),
+#: then in float32 ``× s2`` (the one rounding of ``quant.fp4``) and ``cvt.rn`` to bf16 — ``dequantize``'s value
+_NV_ASM = tl.constexpr("{" + _PLACE + """
+    .reg .b32 lo, hi;
+    .reg .f32 a, b;
+    mov.b32 t, 0x7E807E80;
+    mul.rn.bf16x2 m, m, t;
+    mul.rn.bf16x2 m, m, $2;
+    shl.b32 lo, m, 16;
+    and.b32 hi, m, 0xFFFF0000;
+    mov.b32 a, lo;
+    mov.b32 b, hi;
+    mul.rn.f32 a, a, $3;
+    mul.rn.f32 b, b, $3;
+    cvt.rn.bf16x2.f32 $0, b, a;
+}""")
+
+
+@triton.jit
+def _splat2(bits16):
+    """A bf16 bit pattern (int32, 0..0xFFFF) in both halves of a 32-bit word (a bf16x2 operand)."""
+    return bits16 | (bits16 << 16)
+
+
+@triton.jit
+def _fp4_tile_fast(packed, sb, s2, SCALE_FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   G: tl.constexpr):
+    """The GPU decode (bf16 only): ``packed [BLOCK_N, BLOCK_K/2]`` bytes and ``sb [BLOCK_N, BLOCK_K/G]`` scale
+    bytes (int32) → ``[BLOCK_N, BLOCK_K]`` bf16, two weights per 32-bit word through ``_MX_ASM`` / ``_NV_ASM``
+    (about 4 instructions per byte for the bits, one or two packed multiplies: exactly ``_fp4_tile``'s values).
+    Scale factors are built once per group and broadcast over its ``G/2`` bytes."""
+    if SCALE_FMT == 0:
+        f1 = _splat2((tl.minimum(sb, 128) + 126) << 7)
+        f2 = _splat2((tl.maximum(sb, 128) - 1) << 7)
+        f1 = tl.reshape(tl.broadcast_to(f1[:, :, None], [BLOCK_N, BLOCK_K // G, G // 2]), [BLOCK_N, BLOCK_K // 2])
+        f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], [BLOCK_N, BLOCK_K // G, G // 2]), [BLOCK_N, BLOCK_K // 2])
+        words = tl.inline_asm_elementwise(_MX_ASM, "=r,r,r,r", [packed, f1, f2], dtype=tl.uint32, is_pure=True,
+                                          pack=1)
+    else:
+        sf = _splat2(_scale(sb, SCALE_FMT).to(tl.uint32, bitcast=True).to(tl.int32, bitcast=True) >> 16)
+        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], [BLOCK_N, BLOCK_K // G, G // 2]), [BLOCK_N, BLOCK_K // 2])
+        g2 = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32) + s2
+        words = tl.inline_asm_elementwise(_NV_ASM, "=r,r,r,f", [packed, sf, g2], dtype=tl.uint32, is_pure=True,
+                                          pack=1)
+    lo = (words & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (words >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
+
+
 @triton.jit
 def _fp4_tile(w_ptr, s_ptr, s2, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
               stride_sk, dtype: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_BF16: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_BF16: tl.constexpr, FAST: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` weight tile (output columns ``cols`` × reduction ``[k0, k0 + BLOCK_K)``), in
     ``dtype``: the bytes are loaded ``[BLOCK_N, BLOCK_K/2]`` as they lie (K contiguous), the two nibbles of a
     byte joined along a new last axis and flattened onto K (``k = 2j + t``: no transpose, no layout change), each
-    ``G``-element group multiplied by its scale through a ``[BLOCK_N, BLOCK_K/G, G]`` view."""
+    ``G``-element group multiplied by its scale through a ``[BLOCK_N, BLOCK_K/G, G]`` view. ``FAST`` (the GPU, bf16):
+    the same values through ``_fp4_tile_fast``'s packed bit operations."""
     half = tl.arange(0, BLOCK_K // 2)
     w_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + (k0 // 2 + half)[None, :] * stride_wk
     packed = tl.load(w_ptrs, mask=(half < (K - k0) // 2)[None, :], other=0).to(tl.int32)
-    vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1((packed >> 4) & 15)), [BLOCK_N, BLOCK_K])
     if SCALE_FMT == 0:
         G: tl.constexpr = 32
     else:
         G: tl.constexpr = 16
     groups = tl.arange(0, BLOCK_K // G)
     s_ptrs = s_ptr + expert * stride_se + cols[:, None] * stride_sn + (k0 // G + groups)[None, :] * stride_sk
-    s = _scale(tl.load(s_ptrs, mask=(k0 + groups * G < K)[None, :], other=0).to(tl.int32), SCALE_FMT)
+    sb = tl.load(s_ptrs, mask=(k0 + groups * G < K)[None, :], other=0).to(tl.int32)
+    if FAST:
+        return _fp4_tile_fast(packed, sb, s2, SCALE_FMT, BLOCK_N, BLOCK_K, G)
+    vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1((packed >> 4) & 15)), [BLOCK_N, BLOCK_K])
+    s = _scale(sb, SCALE_FMT)
     w = tl.reshape(tl.reshape(vals, [BLOCK_N, BLOCK_K // G, G]) * s[:, :, None], [BLOCK_N, BLOCK_K])
     if HAS_S2:
         w = w * s2
@@ -104,7 +192,7 @@ def fp4_gate_up_kernel(
     stride_be, stride_bn, stride_om,
     HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SCALE_FMT: tl.constexpr,
     HAS_S2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr,
 ):
     # swapped operands: acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] · x_tile^T — the decoded weights are
     # the MMA's A operand, which Hopper's wgmma reads from registers, so the decode never round-trips through
@@ -129,11 +217,11 @@ def fp4_gate_up_kernel(
         k_ok = offs_k < K - k0
         a_t = tl.trans(tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0))
         g = _fp4_tile(w_ptr, s_ptr, s2_g, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se,
-                      stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
+                      stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST, FAST)
         acc_g = _mma(g, a_t, acc_g, UPCAST)
         if HAS_GATE:
             u = _fp4_tile(w_ptr, s_ptr, s2_u, expert, cols + up_offset, k0, K, stride_we, stride_wn, stride_wk,
-                          stride_se, stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
+                          stride_se, stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST, FAST)
             acc_u = _mma(u, a_t, acc_u, UPCAST)
         a_ptrs += BLOCK_K * stride_xk
     if HAS_BIAS:
@@ -157,7 +245,7 @@ def fp4_down_kernel(
     stride_be, stride_bn, stride_ym,
     HAS_BIAS: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FAST: tl.constexpr,
 ):
     # swapped operands as in GEMM 1: acc^T [BLOCK_N, BLOCK_M]
     pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
@@ -176,7 +264,7 @@ def fp4_down_kernel(
         k_ok = offs_k < K - k0
         a_t = tl.trans(tl.load(a_ptrs, mask=k_ok[None, :], other=0.0))
         w = _fp4_tile(w_ptr, s_ptr, s2, expert, cols, k0, K, stride_we, stride_wn, stride_wk, stride_se,
-                      stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST)
+                      stride_sn, stride_sk, dtype, SCALE_FMT, HAS_S2, BLOCK_N, BLOCK_K, UPCAST, FAST)
         acc = _mma(w, a_t, acc, UPCAST)
         a_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -189,6 +277,16 @@ def fp4_down_kernel(
 
 #: interpreter-only paths, as ``grouped_gemm``'s: operands through fp32, bf16 rounding on the bits
 _UPCAST = interpreting()
+
+
+def _fast(x: torch.Tensor) -> bool:
+    """The packed bit-operation decode (``_fp4_tile_fast``, PTX): compiled kernels with bf16 activations; the
+    interpreter and fp16 take the generic decode (the same values)."""
+    return not _UPCAST and x.dtype == torch.bfloat16 and not _GENERIC
+
+
+#: ``DWDP_FP4_GENERIC_DECODE=1``: the generic decode on the GPU too (A/B measurements, bench/fp4_moe.py)
+_GENERIC = os.environ.get("DWDP_FP4_GENERIC_DECODE", "0") not in ("", "0")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -223,7 +321,7 @@ def fp4_gate_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s2: torch.Ten
         col_step, s2_up, x.stride(0), x.stride(1), *w.stride(), *s.stride(), s2_stride, *bs, out.stride(0),
         HAS_GATE=has_gate, HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], SCALE_FMT=scale_fmt,
         HAS_S2=s2 is not None, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, UPCAST=_UPCAST, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, UPCAST=_UPCAST, FAST=_fast(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -243,6 +341,6 @@ def fp4_down(act: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s2: torch.Tens
         plan.sorted_pairs, plan.block_expert, plan.num_padded, plan.num_pairs, plan.max_blocks, hidden, inter,
         act.stride(0), *w.stride(), *s.stride(), s2_stride, *bs, y.stride(0),
         HAS_BIAS=bias is not None, SCALE_FMT=scale_fmt, HAS_S2=s2 is not None, BLOCK_M=plan.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST, FAST=_fast(act),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

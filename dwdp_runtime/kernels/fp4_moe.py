@@ -25,7 +25,8 @@ from .fp4_grouped_gemm import E4M3, E8M0, fp4_down, fp4_gate_up
 from .moe import ExpertsLayout
 from .reduce import reduce_topk
 from .routing import align_routing
-from .support import ACTIVATIONS
+from .support import ACTIVATIONS, interpreting
+from .tuning import GemmConfig
 
 #: ``Fp4Weights.format`` values (``dwdp_runtime.quant.QuantFormat`` names) → the kernels' scale format
 SCALE_FORMATS = {"mxfp4": E8M0, "fp4-ue8m0": E8M0, "nvfp4": E4M3}
@@ -44,6 +45,28 @@ class Fp4Weights:
     down_scale_2: torch.Tensor | None = None      # NVFP4: [E, 1]
     gate_up_bias: torch.Tensor | None = None      # [E, 2I]
     down_bias: torch.Tensor | None = None         # [E, H]
+
+
+#: rows per expert from which the compiled FP4 kernels take their own tiling (``fp4_configs``)
+FP4_TILE_MIN_LOAD = 256
+#: that tiling, both GEMMs: 128 rows (plan block) × 64 weight rows (gate_up: 64 gate + 64 up) per program,
+#: 4 warps, 4 stages — small enough (241 registers, 78 KiB shared in Triton 3.9's sm_90 build) for two programs
+#: per SM, so one program's decode runs beside the other's MMA. Measured on an H200 (bench/fp4_moe.py --sweep,
+#: 2026-12-04, both formats, both expert shapes, 4K and 16K tokens): the best gate_up everywhere (the bf16
+#: 128×128 / 8-warp tiling 13–18 % slower), and for down within 4 % of the best pointer tiling (128×256 / 8 warps:
+#: equal on MXFP4, 30–45 % slower on NVFP4; a 256-row block was up to 8 % faster for down alone, but the plan's
+#: block is shared and gate_up at 256 rows was 25 % slower). BLOCK_K stays the bf16 kernels' (batch
+#: invariance: one K pipeline per weight shape whatever the load)
+FP4_TILE = GemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)
+
+
+def fp4_configs(cfg1: GemmConfig, cfg2: GemmConfig, load: int) -> tuple[GemmConfig, GemmConfig]:
+    """The two GEMMs' tiles from the bf16 kernels' (``tuning.config_for``): the same under the interpreter (so
+    the CPU tests compare bitwise) and below ``FP4_TILE_MIN_LOAD``; ``FP4_TILE`` above it on the GPU."""
+    if interpreting() or load < FP4_TILE_MIN_LOAD:
+        return cfg1, cfg2
+    tile = FP4_TILE if FP4_TILE.block_k == cfg1.block_k == cfg2.block_k else cfg1
+    return tile, tile
 
 
 def _rows(w: torch.Tensor) -> int:
@@ -69,6 +92,7 @@ def fp4_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     cfg1 = tuning.config_for(tuning.ShapeKey("gate_up", inter, hidden, num_experts, topk_ids.shape[1], d, load))
     cfg2 = tuning.with_block_m(tuning.config_for(tuning.ShapeKey("down", hidden, inter, num_experts,
                                                                  topk_ids.shape[1], d, load)), cfg1.block_m)
+    cfg1, cfg2 = fp4_configs(cfg1, cfg2, load)
     fmt = SCALE_FORMATS[weights.format]
     plan = align_routing(topk_ids, num_experts, cfg1.block_m)
     act = fp4_gate_up(x, weights.gate_up, weights.gate_up_scale, weights.gate_up_scale_2, plan, cfg1, inter=inter,

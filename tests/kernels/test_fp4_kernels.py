@@ -166,3 +166,45 @@ def test_deepseek_v4_containers_run_the_mxfp4_math():
     ids, rw = _routing(9, 4, 2, g)
     assert torch.equal(fp4_moe.fp4_experts(x, ids, rw, v4), moe.fused_experts(x, ids, rw, _dequantized(w, segs,
                                                                                                         torch.bfloat16)))
+
+
+def _bf16_bits(bits):
+    """16-bit patterns (int64 tensor) → their bf16 values, as float64."""
+    return ((bits & 0xFFFF) << 16).to(torch.int32).view(torch.float32).double()
+
+
+def test_fast_decode_recipe_is_exact_for_every_byte_and_scale():
+    """The compiled kernels' bit recipe (``fp4_grouped_gemm._MX_ASM`` / ``_NV_ASM``; PTX, so not run by the
+    interpreter) emulated here: the placed halves are e2m1 · 2^-126, every partial product is a bf16 value, and the
+    result equals ``quant.fp4``'s dequantization for all 256 bytes × every E8M0 byte, and × every finite e4m3
+    byte for NVFP4."""
+    ggemm = pytest.importorskip("dwdp_runtime.kernels.fp4_grouped_gemm")
+    assert "0x40040" in ggemm._MX_ASM.value and "0x01C001C0" in ggemm._MX_ASM.value
+    b = torch.arange(256, dtype=torch.int64)
+    words = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
+    halves = (_bf16_bits(words), _bf16_bits(words >> 16))
+    vals = fp4.unpack(b.to(torch.uint8)[:, None]).double()
+    exact = lambda v: torch.equal(v.float().to(torch.bfloat16).double(), v)  # noqa: E731
+    for t, x in enumerate(halves):
+        assert torch.equal(x * 2.0 ** 126, vals[:, t])
+    for s in range(255):
+        f1, f2 = _bf16_bits(torch.tensor((min(s, 128) + 126) << 7)), _bf16_bits(torch.tensor((max(s, 128) - 1) << 7))
+        want = fp4.mxfp4_dequantize(torch.full((256, 16), 0, dtype=torch.uint8) + b.to(torch.uint8)[:, None],
+                                    torch.full((256, 1), s, dtype=torch.uint8), torch.bfloat16).double()[:, :2]
+        for t, x in enumerate(halves):
+            assert exact(x * f1) and torch.equal((x * f1 * f2).float().to(torch.bfloat16).double(), want[:, t]), s
+    for sb in range(0x01, 0x7F):
+        sv = torch.tensor([sb], dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+        for t, x in enumerate(halves):
+            q = x * 2.0 ** 126 * sv
+            assert exact(q), sb
+            for s2 in (1e-5, 3.7e-3, 0.123):
+                got = (q.float() * torch.tensor(s2)).to(torch.bfloat16)
+                assert torch.equal(got, (vals[:, t].float() * sv.float() * torch.tensor(s2)).to(torch.bfloat16))
+
+
+def test_fp4_configs_keep_the_bf16_tiles_under_the_interpreter():
+    from dwdp_runtime.kernels.tuning import GemmConfig
+
+    c1, c2 = GemmConfig(block_m=128, block_n=128, num_warps=8), GemmConfig(block_m=128, block_n=256, num_warps=8)
+    assert fp4_moe.fp4_configs(c1, c2, 4096) == (c1, c2)
