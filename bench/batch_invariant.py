@@ -4,8 +4,10 @@
      bf16) at T = 1K, 4K, 16K tokens: cuBLAS (``F.linear``) ms, ``bi_matmul`` ms, their ratio, TFLOP/s, and
      whether a row alone equals the same row packed (bitwise) for each;
   2. **prefill**: the unsharded synthetic model of ``bench/prefill.py`` (Qwen3-MoE, ``--prefill-layers`` 4,
-     hidden 2048, 16 heads, ``--prefill-experts`` 64 × 768, top-8, our experts and fused layers) at ``--isl``: forward ms with the mode off and on, the slowdown (issue #34's goal
-     ≤ 10 %), and the logits of a sequence alone vs packed with a second one, both ways (bitwise or max |Δ|).
+     hidden 2048, 16 heads, ``--prefill-experts`` 64 × 768, top-8, our experts and fused layers) at ``--isl``: forward ms with the mode off and on (the GEMMs and the
+     per-sequence attention, as ``attach`` installs it), the slowdown (issue #34's goal ≤ 10 %), the forward of
+     the sequence packed with a quarter-length one (off, on, and the per-sequence attention alone), and the logits
+     of the sequence alone vs packed, both ways (bitwise or max |Δ|).
 
 Run on a GPU:   python bench/batch_invariant.py [--isl 4096 16384] [--only gemm|prefill]
 CPU smoke test: TRITON_INTERPRET=1 python bench/batch_invariant.py --device cpu --tokens 64 --only gemm --scale 16
@@ -109,6 +111,7 @@ def bench_prefill(device, isls, iters: int, layers: int, experts: int) -> list[d
     from dwdp_runtime.kernels import batch_invariant
     from dwdp_worker.checkpoint.loader import load_config
     from dwdp_worker.launch.oracle import Reference
+    from dwdp_worker.model import attention_bi
 
     rows = []
     args = parse_args(["--isl", str(max(isls)), "--num-layers", str(layers), "--num-experts", str(experts)])
@@ -120,22 +123,31 @@ def bench_prefill(device, isls, iters: int, layers: int, experts: int) -> list[d
         other = torch.randint(0, args.vocab_size, (max(1, isl // 4),), generator=gen).tolist()
         flops = prefill_flops(load_config(model_dir), [isl])["total"]
         result = {"isl": isl}
-        for mode in ("off", "on"):
-            handle = batch_invariant.enable(device.type) if mode == "on" else None
+        for mode in ("off", "attention", "on"):
+            # "on": the mode as attach(batch_invariant=True) installs it (the GEMMs and the per-sequence attention);
+            # "attention": the per-sequence attention alone (what it costs or saves beside SDPA's masked kernel)
+            handles = ([batch_invariant.enable(device.type)] if mode == "on" else []) + (
+                [attention_bi.install(ref.model)] if mode != "off" else [])
             try:
                 ms = _time_ms(lambda: ref.logits([seq]), device, iters)
+                packed_ms = _time_ms(lambda: ref.logits([other, seq]), device, iters)
                 alone, packed = ref.logits([seq]), ref.logits([other, seq])
                 same = bool(torch.equal(alone[0], packed[1]))
-                result[mode] = dict(ms=round(ms, 3), mfu=round(flops / (ms / 1e3) / 790e12, 4), alone_eq_packed=same,
+                result[mode] = dict(ms=round(ms, 3), packed_ms=round(packed_ms, 3),
+                                    mfu=round(flops / (ms / 1e3) / 790e12, 4), alone_eq_packed=same,
                                     max_abs=round((alone[0] - packed[1]).abs().max().item(), 5))
             finally:
-                if handle is not None:
+                for handle in reversed(handles):
                     handle.close()
         result["slowdown"] = round(result["on"]["ms"] / result["off"]["ms"] - 1.0, 4)
+        result["packed_slowdown"] = round(result["on"]["packed_ms"] / result["off"]["packed_ms"] - 1.0, 4)
         print(f"  prefill ISL {isl}: off {result['off']['ms']:.2f} ms (MFU {result['off']['mfu']:.1%}, alone=packed "
               f"{result['off']['alone_eq_packed']}, max|Δ| {result['off']['max_abs']}), on {result['on']['ms']:.2f} ms "
               f"(alone=packed {result['on']['alone_eq_packed']}, max|Δ| {result['on']['max_abs']}): slowdown "
-              f"{result['slowdown']:+.1%} (goal <= +10%)", flush=True)
+              f"{result['slowdown']:+.1%} (goal <= +10%); packed with a {len(other)}-token sequence: off "
+              f"{result['off']['packed_ms']:.2f} ms, on {result['on']['packed_ms']:.2f} ms "
+              f"({result['packed_slowdown']:+.1%}), per-sequence attention alone {result['attention']['packed_ms']:.2f} "
+              f"ms (alone=packed {result['attention']['alone_eq_packed']})", flush=True)
         rows.append(result)
     return rows
 

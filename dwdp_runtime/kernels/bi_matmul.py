@@ -10,12 +10,15 @@ atomics, no stream-K: a row's result is the same bits whether it is computed alo
 of a packed batch. cuBLAS does not promise that: it picks another kernel (tiling, split-K) for another M, which
 is why Qwen3-MoE and Mixtral logits differed alone vs packed at ``self_attn.o_proj`` (issue #34).
 
-Persistent: a grid of at most ``NUM_PROGRAMS`` (the SM count on H200: 132) programs walks the output tiles
-``pid, pid + NUM_PROGRAMS, …`` in GROUP_M-swizzled order (L2 reuse of the weight columns). Which program
-computes a tile changes nothing in the tile's arithmetic, so persistence is a speed choice only (one wave, no
-tail launch), not a correctness one. ``M`` and the batch strides (multiples of M) are not specialised
-(``do_not_specialize``): Triton would otherwise compile another variant for M = 1 or M divisible by 16, which
-must not be a second code path.
+Two kernels, one arithmetic (which one runs is part of the M-free tiling, ``Tile.kernel``): ``_persistent_mm``, a
+grid of at most ``NUM_PROGRAMS`` (the SM count on H200: 132) programs walking the output tiles ``pid, pid +
+NUM_PROGRAMS, …`` in GROUP_M-swizzled order, for the narrow GEMMs (routers); ``_tiled_mm``, one tile per program
+with the K loop walking pointers and the edge rows read wrapped (no row predicate on the loads), for every
+projection (faster on H200, ``bench/bi_tiles.py``). Which program computes a tile changes nothing in the tile's
+arithmetic. ``M`` and the batch strides (multiples of M) are not specialised (``do_not_specialize``): Triton
+would otherwise compile another variant for M = 1 or M divisible by 16, which must not be a second code path.
+Speed (H200, 2026-12-04): 0.35-0.39× cuBLAS on the projections of Qwen3-30B and DeepSeek-V3 at 4K-16K rows
+(0.22-0.27× for the persistent 128×128 tiling it replaced there).
 
 Precision: 16-bit operands use tensor cores with fp32 accumulation; fp32 operands use ``ieee`` (torch's
 default matmul precision is full fp32, ``allow_tf32 = False``), e.g. DeepSeek-V3's fp32 router.
@@ -40,8 +43,18 @@ from .support import interpreting
 
 #: persistent programs when the device count is unknown (the interpreter): H200's SM count
 DEFAULT_PROGRAMS = 132
-#: 16-bit tiling (H200: 128×128 wgmma tiles, 64-wide K steps as every other GEMM of ours, 8 warps = 2 warpgroups)
+#: 16-bit tiling up to WIDE_N columns (routers of 128-256 experts: H200, 2026-12-04, bench/bi_tiles.py: faster
+#: than the wide tiling there): 128×128 wgmma tiles, 64-wide K steps as every other GEMM of ours, 8 warps
 TILE_16BIT = (128, 128, 64, 8, 3)
+#: 16-bit tiling above WIDE_N columns (every projection): 128×256 tiles, 4 stages, one tile per program
+#: (``_tiled_mm``): 1.4-1.6× the 128×128 persistent tiling on H200 (bench/bi_tiles.py, 2026-12-04: 0.35-0.39×
+#: cuBLAS against 0.22-0.27×)
+TILE_16BIT_WIDE = (128, 256, 64, 8, 4, "tiled")
+WIDE_N = 256
+#: the wide tiling's K step under Triton's interpreter: its tensors hold at most 2^20 elements, and the
+#: interpreter's broadcast product (``_dot``) of a 128×256 tile at K step 64 holds 2^21 (the CPU tests check the
+#: structure of the invariant, which does not depend on the K step)
+INTERP_WIDE_BLOCK_K = 32
 #: narrow-N tiling (routers: N = #experts ≤ 64) so a 16-bit router does not waste 128 - N columns
 TILE_16BIT_NARROW = (128, 64, 64, 4, 3)
 #: fp32 (ieee FMA dot, no tensor cores): small tiles keep the register file from spilling
@@ -59,6 +72,7 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
+    kernel: str = "persistent"   # "persistent" (_persistent_mm) or "tiled" (_tiled_mm): same arithmetic
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> Tile:
@@ -66,7 +80,13 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> Tile:
     del k  # every K uses the same step; kept in the signature: a K-dependent table must stay M-free too
     if dtype == torch.float32:
         return Tile(*TILE_FP32)
-    return Tile(*(TILE_16BIT_NARROW if n <= NARROW_N else TILE_16BIT))
+    if n <= NARROW_N:
+        return Tile(*TILE_16BIT_NARROW)
+    if n <= WIDE_N:
+        return Tile(*TILE_16BIT)
+    wide = Tile(*TILE_16BIT_WIDE)
+    return Tile(wide.block_m, wide.block_n, INTERP_WIDE_BLOCK_K, wide.num_warps, wide.num_stages,
+                wide.kernel) if interpreting() else wide
 
 
 @triton.jit
@@ -86,7 +106,7 @@ def _persistent_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, INTERP: tl.constexpr, IEEE: tl.constexpr,
-                   EXACT_BF16: tl.constexpr):
+                   EXACT_BF16: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     a_ptr += batch * s_ab
@@ -110,14 +130,65 @@ def _persistent_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # ascending, fixed step: the reduction order of every element
             kk = k0 + offs_k
-            a = tl.load(a_rows + kk[None, :] * s_ak, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & mask_n[None, :], other=0.0)
+            if EVEN_K:  # no K mask: the loads vectorise and pipeline without per-step predicates
+                a = tl.load(a_rows + kk[None, :] * s_ak, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_cols + kk[:, None] * s_bk, mask=mask_n[None, :], other=0.0)
+            else:
+                a = tl.load(a_rows + kk[None, :] * s_ak, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+                b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & mask_n[None, :], other=0.0)
             acc = _dot(a, b, acc, INTERP, IEEE)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c = cast_out(acc, c_ptr.dtype.element_ty, EXACT_BF16)
         tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn, c,
                  mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "s_ab", "s_cb"])
+def _tiled_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+              s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
+              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP: tl.constexpr, INTERP: tl.constexpr, IEEE: tl.constexpr, EXACT_BF16: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """One output tile per program, the K loop walking pointers (Triton's matmul tutorial structure). Rows and
+    columns past the edge are read wrapped (``% M``, ``% N``: real data, never stored), so the loads carry no
+    row/column predicate; the arithmetic of an element is ``_persistent_mm``'s (same tiling, same K order)."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    a_ptr += batch * s_ab
+    b_ptr += batch * s_bb
+    c_ptr += batch * s_cb
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP * num_n
+    first_m = (pid // per_group) * GROUP
+    group_m = tl.minimum(num_m - first_m, GROUP)
+    pid_m = first_m + ((pid % per_group) % group_m)
+    pid_n = (pid % per_group) // group_m
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * s_am + offs_k[None, :] * s_ak
+    b_ptrs = b_ptr + offs_k[:, None] * s_bk + cols.to(tl.int64)[None, :] * s_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # ascending, fixed step: the reduction order of every element
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+        acc = _dot(a, b, acc, INTERP, IEEE)
+        a_ptrs += BLOCK_K * s_ak
+        b_ptrs += BLOCK_K * s_bk
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = cast_out(acc, c_ptr.dtype.element_ty, EXACT_BF16)
+    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn, c,
+             mask=(offs_m < M)[:, None] & mask_n[None, :])
 
 
 _PROGRAMS: dict[int, int] = {}
@@ -160,18 +231,37 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         if bias is not None:
             c3 += bias.to(c3.dtype)
         return out
-    tile = config_for(n, k, a.dtype)
-    programs = num_programs(a.device)
-    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
     if bias is not None:
         bias = bias.reshape(-1)
         if bias.numel() != n:
             raise ValueError(f"bi_matmul: bias of {bias.numel()} elements for N = {n}")
+    tile = config_for(n, k, a.dtype)
+    launch(a3, b3, c3, bias, tile, num_programs(a.device), tile.kernel)
+    return out
+
+
+def launch(a3: torch.Tensor, b3: torch.Tensor, c3: torch.Tensor, bias: torch.Tensor | None, tile: Tile,
+           programs: int, kernel: str = "persistent") -> None:
+    """One kernel launch on 3-D operands with an explicit tiling and persistent grid (``matmul``'s, or a bench's
+    candidate: ``bench/bi_tiles.py``; a tiling chosen from M would break the invariant). ``kernel="tiled"``:
+    ``_tiled_mm``, one tile per program."""
+    nb, m, k = a3.shape
+    n = b3.shape[-1]
+    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    if kernel == "tiled":
+        _tiled_mm[(tiles, nb)](
+            a3, b3, c3, bias if bias is not None else a3, m, n, k,
+            a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+            c3.stride(0), c3.stride(1), c3.stride(2),
+            HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            GROUP=GROUP_M, INTERP=interpreting(), IEEE=a3.dtype == torch.float32, EXACT_BF16=interpreting(),
+            EVEN_K=k % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        return
     _persistent_mm[(min(tiles, programs), nb)](
         a3, b3, c3, bias if bias is not None else a3, m, n, k,
         a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
         c3.stride(0), c3.stride(1), c3.stride(2),
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP=GROUP_M, NUM_PROGRAMS=programs, INTERP=interpreting(), IEEE=a.dtype == torch.float32,
-        EXACT_BF16=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return out
+        GROUP=GROUP_M, NUM_PROGRAMS=programs, INTERP=interpreting(), IEEE=a3.dtype == torch.float32,
+        EXACT_BF16=interpreting(), EVEN_K=k % tile.block_k == 0, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)

@@ -20,6 +20,7 @@ def _operands(m, n, k, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 200, 96),   # 2 column tiles, a ragged K step
+                                        (torch.bfloat16, 300, 128),  # the wide tiling (_tiled_mm), 2 column tiles
                                         (torch.bfloat16, 40, 130),   # the narrow-N (router) tiling
                                         (torch.float32, 72, 1),      # K < BLOCK_K (RoPE's outer product)
                                         (torch.float32, 24, 70)])
@@ -163,3 +164,20 @@ def test_the_attachment_owns_the_mode(tmp_path):
     assert not batch_invariant.active("cpu")
     with batch_invariant.enable("cpu"):
         assert torch.equal(ref.logits(prompt), got)
+
+
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_the_tiled_kernel_computes_the_persistent_kernels_bits(m):
+    """``_tiled_mm`` (one tile per program, rows read wrapped) is the same arithmetic as ``_persistent_mm``: same
+    bits for every M, a ragged K included (the bench chooses between them by speed alone)."""
+    from dwdp_runtime.kernels import bi_matmul
+
+    x, w = _operands(300, 72, 100, torch.bfloat16, seed=m)
+    tile = bi_matmul.config_for(72, 100, torch.bfloat16)
+    outs = {}
+    for kernel in ("persistent", "tiled"):
+        out = torch.empty(1, m, 72, dtype=x.dtype)
+        bi_matmul.launch(x[:m].unsqueeze(0), w.t().unsqueeze(0), out, None, tile, 4, kernel)
+        outs[kernel] = out
+    assert torch.equal(outs["persistent"], outs["tiled"])
+    assert torch.equal(outs["tiled"][0], bi_matmul.matmul(x, w.t())[:m])
