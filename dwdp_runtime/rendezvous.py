@@ -106,6 +106,25 @@ class StoreRendezvous(Rendezvous):
     def _mac(self, key: str, value: bytes) -> bytes:
         return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
 
+    def _verified(self, full: str, raw: bytes, what: str) -> bytes:
+        mac, payload = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(full, payload)):
+            raise RendezvousError(f"the entry {what!r} of {self._where} failed the token check: written by a "
+                                  f"client without this group's token")
+        return bytes(payload)
+
+    def store_claim(self, key: str, value: bytes) -> bytes:
+        """Write ``value`` under ``key`` unless some rank wrote it first (``compare_set`` on an absent key:
+        atomic in the store); returns the value that won, authenticated. Used once per membership epoch."""
+        full = self._prefix + key
+        won = self._store.compare_set(full, "", self._mac(full, value) + value)
+        return self._verified(full, bytes(won), key)
+
+    def store_get_verified_nowait(self, key: str) -> bytes | None:
+        """An authenticated ``store_get_nowait`` (an entry without the token's MAC raises)."""
+        full = self._prefix + key
+        return self._verified(full, bytes(self._store.get(full)), key) if self._store.check([full]) else None
+
     def allgather(self, key: str, value: bytes) -> list[bytes]:
         if self._closed:
             raise RendezvousError("rendezvous is closed")
