@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from .config import DwdpConfig
+from .layout import coverage
 from .monitor import PeerLost, PeerMonitor
 from .rendezvous import StoreRendezvous
 
@@ -63,6 +65,14 @@ def next_membership(current: Membership, lost: Iterable[int]) -> Membership | No
     """The proposal after ``current`` given the ranks seen lost; ``None`` when nothing changes (pure)."""
     alive = current.alive - frozenset(lost)
     return None if alive == current.alive else Membership(current.epoch + 1, alive)
+
+
+def group_survives(config: DwdpConfig, lost_ranks: Iterable[int]) -> bool:
+    """Whether a group can keep serving without ``lost_ranks``: elastic (r ≥ 2), someone left, and every
+    expert still on a surviving holder (``layout.coverage`` ≥ 1). Otherwise: a group restart."""
+    lost = set(lost_ranks)
+    return (config.expert_replicas > 1 and len(lost) < config.dwdp_size
+            and coverage(config.holders(), lost) >= 1)
 
 
 def epoch_key(epoch: int) -> str:

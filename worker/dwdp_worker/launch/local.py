@@ -81,6 +81,9 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     if backend == "cuda" and gpus == 0:
         raise ValueError("--backend cuda: no CUDA GPU is visible (use --backend host or auto)")
     check_cuda_graphs(cuda_graphs, gpus)
+    if expert_replicas > 1 and cuda_graphs:
+        raise ValueError(f"--expert-replicas {expert_replicas} with --cuda-graphs {cuda_graphs}: a captured forward "
+                         f"keeps the copy plan it was captured with and cannot follow a re-plan; set one of them off")
     check_batch_invariant(batch_invariant, gpus)
     n = groups * dwdp_size
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))
