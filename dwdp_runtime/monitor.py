@@ -25,6 +25,11 @@ Elastic mode (``elastic=True``, issue #30: a group with expert replicas survives
 silent *peer* is not fatal; it is added to ``lost_ranks`` (``dead_peers``, pure) and the watch goes
 on judging the others — ``membership.MembershipAgent`` turns it into a new membership epoch. A lost
 or frozen *store* stays fatal (the store is the group's only meeting point; there is no failover).
+
+A process that was itself stopped (SIGSTOP, a VM pause) must not blame the others for its own silence:
+when two judgements are more than ``dead_after_s`` apart, this process was frozen, and every record
+restarts from the wake-up time (a fresh bound for the store and each peer; found by the SIGSTOP test of
+tests/runtime/test_elastic.py: a woken rank declared the live store lost).
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class PeerMonitor:
         self._lost_ranks: frozenset[int] = frozenset()  # elastic mode: silent peers (replaced, never mutated)
         self._lost: str | None = None
         self._lost_lock = threading.Lock()
+        self._last_judged: float | None = None
         self._stop = threading.Event()
         now = time.monotonic()
         self._obs = Observations(started=now, last_round=now)
@@ -156,6 +162,12 @@ class PeerMonitor:
     def _judge(self) -> bool:
         if self._lost is not None:
             return True
+        now = time.monotonic()
+        if self._last_judged is not None and now - self._last_judged > self.dead_after_s:
+            obs = self._obs  # this process was frozen: nobody else's silence can be judged from before it
+            self._obs = Observations(obs.started, now, {p: (c, now) for p, (c, _) in obs.peers.items()}, obs.store_error)
+            log.warning("this process was stopped for %.1f s: peer and store records restart now", now - self._last_judged)
+        self._last_judged = now
         if self.elastic:
             obs = self._obs
             dead = frozenset(dead_peers(obs, dead_after_s=self.dead_after_s)) - self._lost_ranks

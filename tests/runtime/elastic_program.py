@@ -35,7 +35,7 @@ def expected_digests(num_experts: int) -> list[str]:
 
 
 def elastic_rank(rank, world, port, *, num_experts, k, s, replicas, events, run_s, after_replan_forwards,
-                 dead_after_s, interval_s):
+                 dead_after_s, interval_s, hold=None):
     import torch
 
     from dwdp_runtime.config import DwdpConfig
@@ -85,8 +85,9 @@ def elastic_rank(rank, world, port, *, num_experts, k, s, replicas, events, run_
         out = forward()
         forwards += 1
         if replanned_at is not None:
-            after.append(out)
-            if len(after) >= after_replan_forwards:
+            if len(after) < after_replan_forwards:
+                after.append(out)
+            elif hold is None or hold.is_set():
                 break
         time.sleep(0.01)
     agent.stop()

@@ -36,32 +36,41 @@ def _entry(rank, world, port, kw, results):
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.0):
+def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.0, sig=signal.SIGKILL):
+    """Start the group, send ``sig`` to ``victim`` once all serve. SIGSTOP: once every survivor re-planned, the
+    victim is continued (SIGCONT) while the survivors keep serving (``hold``), so it wakes into a group that
+    moved on without it."""
     ctx = mp.get_context("spawn")
     events, results = ctx.Queue(), ctx.Queue()
+    hold = ctx.Event() if sig == signal.SIGSTOP else None
     port = free_port()
     kw = dict(num_experts=num_experts, k=k, s=s, replicas=replicas, events=events, run_s=run_s,
-              after_replan_forwards=5, dead_after_s=DEAD_AFTER_S, interval_s=INTERVAL_S)
+              after_replan_forwards=5, dead_after_s=DEAD_AFTER_S, interval_s=INTERVAL_S, hold=hold)
     procs = [ctx.Process(target=_entry, args=(r, world, port, kw, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     pids, replans, out = {}, {}, {}
     killed_at = None
     deadline = time.monotonic() + run_s + 120
+    expected = world if sig == signal.SIGSTOP else world - 1
     try:
-        while time.monotonic() < deadline and len(out) < world - 1:
+        while time.monotonic() < deadline and len(out) < expected:
             try:
                 ev = events.get(timeout=0.2)
                 if ev[0] == "serving":
                     pids[ev[1]] = ev[2]
                     if len(pids) == world and killed_at is None:
                         time.sleep(0.5)  # a few forwards of the full group
-                        os.kill(pids[victim], signal.SIGKILL)
+                        os.kill(pids[victim], sig)
                         killed_at = time.time()
                 elif ev[0] == "replanned":
                     replans[ev[1]] = ev[2:]
+                    if hold is not None and len(replans) == world - 1:
+                        os.kill(pids[victim], signal.SIGCONT)
             except queue.Empty:
                 pass
+            if hold is not None and victim in out:
+                hold.set()  # the woken rank has reported: the survivors may finish
             try:
                 while True:
                     rank, status, value = results.get_nowait()
@@ -104,6 +113,28 @@ def test_kill_9_of_one_rank_of_four_at_r2_survivors_replan_and_serve_bitwise():
     # from its own replica allocation), and nobody reads rank 1
     sources = {r: out[r][1]["sources"] for r in survivors}
     assert sources == {0: [2, 3], 2: [0, 2, 3], 3: [0, 2]}, sources
+
+
+def test_a_frozen_rank_is_detected_the_group_moves_on_and_the_rank_is_fenced_when_it_wakes():
+    """SIGSTOP of rank 3 (not the store host): the survivors detect the silence and re-plan as for a death;
+    SIGCONT once they did: the woken rank reads the epoch that excludes it and stops (``Fenced``) instead of
+    serving as a member."""
+    world, victim, n = 4, 3, 8
+    stopped_at, replans, out, procs = _run_group_and_kill(world=world, victim=victim, num_experts=n, k=2, s=2,
+                                                          replicas=2, sig=signal.SIGSTOP)
+    survivors = [0, 1, 2]
+    assert stopped_at is not None and sorted(out) == [0, 1, 2, 3], out
+    want = expected_digests(n)
+    for r in survivors:
+        status, res = out[r]
+        assert status == "ok", res
+        assert res["alive"] == survivors and all(f == want for f in res["after"])
+        epoch, alive, detected, _ = replans[r]
+        assert (epoch, alive) == (1, survivors)
+        assert detected - stopped_at <= DEAD_AFTER_S + 2 * INTERVAL_S + SLACK_S, (detected - stopped_at)
+        print(f"rank {r}: frozen rank 3 out at epoch 1, {detected - stopped_at:.2f} s after SIGSTOP")
+    status, why = out[victim]
+    assert status == "error" and why.startswith("Fenced: rank 3 was excluded"), why
 
 
 def test_r1_loss_of_a_sole_holder_names_the_experts_without_a_copy():
