@@ -123,3 +123,16 @@ def test_memory_fit_follows_expert_replicas():
     assert "+ replicas" in msg2 and "(r=2)" in msg2
     ok, msg, bd = memory.memory_fit(**kw, expert_replicas=5)
     assert not ok and bd is None and "expert_replicas=5 must be in [1, dwdp_size=4]" in msg
+
+
+def test_plan_reports_the_replica_memory():
+    from dwdp_runtime.planner.plan import plan
+
+    kw = dict(model="qwen3-235b-a22b", dtype="fp8", hardware="h200-hgx", dwdp_size=4, experts_per_worker=32,
+              prefetch_stride=32, with_crossover=False, with_recommendation=False)
+    one, two = plan(**kw), plan(**kw, expert_replicas=2)
+    assert one.memory_gib["replica_experts"] == 0 and two.expert_replicas == 2
+    assert two.memory_gib["replica_experts"] == pytest.approx(one.memory_gib["local_experts"]
+                                                              + one.memory_gib["local_expert_scales"], abs=0.01)
+    with pytest.raises(ValueError, match="expert_replicas=5 must be in"):
+        plan(**kw, expert_replicas=5)
