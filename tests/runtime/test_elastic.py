@@ -36,13 +36,15 @@ def _entry(rank, world, port, kw, results):
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.0, sig=signal.SIGKILL):
+def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.0, sig=signal.SIGKILL,
+                        also: tuple[int, ...] = ()):
     """Start the group, send ``sig`` to ``victim`` once all serve. SIGSTOP: once every survivor re-planned, the
     victim is continued (SIGCONT) while the survivors keep serving (``hold``), so it wakes into a group that
     moved on without it."""
     ctx = mp.get_context("spawn")
     events, results = ctx.Queue(), ctx.Queue()
-    hold = ctx.Event() if sig == signal.SIGSTOP else None
+    hold = ctx.Event()  # the survivors serve on until every one of them reached the final membership
+    final = sorted(set(range(world)) - {victim, *also})
     port = free_port()
     kw = dict(num_experts=num_experts, k=k, s=s, replicas=replicas, events=events, run_s=run_s,
               after_replan_forwards=5, dead_after_s=DEAD_AFTER_S, interval_s=INTERVAL_S, hold=hold)
@@ -52,7 +54,7 @@ def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.
     pids, replans, out = {}, {}, {}
     killed_at = None
     deadline = time.monotonic() + run_s + 120
-    expected = world if sig == signal.SIGSTOP else world - 1
+    expected = world if sig == signal.SIGSTOP else world - 1 - len(also)
     try:
         while time.monotonic() < deadline and len(out) < expected:
             try:
@@ -63,13 +65,18 @@ def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.
                         time.sleep(0.5)  # a few forwards of the full group
                         os.kill(pids[victim], sig)
                         killed_at = time.time()
+                        for other in also:  # a second loss while the first is being detected and re-planned
+                            time.sleep(0.2)
+                            os.kill(pids[other], sig)
                 elif ev[0] == "replanned":
                     replans[ev[1]] = ev[2:]
-                    if hold is not None and len(replans) == world - 1:
+                    if sig == signal.SIGSTOP and len(replans) == world - 1:
                         os.kill(pids[victim], signal.SIGCONT)
+                    if sig != signal.SIGSTOP and all(replans.get(r, (0, []))[1] == final for r in final):
+                        hold.set()
             except queue.Empty:
                 pass
-            if hold is not None and victim in out:
+            if sig == signal.SIGSTOP and victim in out:
                 hold.set()  # the woken rank has reported: the survivors may finish
             try:
                 while True:
@@ -135,6 +142,26 @@ def test_a_frozen_rank_is_detected_the_group_moves_on_and_the_rank_is_fenced_whe
         print(f"rank {r}: frozen rank 3 out at epoch 1, {detected - stopped_at:.2f} s after SIGSTOP")
     status, why = out[victim]
     assert status == "error" and why.startswith("Fenced: rank 3 was excluded"), why
+
+
+def test_a_second_loss_during_the_replan_converges_or_ends_cleanly():
+    """Two ranks killed 0.2 s apart. Ranks 1 and 3 (experts [2, 4) still on 2, [6, 8) still on 0): the survivors
+    {0, 2} converge on that membership (one or two epochs) and serve bitwise. Ranks 1 and 2 (experts [2, 4) had
+    no other holder): the survivors refuse the re-plan (``NoSurvivingHolder``, naming the expert) and exit —
+    a group restart, never a hang."""
+    n = 8
+    _, replans, out, _ = _run_group_and_kill(world=4, victim=1, also=(3,), num_experts=n, k=2, s=2, replicas=2)
+    assert sorted(out) == [0, 2], out
+    for r in (0, 2):
+        status, res = out[r]
+        assert status == "ok", res
+        assert res["alive"] == [0, 2] and all(f == expected_digests(n) for f in res["after"])
+        assert res["stats"]["coverage"] == 1 and res["imported"] == sorted({0, 2} - {r})
+    _, _, out, _ = _run_group_and_kill(world=4, victim=1, also=(2,), num_experts=n, k=2, s=2, replicas=2, run_s=30)
+    assert sorted(out) == [0, 3], out
+    for r in (0, 3):
+        status, why = out[r]
+        assert status == "error" and "NoSurvivingHolder: expert 2 has no surviving holder" in why, why
 
 
 def test_r1_loss_of_a_sole_holder_names_the_experts_without_a_copy():
