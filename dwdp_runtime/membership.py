@@ -118,6 +118,7 @@ class MembershipAgent:
     def _adopt(self, m: Membership) -> None:
         if m.epoch > self._latest.epoch:
             self._latest = m
+            self._rdzv.members = m.alive & self._rdzv.members  # rank 0 waits only for these at close
             self.detected_at[m.epoch] = time.time()
             log.warning("%s: membership epoch %d, members %s", self._rdzv.where, m.epoch, sorted(m.alive))
 

@@ -89,6 +89,10 @@ class StoreRendezvous(Rendezvous):
                                   f"within {timeout_s:.0f} s ({exc}); rank 0 hosts it: is it running and "
                                   f"is the port free/reachable?") from exc
         self._closed = False
+        # the ranks rank 0 waits for at close: all, until an elastic group's membership shrinks
+        # (``membership.MembershipAgent`` sets it): a lost rank never leaves, and waiting for it would hold
+        # the store open for the whole linger while the survivors are long gone
+        self.members: frozenset[int] = frozenset(range(world_size))
 
     @property
     def where(self) -> str:
@@ -173,7 +177,7 @@ class StoreRendezvous(Rendezvous):
         try:
             self._store.set(f"{self._prefix}left/{self.rank}", b"1")
             if self.rank == 0:
-                keys = [f"{self._prefix}left/{r}" for r in range(self.world_size)]
+                keys = [f"{self._prefix}left/{r}" for r in sorted(self.members)]
                 deadline = time.monotonic() + linger_s
                 while time.monotonic() < deadline and not self._store.check(keys):
                     time.sleep(self._poll_s)

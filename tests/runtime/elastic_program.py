@@ -96,5 +96,5 @@ def elastic_rank(rank, world, port, *, num_experts, k, s, replicas, events, run_
               "imported": sorted(mgr.transport.imported_peers), "sources": sorted(mgr.buffer.sources()),
               "stats": {k: v for k, v in mgr.stats().items() if k in ("members", "replans", "coverage", "restarts")}}
     mgr.release(barrier=False)
-    rdzv.close(linger_s=0.5)
+    rdzv.close(linger_s=30.0)  # rank 0 hosts the store: it waits for the survivors to leave (rdzv.members)
     return result
