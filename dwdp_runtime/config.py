@@ -12,6 +12,9 @@ Rules (each error message names the rule and suggests a fix):
   5. ``(d - 1) * s < N``                  — the last rank must own at least one expert.
   6. ``num_prefetch_slots >= 2``           — one slot would serialise copy and compute.
   7. ``num_groups >= 1``.
+  8. ``1 <= expert_replicas <= d``         — every expert on at least r distinct ranks (a rank stores
+     its ring predecessors' experts too, ``layout.holder_layout``): r ranks cannot be found in a
+     group of fewer; each step of r costs about k more experts of memory per rank.
 with d = dwdp_size, N = num_experts, k = num_experts_per_worker, s = num_prefetch_experts.
 Rank r owns experts ``[r*s, min(r*s + k, N))`` (see ``layout.peer_ranges``).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from . import layout
 from .contract import DEFAULT_TRANSFER, TRANSFER_MODES, TransferMode
 
 __all__ = ["TRANSFER_MODES", "TransferMode", "DwdpConfig", "sharding_errors", "suggest_sharding"]
@@ -45,6 +49,7 @@ def sharding_errors(
     num_prefetch_experts: int,
     num_prefetch_slots: int = 2,
     num_groups: int = 1,
+    expert_replicas: int = 1,
 ) -> list[str]:
     """Every violated rule as a human message with a suggested fix; ``[]`` when valid.
 
@@ -84,12 +89,32 @@ def sharding_errors(
             f"rank {d - 1} would start at expert {(d - 1) * s} >= num_experts={n} and hold nothing "
             f"(every rank must own at least one expert: (dwdp_size-1)*num_prefetch_experts < num_experts); {hint}"
         )
+    if not 1 <= expert_replicas <= d:
+        errors.append(replica_error(dwdp_size=d, num_experts=n, num_experts_per_worker=k,
+                                    num_prefetch_experts=s, expert_replicas=expert_replicas, valid=not errors))
     if num_prefetch_slots < 2:
         errors.append(
             f"num_prefetch_slots={num_prefetch_slots}: at least 2 slots are needed so the copy of the "
             f"next layer overlaps the compute of this one; set num_prefetch_slots=2"
         )
     return errors
+
+
+def replica_error(*, dwdp_size: int, num_experts: int, num_experts_per_worker: int, num_prefetch_experts: int,
+                  expert_replicas: int, valid: bool = True) -> str:
+    """The message for an out-of-range ``expert_replicas``, with what each r in range costs per rank."""
+    d, r = dwdp_size, expert_replicas
+    head = (f"expert_replicas={r} must be in [1, dwdp_size={d}]: every expert is stored on r distinct ranks "
+            f"of the group (r=1: no spare copy, a lost rank's experts are gone with it)")
+    if not valid:
+        return head
+    costs = []
+    for rr in sorted({1, 2, d}):
+        h = layout.holder_layout(dwdp_size=d, num_experts=num_experts, num_experts_per_worker=num_experts_per_worker,
+                                 num_prefetch_experts=num_prefetch_experts, expert_replicas=rr)
+        most = max(h.stored_experts(i) for i in range(d))
+        costs.append(f"r={rr}: up to {most} of {num_experts} experts per rank")
+    return head + "; memory per rank grows with r (" + ", ".join(costs) + ")"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +129,7 @@ class DwdpConfig:
     num_prefetch_slots: int = 2
     contention_opt: bool = False
     transfer: TransferMode = DEFAULT_TRANSFER
+    expert_replicas: int = 1  # every expert on >= this many ranks (1 = no spare copy: today's layout)
 
     def __post_init__(self) -> None:
         errors = sharding_errors(
@@ -113,6 +139,7 @@ class DwdpConfig:
             num_prefetch_experts=self.num_prefetch_experts,
             num_prefetch_slots=self.num_prefetch_slots,
             num_groups=self.num_groups,
+            expert_replicas=self.expert_replicas,
         )
         if self.transfer not in TRANSFER_MODES:
             errors.append(f"transfer={self.transfer!r}: must be one of {', '.join(TRANSFER_MODES)}")
@@ -125,6 +152,13 @@ class DwdpConfig:
         k, s = suggest_sharding(dwdp_size=dwdp_size, num_experts=num_experts)
         return cls(dwdp_size=dwdp_size, num_experts=num_experts, num_experts_per_worker=k,
                    num_prefetch_experts=s, **kw)
+
+    def holders(self) -> "layout.HolderLayout":
+        """Primary ranges and replica runs of every rank (``layout.holder_layout``)."""
+        return layout.holder_layout(dwdp_size=self.dwdp_size, num_experts=self.num_experts,
+                                    num_experts_per_worker=self.num_experts_per_worker,
+                                    num_prefetch_experts=self.num_prefetch_experts,
+                                    expert_replicas=self.expert_replicas)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -104,7 +104,14 @@ class ServingEnv(StrEnum):
     BATCH_INVARIANT = "DWDP_BATCH_INVARIANT"      # true: batch-invariant dense GEMMs (--batch-invariant)
 
 
-POD_ENV_OPTIONAL: tuple[str, ...] = tuple(v.value for v in KvEnv) + tuple(v.value for v in ServingEnv)
+class LayoutEnv(StrEnum):
+    """Pod env of layout knobs whose default keeps today's pods unchanged, set only when not the default."""
+
+    EXPERT_REPLICAS = "DWDP_EXPERT_REPLICAS"      # experts.replicas when > 1 (absent: 1, no spare copy)
+
+
+POD_ENV_OPTIONAL: tuple[str, ...] = (tuple(v.value for v in KvEnv) + tuple(v.value for v in ServingEnv)
+                                     + tuple(v.value for v in LayoutEnv))
 RESERVED_POD_ENV: frozenset[str] = frozenset(v.value for v in POD_ENV) | frozenset(POD_ENV_OPTIONAL)
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Hashable
 
 from .config import DwdpConfig
 from .contract import DEFAULT_TRANSFER, Backend
-from .layout import DEFAULT_PAGE_MULTIPLIER, peer_ranges
+from .layout import DEFAULT_PAGE_MULTIPLIER, coverage
 from .memory import MemoryBackend, select_backend
 from .memory.base import nbytes_of
 from .rendezvous import Rendezvous, token_key
@@ -63,14 +63,16 @@ class DwdpManager:
         self.config, self.rank, self.rendezvous = config, rank, rendezvous
         self.memory, self.streams = memory, streams
         self.progress = progress
-        self.ranges = peer_ranges(dwdp_size=config.dwdp_size, num_experts=config.num_experts,
-                                  num_experts_per_worker=config.num_experts_per_worker,
-                                  num_prefetch_experts=config.num_prefetch_experts)
+        self.holders = config.holders()
+        self.ranges = self.holders.primary
         self.transport = Transport(memory=memory, rendezvous=rendezvous, rank=rank, ranges=self.ranges,
-                                   token_key=token_key(token))
+                                   token_key=token_key(token), holders=self.holders)
         self.buffer = WeightBuffer(memory=memory, streams=streams, transport=self.transport, rank=rank,
                                    ranges=self.ranges, num_slots=config.num_prefetch_slots,
-                                   page_multiplier=page_multiplier, contention_opt=config.contention_opt)
+                                   page_multiplier=page_multiplier, contention_opt=config.contention_opt,
+                                   holders=self.holders)
+        self.alive: frozenset[int] = frozenset(range(config.dwdp_size))
+        self.replans = 0
         self._layers: list[Hashable] = []
         self._repeated: list[Hashable] = []
         self._specs: dict[Hashable, list[WeightSpec]] = {}
@@ -132,7 +134,8 @@ class DwdpManager:
                 view.copy_(fill)
 
         self.transport.add((layer, name), expert_shape=spec.expert_shape, dtype=dtype,
-                           expert_bytes=spec.expert_bytes, fill=_fill)
+                           expert_bytes=spec.expert_bytes, fill=_fill,
+                           fill_replica=fill if callable(fill) else None)
         self._specs[layer].append(spec)
 
     # -- setup -----------------------------------------------------------------------------------
@@ -144,6 +147,9 @@ class DwdpManager:
         try:
             specs = [s for layer in self._layers for s in self._specs[layer]]
             peers = self.buffer.peers_needed(specs) - {self.rank}
+            if any(self.holders.replicas):
+                # r > 1: every peer's every handle, so that any survivor can be a source without a new exchange
+                peers = set(range(self.config.dwdp_size)) - {self.rank}
             with _progress(self.progress, len(peers) * len(specs), "dwdp: importing peer handles") as bar:
                 self.transport.exchange(sorted(peers), progress=bar.update)
             with _progress(self.progress, len(self._layers), "dwdp: mapping composite tensors") as bar:
@@ -175,6 +181,39 @@ class DwdpManager:
     def invalidate(self) -> None:
         self._ready().invalidate()
 
+    # -- membership (issue #30: elastic group) ----------------------------------------------------------
+    def coverage(self, lost: Any = ()) -> int:
+        """Minimum number of holders per expert without ``lost`` (and the ranks already gone)."""
+        gone = set(range(self.config.dwdp_size)) - self.alive
+        return coverage(self.holders, gone | set(lost))
+
+    def set_membership(self, alive) -> None:
+        """Serve with the ranks ``alive`` only, from now on. Call between forwards.
+
+        1. quiesce the copy stream (no copy reading anyone is in flight afterwards);
+        2. re-plan every layer's copy list over surviving holders (``WeightBuffer.replan``; raises
+           ``layout.NoSurvivingHolder`` and changes nothing when an expert has no surviving copy);
+        3. the schedule is invalidated: the next forward re-copies every layer from the new sources;
+        4. the lost peers' views are unmapped and released: no address of their memory remains.
+        Idempotent for the same set; a set can only shrink (a rejoin is a new group attempt today).
+        """
+        weights = self._ready()
+        alive = frozenset(alive)
+        if self.rank not in alive:
+            raise ValueError(f"rank {self.rank} is not in the membership {sorted(alive)}: it must stop serving")
+        if not alive <= self.alive:
+            raise ValueError(f"membership {sorted(alive)} adds ranks to {sorted(self.alive)}: a rejoin is not "
+                             f"supported in place (restart the group)")
+        if alive == self.alive:
+            return
+        self.streams.synchronize()
+        self.buffer.replan(alive)
+        weights.reload_copies()
+        for peer in sorted(self.alive - alive):
+            self.transport.drop_peer(peer)
+        self.alive = alive
+        self.replans += 1
+
     def capture(self):
         """Context manager for one forward captured in a CUDA graph (``WeightManager.capture``)."""
         return self._ready().capture()
@@ -200,7 +239,8 @@ class DwdpManager:
         return self.buffer.tensors(layer)[name]
 
     def stats(self) -> dict[str, Any]:
-        out = {"restarts": self.num_restarts, "backend": self.backend_name, "transfer": self.streams.transfer}
+        out = {"restarts": self.num_restarts, "backend": self.backend_name, "transfer": self.streams.transfer,
+               "members": len(self.alive), "replans": self.replans, "coverage": self.coverage()}
         if self.weights:
             out.update(self.weights.stats)
         out["remote_bytes_per_forward"] = sum(self.buffer.remote_bytes_per_layer.values())

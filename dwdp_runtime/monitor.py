@@ -20,6 +20,16 @@ How — two daemon threads, so that no verdict ever waits on the network:
 Detection bound: a peer or store that stops answering at time t is declared lost by
 t + ``dead_after_s`` + 2 × ``interval_s`` (the round in flight, then one watch tick), whatever the
 store calls do. ``check()`` (the rank's serving loop) raises ``PeerLost`` with the same message.
+
+Elastic mode (``elastic=True``, issue #30: a group with expert replicas survives a rank loss): a
+silent *peer* is not fatal; it is added to ``lost_ranks`` (``dead_peers``, pure) and the watch goes
+on judging the others — ``membership.MembershipAgent`` turns it into a new membership epoch. A lost
+or frozen *store* stays fatal (the store is the group's only meeting point; there is no failover).
+
+A process that was itself stopped (SIGSTOP, a VM pause) must not blame the others for its own silence:
+when two judgements are more than ``dead_after_s`` apart, this process was frozen, and every record
+restarts from the wake-up time (a fresh bound for the store and each peer; found by the SIGSTOP test of
+tests/runtime/test_elastic.py: a woken rank declared the live store lost).
 """
 
 from __future__ import annotations
@@ -49,6 +59,17 @@ class Observations:
     store_error: str | None = None                                # the store call raised (connection lost)
 
 
+def dead_peers(obs: Observations, *, dead_after_s: float) -> tuple[int, ...]:
+    """Peers whose counter stood still over more than ``dead_after_s`` of completed rounds (pure)."""
+    return tuple(p for p, (_, since) in sorted(obs.peers.items()) if obs.last_round - since > dead_after_s)
+
+
+def store_verdict(obs: Observations, now: float, *, dead_after_s: float, where: str) -> str | None:
+    """Why the group's store is lost (a message), or ``None`` (pure)."""
+    return verdict(Observations(obs.started, obs.last_round, {}, obs.store_error), now,
+                   dead_after_s=dead_after_s, where=where)
+
+
 def verdict(obs: Observations, now: float, *, dead_after_s: float, where: str) -> str | None:
     """Why the group is broken (a message), or ``None``. Pure: the watch thread's whole judgement."""
     if obs.store_error is not None:
@@ -70,14 +91,17 @@ def verdict(obs: Observations, now: float, *, dead_after_s: float, where: str) -
 
 class PeerMonitor:
     def __init__(self, rendezvous: StoreRendezvous, *, interval_s: float = 1.0, dead_after_s: float = 10.0,
-                 on_lost: Callable[[str], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, elastic: bool = False):
         if dead_after_s <= 2 * interval_s:
             raise ValueError(f"dead_after_s={dead_after_s} must exceed two heartbeat intervals ({interval_s} s)")
         self._rdzv = rendezvous
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self._on_lost = on_lost
+        self.elastic = elastic
+        self._lost_ranks: frozenset[int] = frozenset()  # elastic mode: silent peers (replaced, never mutated)
         self._lost: str | None = None
         self._lost_lock = threading.Lock()
+        self._last_judged: float | None = None
         self._stop = threading.Event()
         now = time.monotonic()
         self._obs = Observations(started=now, last_round=now)
@@ -94,6 +118,11 @@ class PeerMonitor:
     @property
     def lost(self) -> str | None:
         return self._lost
+
+    @property
+    def lost_ranks(self) -> frozenset[int]:
+        """Elastic mode: the peers found silent so far (a snapshot; never shrinks)."""
+        return self._lost_ranks
 
     def check(self) -> None:
         """Raise ``PeerLost`` if the group is broken (judged now, without touching the store)."""
@@ -133,7 +162,22 @@ class PeerMonitor:
     def _judge(self) -> bool:
         if self._lost is not None:
             return True
-        why = verdict(self._obs, time.monotonic(), dead_after_s=self.dead_after_s, where=self._rdzv.where)
+        now = time.monotonic()
+        if self._last_judged is not None and now - self._last_judged > self.dead_after_s:
+            obs = self._obs  # this process was frozen: nobody else's silence can be judged from before it
+            self._obs = Observations(obs.started, now, {p: (c, now) for p, (c, _) in obs.peers.items()}, obs.store_error)
+            log.warning("this process was stopped for %.1f s: peer and store records restart now", now - self._last_judged)
+        self._last_judged = now
+        if self.elastic:
+            obs = self._obs
+            dead = frozenset(dead_peers(obs, dead_after_s=self.dead_after_s)) - self._lost_ranks
+            if dead:
+                log.warning("rank(s) %s of %s stopped heart-beating (elastic group: survivors re-plan)",
+                            sorted(dead), self._rdzv.where)
+                self._lost_ranks = self._lost_ranks | dead
+            why = store_verdict(obs, time.monotonic(), dead_after_s=self.dead_after_s, where=self._rdzv.where)
+        else:
+            why = verdict(self._obs, time.monotonic(), dead_after_s=self.dead_after_s, where=self._rdzv.where)
         if why is None:
             return False
         with self._lost_lock:

@@ -89,6 +89,10 @@ class StoreRendezvous(Rendezvous):
                                   f"within {timeout_s:.0f} s ({exc}); rank 0 hosts it: is it running and "
                                   f"is the port free/reachable?") from exc
         self._closed = False
+        # the ranks rank 0 waits for at close: all, until an elastic group's membership shrinks
+        # (``membership.MembershipAgent`` sets it): a lost rank never leaves, and waiting for it would hold
+        # the store open for the whole linger while the survivors are long gone
+        self.members: frozenset[int] = frozenset(range(world_size))
 
     @property
     def where(self) -> str:
@@ -105,6 +109,25 @@ class StoreRendezvous(Rendezvous):
 
     def _mac(self, key: str, value: bytes) -> bytes:
         return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def _verified(self, full: str, raw: bytes, what: str) -> bytes:
+        mac, payload = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(full, payload)):
+            raise RendezvousError(f"the entry {what!r} of {self._where} failed the token check: written by a "
+                                  f"client without this group's token")
+        return bytes(payload)
+
+    def store_claim(self, key: str, value: bytes) -> bytes:
+        """Write ``value`` under ``key`` unless some rank wrote it first (``compare_set`` on an absent key:
+        atomic in the store); returns the value that won, authenticated. Used once per membership epoch."""
+        full = self._prefix + key
+        won = self._store.compare_set(full, "", self._mac(full, value) + value)
+        return self._verified(full, bytes(won), key)
+
+    def store_get_verified_nowait(self, key: str) -> bytes | None:
+        """An authenticated ``store_get_nowait`` (an entry without the token's MAC raises)."""
+        full = self._prefix + key
+        return self._verified(full, bytes(self._store.get(full)), key) if self._store.check([full]) else None
 
     def allgather(self, key: str, value: bytes) -> list[bytes]:
         if self._closed:
@@ -154,7 +177,7 @@ class StoreRendezvous(Rendezvous):
         try:
             self._store.set(f"{self._prefix}left/{self.rank}", b"1")
             if self.rank == 0:
-                keys = [f"{self._prefix}left/{r}" for r in range(self.world_size)]
+                keys = [f"{self._prefix}left/{r}" for r in sorted(self.members)]
                 deadline = time.monotonic() + linger_s
                 while time.monotonic() < deadline and not self._store.check(keys):
                     time.sleep(self._poll_s)

@@ -11,8 +11,17 @@ Pipeline:
   3. ``release()``: idempotent; importers unmap + release before a barrier, owners after it.
 Any failure during ``add``/``exchange`` releases everything created so far and re-raises.
 
+Replicas (``layout.HolderLayout``, r > 1): per key a rank owns one allocation per stored run —
+handle 0 its primary range (the one its composite maps), handle j its replica run j−1, filled by
+``fill_replica(view, start, end)`` from the same reader. All of a peer's handles are imported at
+setup (mappings only, no copy: a survivor must be able to read a spare without a new exchange), and
+the rank maps its own replica runs read-only too (it may be an expert's surviving source for
+itself). ``drop_peer(peer)`` unmaps and releases every view of a lost peer: after it, no address of
+that peer's memory exists in this process (what a device loss requires; docs/RUNTIME.md).
+
 Invariant: keys are added in the same order on every rank (the manager registers layers in
-forward order), so allocation i of rank r is the same (layer, weight) everywhere.
+forward order), so allocation i of rank r is the same (layer, weight) everywhere; handles of one
+key are exported in handle order.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 from .fdpass import FdServer, fetch_fds
-from .layout import handle_bytes
+from .layout import HolderLayout, handle_bytes
 from .memory.base import Allocation, MemoryBackend
 from .rendezvous import Rendezvous
 
@@ -36,7 +45,11 @@ class _Entry:
     expert_bytes: int
     shape: tuple[int, ...]  # per-expert shape
     dtype: object
-    alloc: Allocation
+    allocs: list[Allocation]  # by handle index: 0 = primary range, j = replica run j-1
+
+    @property
+    def alloc(self) -> Allocation:
+        return self.allocs[0]
 
 
 def _close_fds(items) -> None:
@@ -47,14 +60,17 @@ def _close_fds(items) -> None:
 
 class Transport:
     def __init__(self, *, memory: MemoryBackend, rendezvous: Rendezvous, rank: int,
-                 ranges: Sequence[tuple[int, int]], token_key: bytes):
+                 ranges: Sequence[tuple[int, int]], token_key: bytes, holders: HolderLayout | None = None):
         self.memory, self.rendezvous, self.rank = memory, rendezvous, rank
         self.ranges = tuple(ranges)
+        self.holders = holders or HolderLayout(self.ranges, tuple(() for _ in self.ranges))
+        if self.holders.primary != self.ranges:
+            raise ValueError(f"holder layout {self.holders.primary} does not match the ranges {self.ranges}")
         self._token_key = token_key
         self._entries: list[_Entry] = []
         self._index: dict[Hashable, int] = {}
-        self._peer_allocs: list[Allocation] = []
-        self._peer_views: dict[tuple[int, Hashable], tuple[int, int]] = {}  # -> (va, nbytes)
+        self._peer_allocs: dict[int, list[Allocation]] = {}
+        self._peer_views: dict[tuple[int, Hashable, int], tuple[int, int]] = {}  # (peer, key, handle) -> (va, nbytes)
         self._exchanged = False
         self._released = False
 
@@ -64,19 +80,37 @@ class Transport:
         return b - a
 
     def add(self, key: Hashable, *, expert_shape: tuple[int, ...], dtype, expert_bytes: int,
-            fill: Callable[[object], None]) -> None:
+            fill: Callable[[object], None],
+            fill_replica: Callable[[object, int, int], None] | None = None) -> None:
         if self._exchanged:
             raise RuntimeError("cannot add weights after the handle exchange")
         if key in self._index:
             raise ValueError(f"weight {key!r} added twice")
-        nbytes = handle_bytes(self.num_local, expert_bytes, self.memory.granularity)
+        runs = self.holders.replicas[self.rank]
+        if runs and fill_replica is None:
+            raise ValueError(f"weight {key!r}: this rank stores replica runs {list(runs)} (expert_replicas > 1) "
+                             f"and needs fill_replica(view, start, end) to write them")
+        fills = [(self.num_local, fill)] + [(b - a, (lambda v, a=a, b=b: fill_replica(v, a, b))) for a, b in runs]
+        allocs: list[Allocation] = []
+        try:
+            for n, fill_one in fills:
+                allocs.append(self._create_filled(n, expert_shape, dtype, expert_bytes, fill_one))
+        except BaseException:
+            for alloc in allocs:
+                self.memory.release(alloc)
+            raise
+        self._index[key] = len(self._entries)
+        self._entries.append(_Entry(key, expert_bytes, tuple(expert_shape), dtype, allocs))
+
+    def _create_filled(self, num: int, expert_shape, dtype, expert_bytes: int, fill) -> Allocation:
+        nbytes = handle_bytes(num, expert_bytes, self.memory.granularity)
         alloc = self.memory.create(nbytes)
         va = None
         try:
             va = self.memory.reserve(nbytes)
             self.memory.map(va, alloc)
             self.memory.set_access(va, nbytes, writable=True)
-            view = self.memory.as_tensor(va, (self.num_local, *expert_shape), dtype)
+            view = self.memory.as_tensor(va, (num, *expert_shape), dtype)
             fill(view)
             del view
         except BaseException:
@@ -87,15 +121,35 @@ class Transport:
             raise
         self.memory.unmap(va, nbytes)
         self.memory.free_reservation(va, nbytes)
-        self._index[key] = len(self._entries)
-        self._entries.append(_Entry(key, expert_bytes, tuple(expert_shape), dtype, alloc))
+        return alloc
 
     def local_allocation(self, key: Hashable) -> Allocation:
         return self._entries[self._index[key]].alloc
 
-    def peer_view(self, peer: int, key: Hashable) -> int:
-        """Base address of ``peer``'s allocation for ``key`` in this process (read-only)."""
-        return self._peer_views[(peer, key)][0]
+    def peer_view(self, peer: int, key: Hashable, handle: int = 0) -> int:
+        """Base address of ``peer``'s allocation ``handle`` for ``key`` in this process (read-only);
+        ``peer`` may be this rank for its own replica runs (handle ≥ 1)."""
+        try:
+            return self._peer_views[(peer, key, handle)][0]
+        except KeyError:
+            raise KeyError(f"no view of rank {peer}'s handle {handle} of {key!r} (not imported, or the peer "
+                           f"was dropped)") from None
+
+    @property
+    def imported_peers(self) -> set[int]:
+        """Peers whose memory this process maps now."""
+        return set(self._peer_allocs)
+
+    def drop_peer(self, peer: int) -> None:
+        """Unmap and release every view of ``peer`` (a lost rank): no address of its memory remains here."""
+        if peer == self.rank:
+            raise ValueError("a rank cannot drop itself")
+        for k in [k for k in self._peer_views if k[0] == peer]:
+            va, nbytes = self._peer_views.pop(k)
+            self.memory.unmap(va, nbytes)
+            self.memory.free_reservation(va, nbytes)
+        for alloc in self._peer_allocs.pop(peer, []):
+            self.memory.release(alloc)
 
     def exchange(self, peers: Sequence[int], *, progress: Callable[[int], None] | None = None) -> None:
         """Import the allocations of ``peers`` (the ranks this rank copies from)."""
@@ -107,37 +161,54 @@ class Transport:
                 self._exchange_fds(sorted(set(peers)), progress)
             else:
                 self._exchange_bytes(sorted(set(peers)), progress)
+            self._map_own_replicas()
             self.rendezvous.barrier("transport/imported")
         except BaseException:
             self.release(barrier=False)
             raise
 
-    def _peer_sizes(self, peer: int) -> list[int]:
-        a, b = self.ranges[peer]
-        return [handle_bytes(b - a, e.expert_bytes, self.memory.granularity) for e in self._entries]
+    def _peer_handles(self, peer: int) -> list[tuple[_Entry, int, int]]:
+        """``(entry, handle, nbytes)`` of every allocation ``peer`` exports, in export order."""
+        runs = self.holders.stored(peer)
+        return [(e, h, handle_bytes(b - a, e.expert_bytes, self.memory.granularity))
+                for e in self._entries for h, (a, b) in enumerate(runs)]
 
     def _import_all(self, peer: int, shareables: list, progress) -> None:
-        sizes = self._peer_sizes(peer)
-        if len(shareables) != len(sizes):
+        handles = self._peer_handles(peer)
+        if len(shareables) != len(handles):
             _close_fds(shareables)
-            raise RuntimeError(f"rank {peer} exported {len(shareables)} weights, this rank registered "
-                               f"{len(sizes)}: ranks loaded different models?")
-        for i, (entry, shareable, nbytes) in enumerate(zip(self._entries, shareables, sizes)):
+            raise RuntimeError(f"rank {peer} exported {len(shareables)} allocations, this rank expects "
+                               f"{len(handles)}: ranks loaded different models or expert_replicas?")
+        for i, ((entry, h, nbytes), shareable) in enumerate(zip(handles, shareables)):
             try:
                 alloc = self.memory.import_(shareable, nbytes)  # consumes an fd
             except BaseException:
                 _close_fds(shareables[i + 1:])
                 raise
-            self._peer_allocs.append(alloc)
-            va = self.memory.reserve(nbytes)
-            self.memory.map(va, alloc)
-            self._peer_views[(peer, entry.key)] = (va, nbytes)
-            self.memory.set_access(va, nbytes, writable=False)
-            if progress:
+            self._peer_allocs.setdefault(peer, []).append(alloc)
+            self._map_view(peer, entry.key, h, alloc, nbytes)
+            if progress and h == 0:
                 progress(1)
 
+    def _map_view(self, peer: int, key: Hashable, handle: int, alloc: Allocation, nbytes: int) -> None:
+        va = self.memory.reserve(nbytes)
+        self.memory.map(va, alloc)
+        self._peer_views[(peer, key, handle)] = (va, nbytes)
+        self.memory.set_access(va, nbytes, writable=False)
+
+    def _map_own_replicas(self) -> None:
+        """Read-only views of this rank's own replica runs (it may be its own surviving source)."""
+        for entry in self._entries:
+            for h, alloc in enumerate(entry.allocs[1:], start=1):
+                a, b = self.holders.replicas[self.rank][h - 1]
+                self._map_view(self.rank, entry.key, h, alloc,
+                               handle_bytes(b - a, entry.expert_bytes, self.memory.granularity))
+
+    def _exported(self) -> list:
+        return [self.memory.export(a) for e in self._entries for a in e.allocs]
+
     def _exchange_fds(self, peers: list[int], progress) -> None:
-        exported = [self.memory.export(e.alloc) for e in self._entries]
+        exported = self._exported()
         server = None
         try:
             server = FdServer(exported, token_key=self._token_key)
@@ -152,12 +223,13 @@ class Transport:
                 os.close(fd)
 
     def _exchange_bytes(self, peers: list[int], progress) -> None:
-        blobs = [self.memory.export(e.alloc) for e in self._entries]
+        blobs = self._exported()
         width = len(blobs[0]) if blobs else 0
         gathered = self.rendezvous.allgather("transport/handles", b"".join(blobs))
         for peer in peers:
             raw = gathered[peer]
-            self._import_all(peer, [raw[i * width:(i + 1) * width] for i in range(len(self._entries))], progress)
+            count = len(raw) // width if width else 0
+            self._import_all(peer, [raw[i * width:(i + 1) * width] for i in range(count)], progress)
 
     def release(self, *, barrier: bool = True) -> None:
         """Idempotent. Peer views first, then (optionally) a barrier, then this rank's allocations."""
@@ -171,8 +243,9 @@ class Transport:
                 self.memory.free_reservation(va, nbytes)
             except Exception as exc:  # noqa: BLE001 - keep releasing, report the first
                 errors.append(exc)
-        for alloc in self._peer_allocs:
-            self.memory.release(alloc)
+        for allocs in self._peer_allocs.values():
+            for alloc in allocs:
+                self.memory.release(alloc)
         self._peer_views.clear()
         self._peer_allocs.clear()
         if barrier:
@@ -181,6 +254,7 @@ class Transport:
             except Exception as exc:  # noqa: BLE001 - a dead peer must not block our teardown
                 log.warning("release barrier failed (%s); releasing local allocations anyway", exc)
         for entry in self._entries:
-            self.memory.release(entry.alloc)
+            for alloc in entry.allocs:
+                self.memory.release(alloc)
         if errors:
             log.warning("errors while unmapping peer views: %s", errors[0])

@@ -14,6 +14,11 @@ Setup (``build``):
   4. edge fill: the straddling expert's head in the local allocation's padded tail, copied once.
 Layers that share a slot share physical pool pages: the schedule guarantees at most one of them
 holds live data at a time. Run time writes pool pages only and allocates nothing.
+
+Re-plan (``replan(alive)``, a membership epoch after a rank loss): only step 3 is redone, from
+``copy_plan(..., holders, alive)`` — the composites, pool and mappings stay; every source of the new
+copy lists is a surviving holder's allocation (``layout.surviving_owner``). Pure host work: the caller
+quiesces the copy stream first (``DwdpManager.set_membership``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
-from .layout import DEFAULT_PAGE_MULTIPLIER, CompositeLayout, copy_plan, pool_page_bytes, slot_of, slot_pool_pages
+from .layout import (DEFAULT_PAGE_MULTIPLIER, CompositeLayout, HolderLayout, copy_plan, pool_page_bytes, slot_of,
+                     slot_pool_pages)
 from .memory.base import Allocation, MemoryBackend
 from .streams import Streams
 from .transport import Transport
@@ -50,8 +56,11 @@ class _Composite:
 class WeightBuffer:
     def __init__(self, *, memory: MemoryBackend, streams: Streams, transport: Transport,
                  rank: int, ranges: Sequence[tuple[int, int]], num_slots: int,
-                 page_multiplier: int = DEFAULT_PAGE_MULTIPLIER, contention_opt: bool = False):
+                 page_multiplier: int = DEFAULT_PAGE_MULTIPLIER, contention_opt: bool = False,
+                 holders: HolderLayout | None = None):
         self.memory, self.streams, self.transport = memory, streams, transport
+        self.holders = holders
+        self.alive: frozenset[int] | None = None  # None: the full group (today's plan)
         self.rank, self.ranges, self.num_slots = rank, tuple(ranges), num_slots
         self.page_multiplier, self.contention_opt = page_multiplier, contention_opt
         self.page_bytes = pool_page_bytes(memory.granularity, page_multiplier)
@@ -62,11 +71,12 @@ class WeightBuffer:
         self.remote_bytes_per_layer: dict[Hashable, int] = {}
         self._released = False
 
-    def plan(self, spec: WeightSpec):
+    def plan(self, spec: WeightSpec, alive: frozenset[int] | None = None):
         num_experts = self.ranges[-1][1]
         return copy_plan(num_experts=num_experts, expert_bytes=spec.expert_bytes, rank=self.rank,
                          ranges=self.ranges, granularity=self.memory.granularity,
-                         page_multiplier=self.page_multiplier, contention_opt=self.contention_opt)
+                         page_multiplier=self.page_multiplier, contention_opt=self.contention_opt,
+                         holders=self.holders if alive is not None else None, alive=alive)
 
     def peers_needed(self, specs: Sequence[WeightSpec]) -> set[int]:
         peers = set()
@@ -94,14 +104,8 @@ class WeightBuffer:
                     comp = self._map_composite(spec, layout, slot, page_cursor)
                     composites.append(comp)
                     page_cursor += layout.pool_pages
-                    for op in ops:
-                        copies.append((comp.va + op.dst_offset,
-                                       self.transport.peer_view(op.peer, (layer, spec.name)) + op.src_offset,
-                                       op.nbytes))
-                    for op in setup:
-                        setup_copies.append((comp.va + op.dst_offset,
-                                             self.transport.peer_view(op.peer, (layer, spec.name)) + op.src_offset,
-                                             op.nbytes))
+                    copies += self._absolute(comp, ops)
+                    setup_copies += self._absolute(comp, setup)
                 self._composites[layer] = composites
                 self._tensors[layer] = {c.spec.name: c.tensor for c in composites}  # bound every forward
                 self._compiled[layer] = self.streams.compile(copies)
@@ -113,6 +117,40 @@ class WeightBuffer:
         except BaseException:
             self.release()
             raise
+
+    def _absolute(self, comp: _Composite, ops) -> list[tuple[int, int, int]]:
+        """``(dst address, src address, nbytes)`` of a plan's ops for one composite."""
+        key = (comp.spec.layer, comp.spec.name)
+        return [(comp.va + op.dst_offset, self.transport.peer_view(op.peer, key, op.handle) + op.src_offset, op.nbytes)
+                for op in ops]
+
+    def replan(self, alive: frozenset[int]) -> None:
+        """Recompile every layer's copy list so that it reads surviving holders only (module docstring).
+        Raises ``layout.NoSurvivingHolder`` (nothing changed) when some expert has no surviving copy."""
+        if self.holders is None:
+            raise RuntimeError("a re-plan needs the holder layout (expert_replicas)")
+        alive = frozenset(alive)
+        compiled, remote = {}, {}
+        for layer, composites in self._composites.items():
+            if layer == "__building__":
+                continue
+            copies = []
+            for comp in composites:
+                copies += self._absolute(comp, self.plan(comp.spec, alive)[1])
+            compiled[layer] = self.streams.compile(copies)
+            remote[layer] = sum(n for _, _, n in copies)
+        self._compiled.update(compiled)
+        self.remote_bytes_per_layer.update(remote)
+        self.alive = alive
+
+    def sources(self) -> set[int]:
+        """Ranks the current copy lists read from (this rank included when it reads its own replicas)."""
+        alive = self.alive
+        out: set[int] = set()
+        for composites in self._composites.values():
+            for comp in composites:
+                out.update(op.peer for op in self.plan(comp.spec, alive)[1])
+        return out
 
     def _map_composite(self, spec: WeightSpec, layout: CompositeLayout, slot: int, page_cursor: int) -> _Composite:
         va = self.memory.reserve(layout.total_bytes)

@@ -67,6 +67,16 @@ class WeightManager:
     def num_restarts(self) -> int:
         return self.schedule.num_restarts
 
+    def reload_copies(self) -> None:
+        """Take the buffer's copy lists again (after ``WeightBuffer.replan``) and invalidate the schedule:
+        the next forward re-copies every layer from the new sources. Call at a forward boundary, with the
+        copy stream quiesced (``DwdpManager.set_membership``)."""
+        if self.capturing:
+            raise RuntimeError("cannot re-plan inside a CUDA-graph capture")
+        self._compiled = [self.buffer.compiled_copies(layer) for layer in self.layers]
+        self._remote = [self.buffer.remote_bytes_per_layer[layer] for layer in self.layers]
+        self.invalidate()
+
     def order_of(self, layer: Hashable) -> int:
         try:
             return self._order[layer]

@@ -34,6 +34,8 @@ def add_subparser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prefetch-stride", type=int, default=None, help="s (default: suggest_sharding)")
     p.add_argument("--prefetch-slots", type=int, default=2, help="pool slots (>= 2)")
     p.add_argument("--contention-opt", action="store_true", help="round-robin 2 MiB slicing across peers")
+    p.add_argument("--expert-replicas", type=int, default=1,
+                   help="r: every expert on >= r ranks (spare copies for a rank loss; memory part replica_experts)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", nargs="?", const="dwdp-plan-sweep.png", default=None, metavar="PNG",
                    help="also write the Figure-3-style PNG (default path dwdp-plan-sweep.png)")
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         result = plan(model=args.model, dtype=args.dtype, dense_dtype=args.dense_dtype, hardware=args.hardware,
                       isl=args.isl, batch=args.batch, cv=args.cv, dwdp_size=args.dwdp_size,
                       experts_per_worker=args.experts_per_worker, prefetch_stride=args.prefetch_stride,
-                      prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt)
+                      prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
+                      expert_replicas=args.expert_replicas)
         if args.sweep:
             from .sweep import sweep_points, write_png
             try:

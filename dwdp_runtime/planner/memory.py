@@ -11,6 +11,9 @@ Pure. Parts (bytes):
                  E2M1 weights here — FP4: half a byte per weight —, their scales in
                  ``local_expert_scales``: own handles, each rounded to a granule), counted by
                  ``quant.expert_memory`` — the function the loader's report uses too.
+  replica_experts  with ``expert_replicas`` r > 1 (``layout.holder_layout``): the replica runs a rank
+                 keeps for its r−1 ring predecessors, each run its own handle per (MoE layer, tensor),
+                 weights and scales; worst rank. 0 for r = 1.
   pool_slots     ``slots`` × the pool pages (16 MiB = 8 × granularity) one MoE layer's composite
                  layouts map (``CompositeLayout.pool_pages``: pre pages up to the first local expert,
                  post pages up to expert N). A slot's pages are reused by every layer mapped to it,
@@ -44,6 +47,7 @@ class MemoryBreakdown(BaseModel):
     local_experts: float
     pool_slots: float
     local_expert_scales: float = 0.0
+    replica_experts: float = 0.0
     activations: float
     reserved: float
     kv_cache_available: float
@@ -51,7 +55,8 @@ class MemoryBreakdown(BaseModel):
 
     @property
     def used(self) -> float:
-        return (self.dense_weights + self.local_experts + self.local_expert_scales + self.pool_slots
+        return (self.dense_weights + self.local_experts + self.local_expert_scales + self.replica_experts
+                + self.pool_slots
                 + self.activations + self.reserved)
 
     @property
@@ -63,7 +68,8 @@ class MemoryBreakdown(BaseModel):
         return self.kv_cache_available >= self.kv_needed
 
     def gib(self) -> dict[str, float]:
-        parts = ("capacity", "dense_weights", "local_experts", "local_expert_scales", "pool_slots", "activations",
+        parts = ("capacity", "dense_weights", "local_experts", "local_expert_scales", "replica_experts",
+                 "pool_slots", "activations",
                  "reserved", "kv_cache_available", "kv_needed")
         return {p: round(getattr(self, p) / GIB, 3) for p in parts}
 
@@ -109,6 +115,23 @@ def local_expert_scale_bytes(shape: ModelShape, *, dtype: WeightDtype, experts_p
     return float(_declared_memory(shape, dtype, [(0, experts_per_worker)], 0, 1).scales)
 
 
+def replica_expert_bytes(shape: ModelShape, *, dtype: WeightDtype, ranges: list[tuple[int, int]],
+                         expert_replicas: int) -> float:
+    """The worst rank's replica runs (weights + scales), each run rounded like a local handle."""
+    if expert_replicas <= 1:
+        return 0.0
+    d, k, s = len(ranges), ranges[0][1] - ranges[0][0], (ranges[1][0] if len(ranges) > 1 else 1)
+    holders = layout.holder_layout(dwdp_size=d, num_experts=shape.num_experts, num_experts_per_worker=k,
+                                   num_prefetch_experts=max(1, s), expert_replicas=expert_replicas)
+    if holders.primary != tuple(ranges):
+        raise ValueError(f"ranges {ranges} are not peer_ranges(k={k}, s={s})")
+
+    def run_bytes(n: int) -> float:
+        mem = _declared_memory(shape, dtype, [(0, n)], 0, 1)
+        return float(mem.weights + mem.scales)
+    return max(sum(run_bytes(b - a) for a, b in holders.replicas[r]) for r in range(d))
+
+
 def pool_slot_bytes(shape: ModelShape, *, dtype: WeightDtype, ranges: list[tuple[int, int]], slots: int) -> float:
     """``slots`` × the worst rank's pool pages for one MoE layer (see module docstring)."""
     per_slot = max(_declared_memory(shape, dtype, ranges, r, 1).pool for r in range(len(ranges)))
@@ -126,7 +149,7 @@ def activation_bytes(shape: ModelShape, *, tokens: float) -> float:
 
 def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_per_worker: int,
               prefetch_slots: int, dense_dtype=None, max_num_tokens: float = SERVING_DEFAULTS.max_num_tokens,
-              kv_tokens: float = 0) -> MemoryBreakdown:
+              kv_tokens: float = 0, expert_replicas: int = 1) -> MemoryBreakdown:
     shape = load_model(model)
     hw: Hardware = get_hardware(hardware)
     dt = get_dtype(dtype)
@@ -139,6 +162,7 @@ def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_
         dense_weights=dense_weight_bytes(shape, dtype=shared_dt, dense_dtype=ddt),
         local_experts=local_expert_bytes(shape, dtype=dt, experts_per_worker=experts_per_worker),
         local_expert_scales=local_expert_scale_bytes(shape, dtype=dt, experts_per_worker=experts_per_worker),
+        replica_experts=replica_expert_bytes(shape, dtype=dt, ranges=ranges, expert_replicas=expert_replicas),
         pool_slots=pool_slot_bytes(shape, dtype=dt, ranges=ranges, slots=prefetch_slots),
         activations=activation_bytes(shape, tokens=max_num_tokens),
         reserved=float(hw.reserved_bytes),
@@ -150,12 +174,12 @@ def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_
 
 def memory_fit(*, model, dtype, hardware, dwdp_size: int, experts_per_worker: int, prefetch_stride: int,
                prefetch_slots: int, dense_dtype=None, max_num_tokens: int = SERVING_DEFAULTS.max_num_tokens,
-               min_kv_gib: float = 0.0) -> tuple[bool, str, MemoryBreakdown | None]:
+               min_kv_gib: float = 0.0, expert_replicas: int = 1) -> tuple[bool, str, MemoryBreakdown | None]:
     """Can this DWDP group's weights, experts and pool slots fit one GPU?
 
     Arguments: ``model`` a preset name, config.json path, dict or ``ModelShape``; ``dtype`` and
     ``hardware`` preset names; the four DWDP numbers as in the CRD (dwdpSize, numExpertsPerWorker,
-    numPrefetchExperts, numPrefetchSlots). ``max_num_tokens`` sizes the activation estimate;
+    numPrefetchExperts, numPrefetchSlots) and ``expert_replicas`` (experts.replicas). ``max_num_tokens`` sizes the activation estimate;
     ``min_kv_gib`` the KV cache the deployment insists on keeping.
 
     Returns ``(fits, message, breakdown)``: the message is one line with the numbers (suitable for a
@@ -173,8 +197,11 @@ def memory_fit(*, model, dtype, hardware, dwdp_size: int, experts_per_worker: in
                                experts_per_worker=experts_per_worker, stride=prefetch_stride)
         if prefetch_slots < 2:
             raise ValueError(f"num_prefetch_slots={prefetch_slots}: at least 2 slots are needed")
+        if not 1 <= expert_replicas <= dwdp_size:
+            raise ValueError(f"expert_replicas={expert_replicas} must be in [1, dwdp_size={dwdp_size}]")
         bd = breakdown(model=shape, dtype=dtype, hardware=hw, ranges=ranges, experts_per_worker=experts_per_worker,
-                       prefetch_slots=prefetch_slots, dense_dtype=dense_dtype, max_num_tokens=max_num_tokens)
+                       prefetch_slots=prefetch_slots, dense_dtype=dense_dtype, max_num_tokens=max_num_tokens,
+                       expert_replicas=expert_replicas)
     except (ModelConfigError, PresetError, ValueError) as e:
         return False, str(e), None
     g = bd.gib()
@@ -183,10 +210,13 @@ def memory_fit(*, model, dtype, hardware, dwdp_size: int, experts_per_worker: in
     scales = f" + scales {g['local_expert_scales']:.2f}" if bd.local_expert_scales else ""
     detail = (f"dense {g['dense_weights']:.1f} + local experts {g['local_experts']:.1f} (k={experts_per_worker})"
               f"{scales} "
-              f"+ pool {g['pool_slots']:.1f} ({prefetch_slots} slots) + activations {g['activations']:.1f} "
+              + (f"+ replicas {g['replica_experts']:.1f} (r={expert_replicas}) " if bd.replica_experts else "")
+              + f"+ pool {g['pool_slots']:.1f} ({prefetch_slots} slots) + activations {g['activations']:.1f} "
               f"+ reserved {g['reserved']:.1f} GiB of {g['capacity']:.1f} GiB on {hw.name}")
     if fits:
         return True, f"fits: {detail}; {g['kv_cache_available']:.1f} GiB left for KV cache", bd
     short = (need_kv - bd.kv_cache_available) / GIB
     hint = "raise dwdpSize, lower numExpertsPerWorker or numPrefetchSlots, or use a smaller dtype"
+    if expert_replicas > 1:
+        hint += f", or lower experts.replicas (now {expert_replicas})"
     return False, f"does not fit: {detail}; short by {short:.1f} GiB; {hint}", bd

@@ -76,6 +76,7 @@ class PlanResult(BaseModel):
     prefetch_stride: int
     prefetch_slots: int
     contention_opt: bool
+    expert_replicas: int = 1
     t_compute_us: float
     t_compute_dwdp_us: float
     t_prefetch_us: float
@@ -105,7 +106,8 @@ class PlanResult(BaseModel):
 def plan(*, model="deepseek-r1", dtype="bf16", hardware="h200-hgx", isl: int = 8192, batch: int = 1,
          cv: float = 0.0, dwdp_size: int = 4, experts_per_worker: int | None = None,
          prefetch_stride: int | None = None, prefetch_slots: int = 2, contention_opt: bool = False,
-         dense_dtype=None, with_crossover: bool = True, with_recommendation: bool = True) -> PlanResult:
+         dense_dtype=None, with_crossover: bool = True, with_recommendation: bool = True,
+         expert_replicas: int = 1) -> PlanResult:
     """Predict DWDP vs DEP for one configuration (see the module docstring for the model).
 
     ``experts_per_worker``/``prefetch_stride`` default to ``config.suggest_sharding``. Raises
@@ -125,6 +127,8 @@ def plan(*, model="deepseek-r1", dtype="bf16", hardware="h200-hgx", isl: int = 8
     ranges = prefetch.expert_ranges(dwdp_size=dwdp_size, num_experts=n, experts_per_worker=k, stride=s)
     if prefetch_slots < 2:
         raise ValueError(f"num_prefetch_slots={prefetch_slots}: at least 2 slots are needed")
+    if not 1 <= expert_replicas <= dwdp_size:
+        raise ValueError(f"expert_replicas={expert_replicas} must be in [1, dwdp_size={dwdp_size}]")
     pf = ev.prefetch(dwdp_size=dwdp_size, k=k, s=s)
     lt = ev.layer_times(isl=isl, batch=batch, cv=cv, d=dwdp_size, pf=pf)
     fwd = ev.forward(isl=isl, batch=batch, cv=cv, d=dwdp_size, pf=pf, slots=prefetch_slots)
@@ -135,7 +139,8 @@ def plan(*, model="deepseek-r1", dtype="bf16", hardware="h200-hgx", isl: int = 8
         cross, cross_note = None, "not computed"
     mem: MemoryBreakdown = breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
                                      prefetch_slots=prefetch_slots, dense_dtype=ev.ddt,
-                                     max_num_tokens=isl * batch, kv_tokens=isl * batch)
+                                     max_num_tokens=isl * batch, kv_tokens=isl * batch,
+                                     expert_replicas=expert_replicas)
     rec = None
     if with_recommendation:
         rec = recommend(ev, isl=isl, batch=batch)
@@ -149,7 +154,7 @@ def plan(*, model="deepseek-r1", dtype="bf16", hardware="h200-hgx", isl: int = 8
     return PlanResult(
         model=shape.name, dtype=ev.dt.name, dense_dtype=ev.ddt.name, hardware=hw.name, isl=isl, batch=batch,
         cv=cv, dwdp_size=dwdp_size, experts_per_worker=k, prefetch_stride=s, prefetch_slots=prefetch_slots,
-        contention_opt=contention_opt,
+        contention_opt=contention_opt, expert_replicas=expert_replicas,
         t_compute_us=lt.t_compute * US, t_compute_dwdp_us=lt.t_compute_dwdp * US, t_prefetch_us=lt.t_prefetch * US,
         t_prefetch_ideal_us=lt.t_prefetch_ideal * US, contention_factor=pf.contention_factor,
         t_dwdp_us=lt.t_dwdp * US, t_compute_dep_us=lt.t_compute_dep * US, t_all2all_us=lt.t_all2all * US,

@@ -32,6 +32,8 @@ def rows(r: PlanResult) -> list[tuple[str, str]]:
         ("dense weights", f"{mem['dense_weights']:.2f}"),
         ("local experts", f"{mem['local_experts']:.2f}"),
         *([("local expert scales", f"{mem['local_expert_scales']:.2f}")] if mem.get("local_expert_scales") else []),
+        *([(f"replica experts (r={r.expert_replicas})", f"{mem['replica_experts']:.2f}")]
+          if mem.get("replica_experts") else []),
         ("pool slots", f"{mem['pool_slots']:.2f}"),
         ("activations + reserved", f"{mem['activations']:.2f} + {mem['reserved']:.2f}"),
         ("left for KV cache", f"{mem['kv_cache_available']:.2f} of {mem['capacity']:.2f} "

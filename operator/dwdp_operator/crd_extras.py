@@ -97,6 +97,9 @@ SPEC_RULES = (
     CelRule("(self.dwdpSize - 1) * self.experts.numPrefetchExperts < self.experts.numExperts",
             "(dwdpSize-1)*experts.numPrefetchExperts must be < experts.numExperts: the last rank would start past "
             "the last expert and hold nothing"),
+    CelRule("self.experts.replicas <= self.dwdpSize",
+            "experts.replicas must be <= dwdpSize: every expert is stored on that many distinct ranks of a group "
+            "(each step of replicas costs up to experts.numExpertsPerWorker more experts of memory per rank)"),
     CelRule("self.experts.numPrefetchSlots >= 2",
             "experts.numPrefetchSlots must be >= 2 so the next layer's copy overlaps this layer's compute"),
     CelRule("has(self.model.path) != has(self.model.synthetic)", "set exactly one of model.path or model.synthetic"),

@@ -36,7 +36,7 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, PortName
+from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, LayoutEnv, PortName
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
@@ -188,6 +188,8 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
         (E.BACKEND, Backend.AUTO), (E.HTTP_PORT, spec.httpPort),
     ]
     env += [{"name": str(k), "value": str(v)} for k, v in rest]
+    if e.replicas != 1:  # contract.LayoutEnv: absent = 1, so r = 1 pods render exactly as before
+        env.append({"name": str(LayoutEnv.EXPERT_REPLICAS), "value": str(e.replicas)})
     if (kv := spec.kvTransfer) is not None:  # contract.POD_ENV_OPTIONAL: only when the spec asks for it
         env += [{"name": str(k), "value": str(v)} for k, v in (
             (KvEnv.BUDGET_BYTES, kv.budgetBytes), (KvEnv.BLOCK_BYTES, kv.blockBytes),

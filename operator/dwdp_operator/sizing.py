@@ -23,16 +23,17 @@ def _key(spec: DwdpGroupSpec) -> tuple | None:
     if s is None:
         return None
     return (s.model, s.weightDtype, s.hardware, s.isl, s.minKvGiB, spec.dwdpSize, e.numExpertsPerWorker,
-            e.numPrefetchExperts, e.numPrefetchSlots, e.contentionOpt)
+            e.numPrefetchExperts, e.numPrefetchSlots, e.contentionOpt, e.replicas)
 
 
 @lru_cache(maxsize=256)
 def _fit(key: tuple) -> tuple[bool, str]:
     from dwdp_runtime.planner import memory_fit
 
-    model, dtype, hw, _isl, min_kv, d, k, s, slots, _copt = key
+    model, dtype, hw, _isl, min_kv, d, k, s, slots, _copt, replicas = key
     fits, message, _ = memory_fit(model=model, dtype=dtype, hardware=hw, dwdp_size=d, experts_per_worker=k,
-                                  prefetch_stride=s, prefetch_slots=slots, min_kv_gib=min_kv)
+                                  prefetch_stride=s, prefetch_slots=slots, min_kv_gib=min_kv,
+                                  expert_replicas=replicas)
     return fits, message
 
 
@@ -40,7 +41,7 @@ def _fit(key: tuple) -> tuple[bool, str]:
 def _speedup(key: tuple) -> dict[str, Any] | None:
     from dwdp_runtime.planner import plan
 
-    model, dtype, hw, isl, _min_kv, d, k, s, slots, copt = key
+    model, dtype, hw, isl, _min_kv, d, k, s, slots, copt, _replicas = key
     try:
         r = plan(model=model, dtype=dtype, hardware=hw, isl=isl, dwdp_size=d, experts_per_worker=k,
                  prefetch_stride=s, prefetch_slots=slots, contention_opt=copt, with_crossover=False,

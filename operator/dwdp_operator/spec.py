@@ -70,6 +70,11 @@ class Experts(_Model):
     transfer: TransferMode = Field(default=DEFAULT_TRANSFER, description=(
         "how a rank issues a layer's peer copies: copy_engine (one copy per entry), batched (one batched copy "
         "per layer, CUDA 13 driver), sm_gather (SM kernel; opt-in, costs compute)"))
+    replicas: int = Field(default=1, ge=1, le=MAX_DWDP_SIZE, description=(
+        "r: every expert is stored on at least r distinct ranks of a group (1 <= r <= dwdpSize); each rank keeps "
+        "its r-1 ring predecessors' experts as spares peers can pull from after a rank loss. Costs up to "
+        "(r-1)*numExpertsPerWorker more experts of memory per rank; 1 = no spare copy (a lost rank's experts "
+        "are gone with it)"))
 
 
 class Model(_Model):
@@ -278,6 +283,7 @@ SPEC_NAMES = {
     "num_prefetch_slots": "experts.numPrefetchSlots",
     "num_experts": "experts.numExperts",
     "dwdp_size": "dwdpSize",
+    "expert_replicas": "experts.replicas",
 }
 _SNAKE = re.compile(r"\b(" + "|".join(sorted(SPEC_NAMES, key=len, reverse=True)) + r")\b")
 
@@ -293,7 +299,8 @@ def check_sharding(spec: DwdpGroupSpec) -> list[str]:
     # num_groups=1: 0 groups is a valid scale-to-zero for the CRD; the group count is not a sharding rule here.
     return [f"spec: {in_spec_names(m)}" for m in sharding_errors(
         dwdp_size=spec.dwdpSize, num_experts=e.numExperts, num_experts_per_worker=e.numExpertsPerWorker,
-        num_prefetch_experts=e.numPrefetchExperts, num_prefetch_slots=e.numPrefetchSlots, num_groups=1)]
+        num_prefetch_experts=e.numPrefetchExperts, num_prefetch_slots=e.numPrefetchSlots, num_groups=1,
+        expert_replicas=e.replicas)]
 
 
 @register_check

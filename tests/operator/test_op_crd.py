@@ -63,7 +63,8 @@ def schema_valid_specs(draw):
         "experts": {"numExperts": draw(_bounded("experts.numExperts", 1, 40)),
                     "numExpertsPerWorker": draw(_bounded("experts.numExpertsPerWorker", 1, 40)),
                     "numPrefetchExperts": draw(_bounded("experts.numPrefetchExperts", 1, 40)),
-                    "numPrefetchSlots": draw(_bounded("experts.numPrefetchSlots", 2, 4))},
+                    "numPrefetchSlots": draw(_bounded("experts.numPrefetchSlots", 2, 4)),
+                    "replicas": draw(_bounded("experts.replicas", 1, 10))},
         "model": model,
         "imex": {"mode": draw(st.sampled_from(["ComputeDomain", "None"]))},
         "httpPort": draw(st.sampled_from([8000, 9000])),
@@ -80,7 +81,7 @@ def test_property_cel_and_validate_spec_accept_the_same_specs(raw):
 
 
 SNAKE_FIELDS = re.compile(r"\b(dwdp_size|num_experts|num_experts_per_worker|num_prefetch_experts|num_prefetch_slots|"
-                          r"gpus_per_pod|http_port|store_port)\b")
+                          r"gpus_per_pod|http_port|store_port|expert_replicas)\b")
 
 
 @settings(max_examples=300, deadline=None)
@@ -109,6 +110,10 @@ CROSS_FIELD = {
     "last-rank-empty": spec(dwdpSize=3, experts={"numExperts": 4, "numExpertsPerWorker": 2, "numPrefetchExperts": 2}),
     "hgx-split-over-pods": spec(imex={"mode": "None"}),
     "valid-hgx-one-pod": spec(imex={"mode": "None"}, gpusPerPod=4),
+    # issue 30: every expert on experts.replicas distinct ranks; a group of dwdpSize has no more
+    "valid-replicas-2": spec(experts={"replicas": 2}),
+    "valid-replicas-all": spec(experts={"replicas": 4}),
+    "replicas-gt-size": spec(experts={"replicas": 5}),
 }
 
 

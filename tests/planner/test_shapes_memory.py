@@ -109,3 +109,30 @@ def test_memory_fit_for_the_operator():
     ok, msg, _ = memory.memory_fit(model="nope", dtype="nvfp4", hardware="h200", dwdp_size=4,
                                    experts_per_worker=64, prefetch_stride=64, prefetch_slots=2)
     assert not ok and "neither a preset" in msg
+
+
+def test_memory_fit_follows_expert_replicas():
+    """r = 2 keeps one predecessor's experts per rank: the replica part is about one more local share."""
+    kw = dict(model="qwen3-235b-a22b", dtype="fp8", hardware="h200-hgx", dwdp_size=4, experts_per_worker=32,
+              prefetch_stride=32, prefetch_slots=2)
+    ok1, msg1, one = memory.memory_fit(**kw)
+    ok2, msg2, two = memory.memory_fit(**kw, expert_replicas=2)
+    assert ok1 and ok2 and one.replica_experts == 0 and "replicas" not in msg1
+    assert two.replica_experts == pytest.approx(one.local_experts + one.local_expert_scales, rel=0.01)
+    assert two.kv_cache_available == pytest.approx(one.kv_cache_available - two.replica_experts)
+    assert "+ replicas" in msg2 and "(r=2)" in msg2
+    ok, msg, bd = memory.memory_fit(**kw, expert_replicas=5)
+    assert not ok and bd is None and "expert_replicas=5 must be in [1, dwdp_size=4]" in msg
+
+
+def test_plan_reports_the_replica_memory():
+    from dwdp_runtime.planner.plan import plan
+
+    kw = dict(model="qwen3-235b-a22b", dtype="fp8", hardware="h200-hgx", dwdp_size=4, experts_per_worker=32,
+              prefetch_stride=32, with_crossover=False, with_recommendation=False)
+    one, two = plan(**kw), plan(**kw, expert_replicas=2)
+    assert one.memory_gib["replica_experts"] == 0 and two.expert_replicas == 2
+    assert two.memory_gib["replica_experts"] == pytest.approx(one.memory_gib["local_experts"]
+                                                              + one.memory_gib["local_expert_scales"], abs=0.01)
+    with pytest.raises(ValueError, match="expert_replicas=5 must be in"):
+        plan(**kw, expert_replicas=5)

@@ -45,3 +45,19 @@ def test_coverage_message_suggests_the_fix():
 def test_transfer_mode_checked():
     with pytest.raises(ValueError, match="transfer='nvlink'"):
         DwdpConfig(dwdp_size=2, num_experts=4, num_experts_per_worker=2, num_prefetch_experts=2, transfer="nvlink")
+
+
+@pytest.mark.parametrize("r", [0, 5, -1])
+def test_expert_replicas_out_of_range_explains_the_memory_cost(r):
+    with pytest.raises(ValueError) as err:
+        DwdpConfig(dwdp_size=4, num_experts=8, num_experts_per_worker=2, num_prefetch_experts=2, expert_replicas=r)
+    msg = str(err.value)
+    assert f"expert_replicas={r} must be in [1, dwdp_size=4]" in msg
+    assert "r=1: up to 2 of 8 experts per rank, r=2: up to 4 of 8 experts per rank, r=4: up to 8 of 8" in msg
+
+
+def test_expert_replicas_default_is_one_and_holders_follow_it():
+    cfg = DwdpConfig(dwdp_size=4, num_experts=8, num_experts_per_worker=2, num_prefetch_experts=2)
+    assert cfg.expert_replicas == 1 and cfg.holders().replicas == ((), (), (), ())
+    cfg2 = DwdpConfig(dwdp_size=4, num_experts=8, num_experts_per_worker=2, num_prefetch_experts=2, expert_replicas=2)
+    assert [cfg2.holders().stored_experts(i) for i in range(4)] == [4, 4, 4, 4]

@@ -1,5 +1,6 @@
 """Property tests of the composite layout and the copy plan (pure integer math)."""
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -120,3 +121,90 @@ def test_straddling_expert_is_filled_at_setup():
 
 def test_slot_pool_sized_by_largest_layer():
     assert slot_pool_pages([3, 5, 2, 7, 1], 2) == [3, 7]
+
+
+# -- replicas (expert_replicas = r) -----------------------------------------------------------------
+from dwdp_runtime.layout import (  # noqa: E402 - grouped with the tests that use them
+    NoSurvivingHolder, coverage, holder_layout, source_runs, surviving_owner, uncovered_experts,
+)
+
+
+@st.composite
+def replica_groups(draw):
+    d, n, k, s, eb, gran, mult, rank, contention = draw(groups())
+    r = draw(st.integers(1, d))
+    lost = draw(st.sets(st.integers(0, d - 1), max_size=d - 1))
+    return d, n, k, s, r, eb, gran, mult, rank, contention, lost
+
+
+def _holders(d, n, k, s, r):
+    return holder_layout(dwdp_size=d, num_experts=n, num_experts_per_worker=k, num_prefetch_experts=s,
+                         expert_replicas=r)
+
+
+def test_replicas_one_is_todays_layout_exactly():
+    h = _holders(3, 256, 86, 85, 1)
+    assert h.primary == peer_ranges(dwdp_size=3, num_experts=256, num_experts_per_worker=86, num_prefetch_experts=85)
+    assert h.replicas == ((), (), ())
+    assert coverage(h) == 1 and coverage(h, {1}) == 0
+
+
+def test_ring_replicas_group_of_four():
+    h = _holders(4, 8, 2, 2, 2)
+    assert h.primary == ((0, 2), (2, 4), (4, 6), (6, 8))
+    assert h.replicas == (((6, 8),), ((0, 2),), ((2, 4),), ((4, 6),))  # each rank keeps its predecessor's
+    assert [h.holders(e) for e in (0, 3, 7)] == [(0, 1), (1, 2), (0, 3)]
+    assert coverage(h) == 2
+    assert coverage(h, {1}) == 1 and coverage(h, {1, 2}) == 0
+    assert uncovered_experts(h, {1, 2}) == (2, 3)
+    assert surviving_owner(2, h, {0, 1, 2, 3}) == 1      # everyone alive: the primary holder
+    assert surviving_owner(2, h, {0, 2, 3}) == 2         # rank 1 lost: its successor's replica
+    with pytest.raises(NoSurvivingHolder, match="expert 2 has no surviving holder"):
+        surviving_owner(2, h, {0, 3})
+
+
+@settings(max_examples=300, deadline=None)
+@given(replica_groups())
+def test_every_expert_on_r_ranks_and_survivors_pull_only_from_survivors(g):
+    d, n, k, s, r, eb, gran, mult, rank, contention, lost = g
+    h = _holders(d, n, k, s, r)
+    assert all(len(h.holders(e)) >= r for e in range(n))
+    for i in range(d):  # replica runs: disjoint from the primary and from each other
+        stored = [e for a, b in h.stored(i) for e in range(a, b)]
+        assert len(stored) == len(set(stored))
+        assert h.stored_experts(i) <= min(n, r * k)
+    assert coverage(h) >= r
+    direct = min(sum(1 for x in h.holders(e) if x not in lost) for e in range(n))
+    assert coverage(h, lost) == direct >= r - len(lost)
+    assert (direct == 0) == bool(uncovered_experts(h, lost))
+    alive = frozenset(range(d)) - lost
+    if rank not in alive:
+        return
+    # with everyone alive the survivor plan is today's plan
+    full = copy_plan(num_experts=n, expert_bytes=eb, rank=rank, ranges=h.primary, granularity=gran,
+                     page_multiplier=mult, contention_opt=contention)
+    same = copy_plan(num_experts=n, expert_bytes=eb, rank=rank, ranges=h.primary, granularity=gran,
+                     page_multiplier=mult, contention_opt=contention, holders=h, alive=frozenset(range(d)))
+    assert full == same
+    if uncovered_experts(h, lost):
+        with pytest.raises(NoSurvivingHolder):
+            copy_plan(num_experts=n, expert_bytes=eb, rank=rank, ranges=h.primary, granularity=gran,
+                      page_multiplier=mult, contention_opt=contention, holders=h, alive=alive)
+        return
+    layout, ops, _ = copy_plan(num_experts=n, expert_bytes=eb, rank=rank, ranges=h.primary, granularity=gran,
+                               page_multiplier=mult, contention_opt=contention, holders=h, alive=alive)
+    assert sum(op.nbytes for op in ops) == remote_bytes(layout)      # still exactly the remote bytes
+    for op in ops:
+        assert op.peer in alive
+        a, b = h.stored(op.peer)[op.handle]
+        assert 0 <= op.src_offset and op.src_offset + op.nbytes <= (b - a) * eb  # inside that allocation
+        t = op.dst_offset - layout.pre_padding
+        first = t // eb
+        assert op.src_offset == t - a * eb and a <= first < b  # the same expert bytes, from a holder
+
+
+def test_source_runs_merge_per_allocation():
+    h = _holders(4, 8, 2, 2, 2)
+    assert source_runs(0, 8, h.primary) == [(0, 0, 0, 0, 2), (1, 0, 2, 2, 4), (2, 0, 4, 4, 6), (3, 0, 6, 6, 8)]
+    assert source_runs(0, 8, h.primary, h, frozenset({0, 2, 3})) == [
+        (0, 0, 0, 0, 2), (2, 1, 2, 2, 4), (2, 0, 4, 4, 6), (3, 0, 6, 6, 8)]

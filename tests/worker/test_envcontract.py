@@ -188,3 +188,32 @@ def test_the_crd_enums_are_the_contract_values():
     dtype = spec["model"]["properties"]["dtype"]
     assert transfer["enum"] == [m.value for m in Transfer] and transfer["default"] == Transfer.COPY_ENGINE
     assert dtype["enum"] == [m.value for m in ModelDtype] and dtype["default"] == ModelDtype.BFLOAT16
+
+
+def test_expert_replicas_cross_from_the_spec_to_the_rank_config_only_when_set():
+    """spec.experts.replicas → DWDP_EXPERT_REPLICAS (contract.LayoutEnv, absent = 1) → DwdpConfig.expert_replicas."""
+    from dwdp_runtime.contract import POD_ENV_OPTIONAL, LayoutEnv
+
+    assert LayoutEnv.EXPERT_REPLICAS in POD_ENV_OPTIONAL
+    manifests, spec_mod = _operator()
+    plain = manifests.worker_env(name="r1", ns="prod", g=0, i=0, attempt=0, spec=_spec(spec_mod))
+    assert LayoutEnv.EXPERT_REPLICAS not in [e["name"] for e in plain]  # r = 1: today's pods, byte for byte
+    assert parse_env({e["name"]: e.get("value", "t") for e in plain}).dwdp_config().expert_replicas == 1
+    env = manifests.worker_env(name="r1", ns="prod", g=0, i=0, attempt=0, spec=_spec(spec_mod, replicas=2))
+    parsed = parse_env({e["name"]: e.get("value", "t") for e in env})
+    assert parsed.expert_replicas == 2 and parsed.dwdp_config().holders().replicas[0] == ((12, 16),)
+    with pytest.raises(EnvContractError, match="DWDP_EXPERT_REPLICAS.*expert_replicas=5 must be in"):
+        parse_env({**GOOD, "DWDP_EXPERT_REPLICAS": "5"})
+    with pytest.raises(EnvContractError, match="DWDP_EXPERT_REPLICAS='two': must be an integer"):
+        parse_env({**GOOD, "DWDP_EXPERT_REPLICAS": "two"})
+
+
+def test_local_launcher_takes_expert_replicas():
+    from dwdp_worker.launch.local import build_local_specs
+
+    specs = build_local_specs(model_dir="/nonexistent", groups=1, dwdp_size=4, experts_per_worker=2,
+                              prefetch_stride=2, expert_replicas=2, backend="host", num_experts=8)
+    assert {s.config["expert_replicas"] for s in specs} == {2}
+    with pytest.raises(ValueError, match="expert_replicas=5 must be in \\[1, dwdp_size=4\\]"):
+        build_local_specs(model_dir="/nonexistent", groups=1, dwdp_size=4, experts_per_worker=2,
+                          prefetch_stride=2, expert_replicas=5, backend="host", num_experts=8)

@@ -9,6 +9,16 @@ Runs on the event loop thread only (no locks). Pipeline of one request::
             ─► on_result: append the greedy token (none for max_tokens 0: prompt scoring only);
                on_step says stop (a stop string, EOS) or max_tokens reached? finish : re-queue at the head
 
+A rank lost by an elastic group (``expert_replicas`` r ≥ 2, issue #30; the supervisor decides that the group
+survives, ``dwdp_runtime.membership.group_survives``): the dead rank is never ``ready``, so nothing more is
+dispatched to it, and each job of the step it held gets ``rerun_or_refuse``:
+  * ``RERUN``: back at the head of the queue, in its order, with every token it already has (greedy decoding is
+    deterministic and the lost step's result never reached the front: nothing is answered twice or skipped);
+  * ``REFUSE_KV``: its prompt's KV was kept on the dead rank (``kv_transfer_params``): gone → 503 + Retry-After;
+  * ``REFUSE_BUDGET``: already re-run ``MAX_RERUNS`` times (a request that kills every rank it meets must not
+    take the group down one rank at a time) → 503 + Retry-After.
+Queued jobs are not touched.
+
 Invariants:
   * Every enqueued job is finished exactly once (``finish``): a result, an error, or cancelled.
   * A cancelled job (its client went away) leaves the queue at once; a step of it already on a rank
@@ -25,6 +35,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable
 
 from ..rank import protocol as p
@@ -39,6 +50,25 @@ log = logging.getLogger("dwdp_worker.front.dispatch")
 #: greedy tokens one step decodes with the KV cache (``Forward.max_new_tokens``): a longer request takes
 #: several steps, so cancellation, drain and the forward watchdog keep their per-step granularity
 DECODE_CHUNK = 16
+
+
+#: re-runs of one request after rank losses before it is refused: one loss is bad luck, two is a pattern
+MAX_RERUNS = 1
+
+
+class LossOutcome(StrEnum):
+    RERUN = "rerun"
+    REFUSE_KV = "refused_kv_lost"
+    REFUSE_BUDGET = "refused_rerun_budget"
+
+
+def rerun_or_refuse(*, reruns: int, kv_on_lost_rank: bool) -> LossOutcome:
+    """What becomes of a job whose step was on a rank an elastic group lost (module docstring). Pure."""
+    if kv_on_lost_rank:
+        return LossOutcome.REFUSE_KV
+    if reruns >= MAX_RERUNS:
+        return LossOutcome.REFUSE_BUDGET
+    return LossOutcome.RERUN
 
 
 @dataclass(eq=False)
@@ -65,6 +95,7 @@ class Job:
     on_step: Callable[["Job"], bool] | None = None  # after each of its forwards; True = finish now
     kv_request_id: str | None = None   # keep this prompt's KV for a remote decode (kv_transfer_params)
     kv_params: dict | None = None      # the rank's KvTransferParams once kept
+    reruns: int = 0                    # times re-queued after the rank holding its step was lost (front.elastic)
 
     def __post_init__(self):
         self.prompt_len = len(self.tokens)
@@ -212,6 +243,30 @@ class Dispatcher:
         if held is not None:
             for job in held.jobs:
                 self.finish(job, error)
+
+    def on_rank_lost_elastic(self, h: RankHandle) -> dict[str, int]:
+        """An elastic group lost ``h``: its step's jobs are re-run on a survivor or refused retryably
+        (``front.elastic.rerun_or_refuse``); returns the count per outcome."""
+        held, h.batch = h.batch, None
+        counts: dict[str, int] = {}
+        rerun = []
+        for job in held.jobs if held is not None else []:
+            if job.future.done():
+                continue  # cancelled: the client went away
+            outcome = rerun_or_refuse(reruns=job.reruns, kv_on_lost_rank=job.kv_request_id is not None and bool(job.ranks))
+            counts[outcome] = counts.get(outcome, 0) + 1
+            self.metrics.rank_loss.labels(outcome=str(outcome)).inc()
+            if outcome is LossOutcome.RERUN:
+                job.reruns += 1
+                rerun.append(job)
+            else:
+                why = ("its KV cache was kept on that rank" if outcome is LossOutcome.REFUSE_KV
+                       else f"it was already re-run {job.reruns} time(s) after a rank loss")
+                self.finish(job, Unavailable(f"{h.describe()} was lost while serving this request and {why}; "
+                                             f"retry (the group keeps serving with its other ranks)"))
+        requeue_front(self.queue, rerun)
+        self.kick()
+        return counts
 
     # -- dispatch ---------------------------------------------------------------------------------------
     def kick(self) -> None:

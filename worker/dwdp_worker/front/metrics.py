@@ -89,6 +89,11 @@ class Metrics:
         self.queue_depth = Gauge("dwdp_queue_depth", "steps waiting for a rank", registry=r)
         self.queue_tokens = Gauge("dwdp_queue_tokens", "tokens waiting for a rank", registry=r)
         self.inflight = Gauge("dwdp_inflight_requests", "admitted, not yet answered", registry=r)
+        self.rank_loss = Counter("dwdp_rank_loss_requests", "requests on a rank lost by an elastic group, by outcome "
+                                 "(rerun on a survivor, or refused 503 with the cause)", ["outcome"], registry=r)
+        self.membership_epoch = Gauge("dwdp_membership_epoch", "membership epoch of the elastic group", ["group"],
+                                      registry=r)
+        self.members_ready = Gauge("dwdp_members_ready", "ranks of the group still serving", ["group"], registry=r)
         r.register(_RankCollector(snapshot))
         r.register(KvCollector(snapshot))  # dwdp_kv_*: KV handoff, from the ranks' stats
 

@@ -10,6 +10,10 @@ While weights load this is false: the operator's startup probe has a long failur
 done), the tokenizer loaded when the checkpoint has one, and not draining. It turns false the
 instant SIGTERM arrives.
 
+A rank *retired* by an elastic group (``retired: true``: it died and its group survives on its replicas,
+issue #30) does not count against either: the group serves degraded, and the body says so
+(``status: degraded``, ``degraded: [its description]``).
+
 Both answer the same JSON body; it always carries ``prefetch_restarts``, ``group_attempt``,
 ``forwards`` and ``last_forward_age_s`` (the operator reads ``prefetch_restarts``).
 """
@@ -23,10 +27,12 @@ from ..kv.metrics import budget_summary
 
 def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool, bool, dict[str, Any]]:
     ranks = snap["ranks"]
+    retired = [r for r in ranks if r.get("retired")]
+    serving = [r for r in ranks if not r.get("retired")]
     reasons: list[str] = []
     if snap.get("failure"):
         reasons.append(snap["failure"])
-    for r in ranks:
+    for r in serving:
         who = f"rank {r['global_id']} (group {r['group']}, DWDP rank {r['rank']})"
         if not r["alive"]:
             reasons.append(f"{who} is not running")
@@ -34,7 +40,7 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
             reasons.append(f"{who} is {r['phase']}")
         elif r["heartbeat_age_s"] is not None and r["heartbeat_age_s"] >= heartbeat_timeout_s:
             reasons.append(f"{who} heartbeat is {r['heartbeat_age_s']:.1f} s old (limit {heartbeat_timeout_s:g} s)")
-    live = not reasons and bool(ranks)
+    live = not reasons and bool(serving)
     not_ready = list(reasons)
     if snap.get("draining"):
         not_ready.append("draining: the server is stopping and accepts no new requests")
@@ -42,13 +48,13 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
         not_ready.append("tokenizer is loading")
     ready = live and not not_ready
     ages = [r["last_forward_age_s"] for r in ranks if r["last_forward_age_s"] is not None]
-    all_up = bool(ranks) and all(r["alive"] and r["phase"] == "ready" for r in ranks)
+    all_up = bool(serving) and all(r["alive"] and r["phase"] == "ready" for r in serving)
     if snap.get("failure"):
         status = "failed"
     elif snap.get("draining"):
         status = "draining"
     elif ready:
-        status = "ready"
+        status = "degraded" if retired else "ready"
     elif all_up and not live:
         status = "stale"     # every rank is up but a heartbeat is too old
     else:
@@ -63,6 +69,8 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
         "forwards": sum(int(r.get("forwards") or 0) for r in ranks),
         "last_forward_age_s": round(min(ages), 3) if ages else None,
         "reasons": not_ready,
+        "degraded": [f"rank {r['global_id']} (group {r['group']}, DWDP rank {r['rank']}) was lost; its group "
+                     f"serves on the other ranks' replicas" for r in retired],
         "kv": budget_summary(ranks),   # KV handoff budget use over the ranks (None: off)
         "ranks": ranks,
     }

@@ -57,6 +57,7 @@ class RankHandle:
         self.peer_lost: str | None = None
         self.exitcode: int | None = None
         self.dead = False
+        self.retired = False  # dead, and its elastic group serves on without it (issue #30)
         self.stopping = False
 
     @property
@@ -146,7 +147,7 @@ class RankHandle:
         return {
             "global_id": self.gid, "group": self.spec.group, "rank": self.spec.rank,
             "pid": self.proc.pid if self.proc else None, "device": self.spec.device or "cpu",
-            "phase": str(self.phase), "alive": not self.dead, "exitcode": self.exitcode,
+            "phase": str(self.phase), "alive": not self.dead, "retired": self.retired, "exitcode": self.exitcode,
             "busy": self.batch is not None,
             "busy_s": round(now - self.batch.sent_at, 3) if self.batch else None,
             "heartbeat_age_s": round(self.heartbeat_age(now), 3),

@@ -32,7 +32,9 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from dwdp_runtime.config import DwdpConfig
 from dwdp_runtime.load.estimator import LoadEstimator, QueueState
+from dwdp_runtime.membership import group_survives
 from dwdp_runtime.load.schema import LoadReport
 from dwdp_runtime.serving_options import ServingOptions
 
@@ -193,6 +195,8 @@ class Supervisor:
             self.dispatch.kick()
         elif isinstance(msg, p.LoadProgress):
             log.info("%s load: %s: %s", h.describe(), msg.step, msg.detail)
+        elif isinstance(msg, p.MembershipChanged):
+            self._on_membership(h, msg)
         elif isinstance(msg, p.PeerLost):
             if not (self._stopping_ranks or h.stopping):
                 self.fail(f"{h.describe()}: {msg.message}")
@@ -203,6 +207,12 @@ class Supervisor:
         if h.dead:
             return
         h.dead, h.exitcode = True, code
+        if not (self._stopping_ranks or h.stopping) and self._survives_elastically(h):
+            h.retired = True
+            counts = self.dispatch.on_rank_lost_elastic(h)
+            log.warning("%s exited with code %s%s; its elastic group keeps serving (its requests: %s)", h.describe(),
+                        code, f" ({h.fatal})" if h.fatal else "", counts or "none in flight")
+            return
         self.dispatch.on_rank_gone(h, Unavailable(
             f"{h.describe()} died (exit code {code}) while serving this request; the pod is restarting, "
             f"retry on another replica"))
@@ -212,6 +222,23 @@ class Supervisor:
         if h.fatal:
             why += f": {h.fatal}"
         self.fail(why)
+
+    def _survives_elastically(self, h: RankHandle) -> bool:
+        """Whether ``h``'s group (expert replicas) still covers every expert without its dead ranks."""
+        config = DwdpConfig(**h.spec.config)
+        lost = {g.spec.rank for g in self.ranks if g.spec.group == h.spec.group and g.dead}
+        return group_survives(config, lost)
+
+    def _on_membership(self, h: RankHandle, msg: p.MembershipChanged) -> None:
+        """A survivor re-planned: a member the group excluded (fenced: frozen, or cut off) is killed now, so
+        its requests re-run at once instead of at the heartbeat timeout."""
+        log.warning("%s: membership epoch %d, members %s (re-plan %.3f s)", h.describe(), msg.epoch,
+                    list(msg.alive), msg.replan_s)
+        self.metrics.membership_epoch.labels(group=str(h.spec.group)).set(msg.epoch)
+        self.metrics.members_ready.labels(group=str(h.spec.group)).set(len(msg.alive))
+        for g in self.ranks:
+            if g.spec.group == h.spec.group and g.spec.rank not in msg.alive and not g.dead:
+                self._kill(g, f"was excluded from its group at membership epoch {msg.epoch}")
 
     def _kill(self, h: RankHandle, why: str) -> None:
         log.error("%s %s: killing it", h.describe(), why)

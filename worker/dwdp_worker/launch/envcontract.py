@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from dwdp_runtime.config import DwdpConfig
 from dwdp_runtime.contract import POD_ENV, POD_ENV_ONE_OF, BackendName, ModelDtypeName, TransferMode
+from dwdp_runtime.contract import LayoutEnv
 from dwdp_runtime.contract import PodEnvVar as E
 
 ENV_VARS: tuple[str, ...] = tuple(v.value for v in POD_ENV)
@@ -58,6 +59,8 @@ class PodEnv(BaseModel):
     dtype: ModelDtypeName = Field(alias=E.DTYPE)
     backend: BackendName = Field(alias=E.BACKEND)
     http_port: int = Field(alias=E.HTTP_PORT, ge=1, le=65535)
+    # contract.LayoutEnv (optional, absent = 1): not a field, so the fields stay exactly POD_ENV
+    _expert_replicas: int = PrivateAttr(default=1)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "PodEnv":
@@ -82,7 +85,12 @@ class PodEnv(BaseModel):
         return DwdpConfig(dwdp_size=self.dwdp_size, num_experts=self.num_experts,
                           num_experts_per_worker=self.experts_per_worker,
                           num_prefetch_experts=self.prefetch_stride, num_prefetch_slots=self.prefetch_slots,
-                          contention_opt=self.contention_opt, transfer=self.transfer)
+                          contention_opt=self.contention_opt, transfer=self.transfer,
+                          expert_replicas=self._expert_replicas)
+
+    @property
+    def expert_replicas(self) -> int:
+        return self._expert_replicas
 
     @property
     def ranks(self) -> list[int]:
@@ -100,11 +108,17 @@ def parse_env(environ: Mapping[str, str]) -> PodEnv:
         env = PodEnv.model_validate(data)
     except ValidationError as exc:
         raise EnvContractError("bad pod environment: " + "; ".join(_describe(e, data) for e in exc.errors())) from None
+    raw = environ.get(LayoutEnv.EXPERT_REPLICAS, "1")
+    try:
+        env._expert_replicas = int(raw)
+    except ValueError:
+        raise EnvContractError(f"{LayoutEnv.EXPERT_REPLICAS}={raw!r}: must be an integer >= 1 "
+                               f"(experts.replicas; absent means 1)") from None
     try:
         env.dwdp_config()
     except ValueError as exc:
         raise EnvContractError(f"DWDP_SIZE/DWDP_NUM_EXPERTS/DWDP_EXPERTS_PER_WORKER/DWDP_PREFETCH_STRIDE/"
-                               f"DWDP_PREFETCH_SLOTS/DWDP_TRANSFER: {exc}") from None
+                               f"DWDP_PREFETCH_SLOTS/DWDP_TRANSFER/DWDP_EXPERT_REPLICAS: {exc}") from None
     return env
 
 

@@ -42,6 +42,9 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-stride", type=int, default=None, help="S (default: the smallest that covers)")
     p.add_argument("--prefetch-slots", type=int, default=2,
                    help="expert buffers per layer for prefetched weights (default 2: double buffering)")
+    p.add_argument("--expert-replicas", type=int, default=1,
+                   help="r: store every expert on at least r ranks of a group (1..D; default 1 = no spare copy). "
+                        "Costs up to (r-1)*K more experts of memory per rank")
     p.add_argument("--contention-opt", action="store_true",
                    help="cut expert copies into 2 MiB slices interleaved across peers (spreads the pull over sources)")
     p.add_argument("--transfer", choices=TRANSFER_MODES, default=Transfer.COPY_ENGINE.value,
@@ -56,6 +59,7 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_per_worker: int | None,
                       prefetch_stride: int | None, prefetch_slots: int = 2, contention_opt: bool = False,
+                      expert_replicas: int = 1,
                       transfer: str = Transfer.COPY_ENGINE.value, backend: str = Backend.AUTO.value, dtype: str | None = None,
                       threads_per_rank: int | None = None,
                       rendezvous_timeout_s: float = timeouts.RENDEZVOUS_LOCAL_S,
@@ -71,11 +75,15 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     k0, s0 = suggest_sharding(dwdp_size=dwdp_size, num_experts=num_experts)
     config = DwdpConfig(dwdp_size=dwdp_size, num_experts=num_experts, num_groups=groups,
                         num_experts_per_worker=experts_per_worker or k0, num_prefetch_experts=prefetch_stride or s0,
-                        num_prefetch_slots=prefetch_slots, contention_opt=contention_opt, transfer=transfer)
+                        num_prefetch_slots=prefetch_slots, contention_opt=contention_opt, transfer=transfer,
+                        expert_replicas=expert_replicas)
     gpus = 0 if backend == "host" else cuda_count()
     if backend == "cuda" and gpus == 0:
         raise ValueError("--backend cuda: no CUDA GPU is visible (use --backend host or auto)")
     check_cuda_graphs(cuda_graphs, gpus)
+    if expert_replicas > 1 and cuda_graphs:
+        raise ValueError(f"--expert-replicas {expert_replicas} with --cuda-graphs {cuda_graphs}: a captured forward "
+                         f"keeps the copy plan it was captured with and cannot follow a re-plan; set one of them off")
     check_batch_invariant(batch_invariant, gpus, cuda_graphs)
     n = groups * dwdp_size
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))
@@ -99,6 +107,7 @@ def plan_local(args: argparse.Namespace, stack: contextlib.ExitStack) -> FrontPl
     specs = build_local_specs(model_dir=model_dir, groups=args.groups, dwdp_size=args.dwdp_size,
                               experts_per_worker=args.experts_per_worker, prefetch_stride=args.prefetch_stride,
                               prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
+                              expert_replicas=args.expert_replicas,
                               transfer=args.transfer, backend=args.backend, dtype=args.dtype,
                               threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s,
                               cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant)

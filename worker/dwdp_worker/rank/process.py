@@ -138,6 +138,7 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
     import torch
 
     from dwdp_runtime.config import DwdpConfig
+    from dwdp_runtime.membership import MembershipAgent
     from dwdp_runtime.monitor import PeerMonitor
     from dwdp_runtime.rendezvous import StoreRendezvous
 
@@ -145,6 +146,11 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
 
     torch.set_num_threads(max(1, spec.threads))
     config = DwdpConfig(**spec.config)
+    if config.expert_replicas > 1 and spec.cuda_graphs:
+        # a captured forward replays the copies of the plan it was captured with: after a re-plan it would
+        # still read the lost rank's memory
+        raise ValueError(f"expert_replicas={config.expert_replicas} (an elastic group) cannot use CUDA graphs "
+                         f"(cuda_graphs={spec.cuda_graphs}): set one of them off")
     dtype = getattr(torch, spec.dtype) if spec.dtype else None
     import_s = time.monotonic() - t_import
     link.send(p.PhaseChanged(p.RankPhase.RENDEZVOUS))
@@ -169,8 +175,11 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
             f"handles exchanged and mapped, in {time.monotonic() - t0:.1f} s")))
         # Peers in other pods can die without this front noticing: the monitor heart-beats through
         # the group's store (side threads, off the forward path) and names a lost peer at once.
-        monitor = PeerMonitor(rdzv, interval_s=spec.peer_interval_s, dead_after_s=spec.peer_dead_after_s,
+        elastic = config.expert_replicas > 1
+        interval_s, dead_after_s = _peer_timing(spec, elastic)
+        monitor = PeerMonitor(rdzv, interval_s=interval_s, dead_after_s=dead_after_s, elastic=elastic,
                               on_lost=lambda why: _report_lost(link, why)).start()
+        agent = MembershipAgent(rdzv, monitor).start() if elastic else None
         try:
             link.send(p.PhaseChanged(p.RankPhase.WARMUP))
             warm = [t % engine.vocab_size for t in spec.warmup_tokens][: max(1, engine.max_positions)]
@@ -186,16 +195,47 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
             link.send(p.Ready(p.RankInfo(vocab_size=int(engine.vocab_size),
                                          max_positions=int(engine.max_positions), pid=os.getpid(),
                                          stats=link.stats)))
-            code = _loop(engine, link, monitor)
+            code = _loop(engine, link, monitor, agent)
         except BaseException:
             # A broken group: no graceful release (its barrier would wait for the dead peer); the
             # process exit frees this rank's memory. The front hears the reason from rank_main.
-            monitor.stop()
+            _stop_watchers(monitor, agent)
             raise
-        monitor.stop()
-        if monitor.lost is None:
-            engine.close()  # importers unmap before owners release: a barrier with the live peers
+        _stop_watchers(monitor, agent)
+        if monitor.lost is None and engine.manager.replans == 0:
+            # importers unmap before owners release: a barrier with the live peers (after a loss the
+            # dead rank would never reach it: the process exit frees this rank's memory instead)
+            engine.close()
         return code
+
+
+def _peer_timing(spec: p.RankSpec, elastic: bool) -> tuple[float, float]:
+    """(heartbeat interval, silence bound): an elastic group's shorter defaults unless the spec set its own."""
+    if not elastic:
+        return spec.peer_interval_s, spec.peer_dead_after_s
+    interval = (timeouts.ELASTIC_PEER_HEARTBEAT_S if spec.peer_interval_s == timeouts.PEER_HEARTBEAT_S
+                else spec.peer_interval_s)
+    dead = (timeouts.ELASTIC_PEER_DEAD_AFTER_S if spec.peer_dead_after_s == timeouts.PEER_DEAD_AFTER_S
+            else spec.peer_dead_after_s)
+    return interval, dead
+
+
+def _stop_watchers(monitor, agent) -> None:
+    if agent is not None:
+        agent.stop()
+    monitor.stop()
+
+
+def _apply_membership(engine, link: RankLink, agent) -> None:
+    """Between forwards: a new membership epoch → re-plan the copies over surviving holders, tell the front.
+    ``Fenced`` (the others excluded this rank) and ``NoSurvivingHolder`` (an expert lost every copy)
+    propagate: the rank exits non-zero with the reason."""
+    m = agent.poll()
+    if m is None:
+        return
+    t0 = time.perf_counter()
+    engine.manager.set_membership(m.alive)
+    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t0))
 
 
 def _report_lost(link: RankLink, why: str) -> None:
@@ -259,11 +299,13 @@ def _stats(engine) -> p.RankStats:
         return p.RankStats(error=str(exc))
 
 
-def _loop(engine, link: RankLink, monitor) -> int:
+def _loop(engine, link: RankLink, monitor, agent=None) -> int:
     conn = link.conn
     while True:
         monitor.check()  # PeerLost: the group is broken; exit non-zero so the group restarts
-        if not conn.poll(timeouts.RANK_HEARTBEAT_S):
+        if agent is not None:
+            _apply_membership(engine, link, agent)
+        if not conn.poll(agent.interval_s if agent is not None else timeouts.RANK_HEARTBEAT_S):
             continue
         msg = conn.recv()
         if isinstance(msg, p.Stop):
@@ -271,6 +313,8 @@ def _loop(engine, link: RankLink, monitor) -> int:
         if not isinstance(msg, p.Forward):
             log.error("unknown message %r from the front (ignored)", type(msg).__name__)
             continue
+        if agent is not None:
+            _apply_membership(engine, link, agent)  # a forward never starts on a stale plan once an epoch is known
         t0 = time.perf_counter()
         link.busy = True
         conts = kept = None

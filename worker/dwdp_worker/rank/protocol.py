@@ -197,4 +197,14 @@ class Fatal:
     message: str
 
 
-RankMessage = PhaseChanged | LoadProgress | Ready | Heartbeat | StepResult | StepFailed | PeerLost | Fatal
+@dataclass(frozen=True)
+class MembershipChanged:
+    """An elastic group moved to a new membership epoch and this rank re-planned its copies (issue #30)."""
+
+    epoch: int
+    alive: tuple[int, ...]   # DWDP ranks of the group still serving
+    replan_s: float          # seconds the re-plan took on this rank (between two forwards)
+
+
+RankMessage = (PhaseChanged | LoadProgress | Ready | Heartbeat | StepResult | StepFailed | PeerLost | Fatal
+               | MembershipChanged)

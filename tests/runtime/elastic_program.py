@@ -1,0 +1,100 @@
+"""A rank of an elastic DWDP group for tests/runtime/test_elastic.py (importable by spawned processes).
+
+Each rank loads seeded experts (``workloads.reference``: every rank can compute the full reference),
+serves "forwards" — per MoE layer a matmul of a fixed input with its bound composite, digested —
+and, between forwards, applies the membership epochs its ``MembershipAgent`` reports. It tells the
+test through ``events`` when it is serving (with its pid, so the test can SIGKILL it) and when it
+re-planned; at the end it reports its digests and what it still maps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+#: layers and per-expert shape: an expert of 8 KiB (float32) is more than the host granularity (4 KiB), so the
+#: local handle's padded tail holds no peer expert and every remote expert is pulled at run time
+NUM_LAYERS = 3
+EXPERT_SHAPE = (32, 64)
+
+
+def digest(t) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).numpy().tobytes()).hexdigest()[:16]
+
+
+def expected_digests(num_experts: int) -> list[str]:
+    """What every rank's forward must produce: computed from the full reference (no DWDP at all)."""
+    import torch
+
+    from tests.runtime.workloads import reference
+
+    x = torch.arange(EXPERT_SHAPE[1] * 4, dtype=torch.float32).reshape(4, EXPERT_SHAPE[1]) / 7.0
+    return [digest(torch.einsum("ti,eoi->eto", x, reference(layer, "w", num_experts, EXPERT_SHAPE, torch.float32)))
+            for layer in range(NUM_LAYERS)]
+
+
+def elastic_rank(rank, world, port, *, num_experts, k, s, replicas, events, run_s, after_replan_forwards,
+                 dead_after_s, interval_s, hold=None):
+    import torch
+
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_runtime.manager import DwdpManager
+    from dwdp_runtime.membership import MembershipAgent
+    from dwdp_runtime.monitor import PeerMonitor
+    from dwdp_runtime.rendezvous import StoreRendezvous
+    from tests.runtime.workloads import reference
+
+    torch.set_num_threads(1)
+    cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts, num_experts_per_worker=k, num_prefetch_experts=s,
+                     expert_replicas=replicas)
+    x = torch.arange(EXPERT_SHAPE[1] * 4, dtype=torch.float32).reshape(4, EXPERT_SHAPE[1]) / 7.0
+    rdzv = StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="elastic", token="t",
+                           timeout_s=60)
+    mgr = DwdpManager.create(config=cfg, rank=rank, rendezvous=rdzv, backend="host")
+    for layer in range(NUM_LAYERS):
+        full = reference(layer, "w", num_experts, EXPERT_SHAPE, torch.float32)
+        mgr.add_layer(layer)
+        mgr.add_expert_weight(layer, "w", expert_shape=EXPERT_SHAPE, dtype=torch.float32,
+                              fill=lambda view, a, b, full=full: view.copy_(full[a:b]))
+    mgr.setup()
+    monitor = PeerMonitor(rdzv, interval_s=interval_s, dead_after_s=dead_after_s, elastic=True).start()
+    agent = MembershipAgent(rdzv, monitor).start()
+
+    def forward() -> list[str]:
+        mgr.start_forward()
+        out = []
+        for layer in range(NUM_LAYERS):
+            w = mgr.wait_and_bind(layer)["w"]
+            out.append(digest(torch.einsum("ti,eoi->eto", x, w)))
+            mgr.finish_layer(layer)
+        return out
+
+    before = forward()
+    events.put(("serving", rank, os.getpid()))
+    after: list[list[str]] = []
+    replanned_at = None
+    deadline = time.monotonic() + run_s
+    forwards = 1
+    while time.monotonic() < deadline:
+        m = agent.poll()
+        if m is not None:
+            mgr.set_membership(m.alive)
+            replanned_at = time.time()
+            events.put(("replanned", rank, m.epoch, sorted(m.alive), agent.detected_at[m.epoch], replanned_at))
+        out = forward()
+        forwards += 1
+        if replanned_at is not None:
+            if len(after) < after_replan_forwards:
+                after.append(out)
+            elif hold is None or hold.is_set():
+                break
+        time.sleep(0.01)
+    agent.stop()
+    monitor.stop()
+    result = {"before": before, "after": after, "forwards": forwards, "alive": sorted(mgr.alive),
+              "imported": sorted(mgr.transport.imported_peers), "sources": sorted(mgr.buffer.sources()),
+              "stats": {k: v for k, v in mgr.stats().items() if k in ("members", "replans", "coverage", "restarts")}}
+    mgr.release(barrier=False)
+    rdzv.close(linger_s=30.0)  # rank 0 hosts the store: it waits for the survivors to leave (rdzv.members)
+    return result
