@@ -119,6 +119,7 @@ def test_kill_9_of_one_rank_under_32_clients_loses_nothing_and_answers_stay_bitw
         metrics = srv.get("/metrics").text
         assert re.search(r'dwdp_membership_epoch\{group="0"\} 1\.0', metrics), metrics[-2000:]
         assert re.search(r'dwdp_members_ready\{group="0"\} 3\.0', metrics)
+        assert re.search(r'dwdp_coverage_margin\{group="0"\} 1\.0', metrics)  # r = 2, one holder lost
         log = srv.log()
         assert "its elastic group keeps serving" in log
         print("rank-loss outcomes:", re.findall(r'dwdp_rank_loss_requests_total\{outcome="(\w+)"\} (\S+)', metrics))

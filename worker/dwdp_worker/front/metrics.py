@@ -93,6 +93,9 @@ class Metrics:
                                  "(rerun on a survivor, or refused 503 with the cause)", ["outcome"], registry=r)
         self.membership_epoch = Gauge("dwdp_membership_epoch", "membership epoch of the elastic group", ["group"],
                                       registry=r)
+        self.coverage_margin = Gauge("dwdp_coverage_margin", "minimum surviving holders per expert of the elastic "
+                                     "group (set at its first rank loss; 0 = an expert has no copy left)", ["group"],
+                                     registry=r)
         self.members_ready = Gauge("dwdp_members_ready", "ranks of the group still serving", ["group"], registry=r)
         r.register(_RankCollector(snapshot))
         r.register(KvCollector(snapshot))  # dwdp_kv_*: KV handoff, from the ranks' stats

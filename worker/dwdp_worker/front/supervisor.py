@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from dwdp_runtime.config import DwdpConfig
 from dwdp_runtime.load.estimator import LoadEstimator, QueueState
+from dwdp_runtime.layout import coverage
 from dwdp_runtime.membership import group_survives
 from dwdp_runtime.load.schema import LoadReport
 from dwdp_runtime.serving_options import ServingOptions
@@ -227,6 +228,7 @@ class Supervisor:
         """Whether ``h``'s group (expert replicas) still covers every expert without its dead ranks."""
         config = DwdpConfig(**h.spec.config)
         lost = {g.spec.rank for g in self.ranks if g.spec.group == h.spec.group and g.dead}
+        self.metrics.coverage_margin.labels(group=str(h.spec.group)).set(coverage(config.holders(), lost))
         return group_survives(config, lost)
 
     def _on_membership(self, h: RankHandle, msg: p.MembershipChanged) -> None:
