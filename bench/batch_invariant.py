@@ -111,7 +111,7 @@ def bench_prefill(device, isls, iters: int, layers: int, experts: int) -> list[d
     from dwdp_runtime.kernels import batch_invariant
     from dwdp_worker.checkpoint.loader import load_config
     from dwdp_worker.launch.oracle import Reference
-    from dwdp_worker.model import attention_bi
+    from dwdp_worker.model import attention
 
     rows = []
     args = parse_args(["--isl", str(max(isls)), "--num-layers", str(layers), "--num-experts", str(experts)])
@@ -127,7 +127,7 @@ def bench_prefill(device, isls, iters: int, layers: int, experts: int) -> list[d
             # "on": the mode as attach(batch_invariant=True) installs it (the GEMMs and the per-sequence attention);
             # "attention": the per-sequence attention alone (what it costs or saves beside SDPA's masked kernel)
             handles = ([batch_invariant.enable(device.type)] if mode == "on" else []) + (
-                [attention_bi.install(ref.model)] if mode != "off" else [])
+                [attention.install_per_sequence(ref.model)] if mode != "off" else [])
             try:
                 ms = _time_ms(lambda: ref.logits([seq]), device, iters)
                 packed_ms = _time_ms(lambda: ref.logits([other, seq]), device, iters)

@@ -10,7 +10,7 @@ attention projections, the dense MLP, shared experts, routers and the LM head of
 per-model list of modules to keep in sync. Our experts kernels are batch invariant already (docs/KERNELS.md).
 Attention is not a GEMM of this dispatcher: a sequence alone runs SDPA's causal kernel, packed the masked one
 (other bits: H200, 2026-12-04, qwen3_moe / mixtral 0.03 apart with these GEMMs on), so the worker's
-``--batch-invariant`` also runs attention per packed sequence (``dwdp_worker.model.attention_bi``, installed by
+``--batch-invariant`` also runs attention per packed sequence (``dwdp_worker.model.attention``, installed by
 ``attach``); ``tests/gpu/test_batch_invariant_gpu.py`` checks the whole model and names the first module that
 breaks it.
 

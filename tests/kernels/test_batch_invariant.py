@@ -108,16 +108,16 @@ def test_a_tiny_model_sees_the_same_logits_alone_and_packed(arch, tmp_path):
 
 
 def test_packed_sequences_are_found_by_their_position_restarts():
-    from dwdp_worker.model import attention_bi
+    from dwdp_worker.model import attention
 
-    assert attention_bi.segments([0, 1, 2, 0, 1, 0]) == ((0, 3), (3, 5), (5, 6))
-    assert attention_bi.segments([4, 5, 6]) == ((0, 3),)            # one sequence, whatever its first position
-    assert attention_bi.segments([0, 1, 1, 2]) == ((0, 2), (2, 4))  # a repeat is a restart, as transformers says
+    assert attention.segments([0, 1, 2, 0, 1, 0]) == ((0, 3), (3, 5), (5, 6))
+    assert attention.segments([4, 5, 6]) == ((0, 3),)            # one sequence, whatever its first position
+    assert attention.segments([0, 1, 1, 2]) == ((0, 2), (2, 4))  # a repeat is a restart, as transformers says
     # the mask a sequence gets alone: SDPA skips it unless a sliding window is shorter; eager always builds one
-    assert not attention_bi.alone_mask_needed("sdpa", 4096, None)
-    assert not attention_bi.alone_mask_needed("sdpa", 4096, 4096)
-    assert attention_bi.alone_mask_needed("sdpa", 4097, 4096)
-    assert attention_bi.alone_mask_needed("eager", 8, None)
+    assert not attention.alone_mask_needed("sdpa", 4096, None)
+    assert not attention.alone_mask_needed("sdpa", 4096, 4096)
+    assert attention.alone_mask_needed("sdpa", 4097, 4096)
+    assert attention.alone_mask_needed("eager", 8, None)
 
 
 def test_attention_close_restores_transformers_and_other_implementations_are_refused(tmp_path):
@@ -125,13 +125,13 @@ def test_attention_close_restores_transformers_and_other_implementations_are_ref
 
     from dwdp_worker.checkpoint.synth import write_synthetic
     from dwdp_worker.launch.oracle import Reference
-    from dwdp_worker.model import attention_bi
+    from dwdp_worker.model import attention
 
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     ckpt = write_synthetic("mixtral", tmp_path / "m", seed=7, hidden_size=64, num_layers=1, num_experts=4,
                            intermediate_size=64, dtype="bfloat16", vocab_size=128, num_heads=2, top_k=2)
     one, two = Reference(ckpt, experts=None), Reference(ckpt, experts=None)
-    first, second = attention_bi.install(one.model), attention_bi.install(two.model)
+    first, second = attention.install_per_sequence(one.model), attention.install_per_sequence(two.model)
     assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "dwdp_batch_invariant", False)
     first.close()
     first.close()  # idempotent
@@ -140,8 +140,8 @@ def test_attention_close_restores_transformers_and_other_implementations_are_ref
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
     assert not one.model._forward_pre_hooks and not one.model._forward_hooks
     one.model.config._attn_implementation = "flex_attention"
-    with pytest.raises(attention_bi.BatchInvariantAttentionError, match="flex_attention"):
-        attention_bi.install(one.model)
+    with pytest.raises(attention.BatchInvariantAttentionError, match="flex_attention"):
+        attention.install_per_sequence(one.model)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
 
 

@@ -1,11 +1,11 @@
-"""capturable_masks (worker/dwdp_worker/model/capturable_masks.py): `transformers`' causal mask skipped exactly where it
+"""attention (worker/dwdp_worker/model/attention.py): `transformers`' causal mask skipped exactly where it
 skips it outside a capture, through the real mask registry and a real model."""
 
 import torch
 from transformers import masking_utils
 
-from dwdp_worker.model import capturable_masks
-from dwdp_worker.model.capturable_masks import causal_skip
+from dwdp_worker.model import attention
+from dwdp_worker.model.attention import causal_skip
 
 CAUSAL = masking_utils.causal_mask_function
 PLAIN = dict(batch_size=1, q_length=16, kv_length=16, q_offset=0, kv_offset=0, mask_function=CAUSAL,
@@ -32,7 +32,7 @@ def test_outside_a_capture_one_sequence_changes_no_bit_and_is_undone(tmp_path):
     before = device_logits(model, *one)
     registry = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
     original, find_packed = registry["sdpa"], masking_utils.find_packed_sequence_indices
-    with capturable_masks.one_sequence():
+    with attention.one_sequence():
         wrapper = registry["sdpa"]
         assert wrapper is not original and wrapper(**PLAIN) is None
         assert wrapper(**{**PLAIN, "allow_is_causal_skip": False}).shape == (1, 1, 16, 16)  # deferred
@@ -56,6 +56,6 @@ def test_inside_a_simulated_capture_one_sequence_keeps_the_causal_kernel(monkeyp
         return masking_utils.create_causal_mask(config, embeds, None, None, position_ids=positions)
 
     assert mask() is not None  # traced, transformers cannot rule out packing: a dense mask
-    with capturable_masks.one_sequence():
+    with attention.one_sequence():
         assert mask() is None  # one sequence, known: the causal kernel, as in the eager forward
     assert mask() is not None  # undone

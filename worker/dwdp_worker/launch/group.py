@@ -72,7 +72,7 @@ def check_cuda_graphs(cuda_graphs: int, gpus: int) -> None:
 def check_batch_invariant(batch_invariant: bool, gpus: int, cuda_graphs: int = 0) -> None:
     """``--batch-invariant``: refused (ValueError, before any rank starts) without a GPU — its GEMM is a Triton
     kernel, and a host rank has no device to run it on — and with ``--cuda-graphs``: its attention reads each
-    forward's packed sequences on the host (``model.attention_bi``), which a graph replay cannot."""
+    forward's packed sequences on the host (``model.attention``), which a graph replay cannot."""
     if batch_invariant and gpus == 0:
         raise ValueError("--batch-invariant: the batch-invariant GEMMs are Triton kernels and need the ranks on "
                          "GPUs; these run on the host backend (no GPU visible, or --backend host); drop it")

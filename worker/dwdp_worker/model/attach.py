@@ -13,7 +13,7 @@ What ``attach`` does, in this order (``Attachment.close()`` undoes each, in reve
      attached model is an owner of it and the last owner's close puts `transformers`' function back.
   4. **Batch invariance** with ``batch_invariant``: the dispatcher's mm/addmm/bmm kernels of the model's device
      type (``dwdp_runtime.kernels.batch_invariant``, process-wide and reference counted) and the model's attention
-     run per packed sequence as that sequence alone (``attention_bi``: the registry entry of its attention
+     run per packed sequence as that sequence alone (``attention``: the registry entry of its attention
      implementation, reference counted, and a forward pre-hook on the model); both closed on undo.
   5. **Fused router** with ``fused_router`` (opt-in; ``router_impl``): router modules' instance ``forward``, where
      a probe shows it reproduces the module's (``router_impl.install``). Undo: the instance forwards popped.
@@ -26,7 +26,7 @@ Not here, and why:
   * the loader's construction of a model (meta device → parameters; local experts as parameters over their
     transport handles; ``model.dwdp_layout``): building a model is not mutating one, and ``unbind_experts``
     points those parameters back to meta after the manager's memory is gone (``Engine.close``);
-  * the CUDA-graph mask answer (``capturable_masks.one_sequence``): a context manager around one capture,
+  * the CUDA-graph mask answer (``attention.one_sequence``): a context manager around one capture,
     scoped so it needs no undo.
 
 Invariants: ``close()`` is idempotent; after it the model is bitwise its old self (the same parameter objects
@@ -41,7 +41,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import attention_bi, experts_impl, layers_impl, router_impl
+from . import attention, experts_impl, layers_impl, router_impl
 from .hooks import DwdpHooks
 from .registry import experts_sites
 
@@ -66,7 +66,7 @@ class Attachment:
     hooks: DwdpHooks | None = None
     fused: layers_impl.Installed | None = None
     batch_invariant: Any = None                    # kernels.batch_invariant.BatchInvariantMode, or None
-    attention: attention_bi.Installed | None = None  # per-sequence attention with batch_invariant
+    attention: attention.PerSequence | None = None  # per-sequence attention with batch_invariant
     routers: list = field(default_factory=list)    # router modules given the fused forward (router_impl)
     _overridden: list = field(default_factory=list)          # experts modules with an instance forward
     _kernel_layouts: list = field(default_factory=list)      # modules given ``_dwdp_kernels``
@@ -133,7 +133,7 @@ def attach(model: Any, *, device: Any, experts: str | None = "auto", manager: An
         if batch_invariant:
             from dwdp_runtime.kernels import batch_invariant as bi
 
-            att.attention = attention_bi.install(model)
+            att.attention = attention.install_per_sequence(model)
             att.batch_invariant = bi.enable(experts_impl.device_type(device))
             log.info("batch-invariant dense GEMMs on %s, %s attention per packed sequence",
                      experts_impl.device_type(device), att.attention.implementation)

@@ -68,7 +68,7 @@ def device_logits(model, input_ids, position_ids, last):
     A single sequence is run without ``position_ids`` (its positions are 0.., which `transformers` builds itself
     from the cache positions, bit for bit the same): the packing the positions would announce is then none.
     (`transformers` still tests the positions it builds for packing; inside a CUDA-graph capture, where that
-    host test cannot run, ``capturable_masks.one_sequence`` answers it.)"""
+    host test cannot run, ``attention.one_sequence`` answers it.)"""
     import torch
 
     with torch.inference_mode():

@@ -21,7 +21,7 @@ prefetch schedule at a forward boundary, else the forward runs eagerly (and the 
 After a failed capture the schedule is invalidated: the host schedule advanced through a forward that never
 ran, so its copies are re-issued.
 
-Invariants: logits are bitwise those of the eager forward (same kernels, same shapes — ``capturable_masks``
+Invariants: logits are bitwise those of the eager forward (same kernels, same shapes — ``attention``
 keeps `transformers` on the causal attention kernel inside a capture; the GPU test checks it); replays read their inputs from the graph's static tensors, copied in on the device; the output is
 copied to the host (float32) before the next replay can overwrite it. Scoring and KV-cache forwards are
 not captured (``Engine.forward`` routes only plain prefill here).
@@ -35,7 +35,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from ..model import capturable_masks
+from ..model import attention
 from ..model.packing import device_logits, pack
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,8 @@ class PrefillGraphs:
         if self.manager is not None:
             self.manager.join_copies()  # eagerly, before torch's capture begins
             dwdp = self.manager.capture()
-        # one sequence: `transformers` keeps the eager forward's causal attention kernel (capturable_masks)
-        masks = capturable_masks.one_sequence() if bucket.sequences == 1 else contextlib.nullcontext()
+        # one sequence: `transformers` keeps the eager forward's causal attention kernel (attention)
+        masks = attention.one_sequence() if bucket.sequences == 1 else contextlib.nullcontext()
         try:
             # thread_local: the capture forbids unsafe CUDA calls of this thread only (the HTTP front, the KV
             # service and the peer monitor run beside it)

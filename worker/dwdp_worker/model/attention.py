@@ -1,4 +1,25 @@
-"""Batch-invariant attention: a packed forward runs each sequence's attention as that sequence alone would.
+"""How a DWDP forward's attention is dispatched: two answers given through `transformers`' own registries.
+
+1. **The causal SDPA mask inside a CUDA-graph capture** (``one_sequence``).
+
+`transformers` (5.17, the GPU machines') builds no mask for a plain causal forward — one sequence, no padding,
+no cache — and lets SDPA run its causal kernel (``is_causal=True``). Inside a stream capture it decides
+otherwise twice, because ``is_tracing`` counts a capture as tracing (for the sake of ``torch.export``):
+``find_packed_sequence_indices`` cannot test the positions on the host, so it reports packing (which forbids
+the skip), and ``_ignore_causal_mask_sdpa`` refuses the skip itself. The captured forward then ran a dense-mask
+attention kernel where the eager one ran the causal kernel: different bits and slower (measured on H200,
+2026-12-02: max |Δ logit| 0.06–0.12 between a replay and the eager forward, first at layer 0's attention
+output). For a graph captured per exact shape of ONE sequence both answers are known: not packed, causal.
+
+``one_sequence()`` (entered by ``prefill_graphs`` around the capture of a one-sequence shape, and only
+there) answers both, through `transformers`' own lookups: ``find_packed_sequence_indices`` says "not packed"
+(what its host test says of one sequence), and the ``sdpa`` entry of the mask registry
+(``ALL_MASK_ATTENTION_FUNCTIONS``, its documented extension point) returns no mask exactly where
+`transformers` skips the mask outside a capture — causal mask function, no padding mask, no sliding window,
+query length equal to the key length, no query offset, skipping allowed — and defers to the original
+otherwise. Both are restored on exit.
+
+2. **Per-sequence attention for ``--batch-invariant``** (``install_per_sequence``).
 
 Why: a sequence alone gets SDPA's causal kernel (`transformers` builds no mask: ``is_causal=True``); packed
 with others it gets the block-diagonal mask and SDPA's masked kernel — another kernel, another summation
@@ -6,7 +27,7 @@ order, other bits (H200, 2026-12-04: qwen3_moe |Δ logit| 0.031, mixtral 0.035, 
 ``o_proj`` input, i.e. the attention output; the dense GEMMs were already ``bi_matmul``). Batch-invariant
 GEMMs alone therefore cannot make a packed sequence bitwise its alone self.
 
-What: ``install(model)`` wraps the attention function the model dispatches to (`transformers`'
+What: ``install_per_sequence(model)`` wraps the attention function the model dispatches to (`transformers`'
 ``ALL_ATTENTION_FUNCTIONS`` entry of ``config._attn_implementation``: ``sdpa``, or ``eager`` through the
 modeling module's own ``eager_attention_forward``) and adds a forward pre-hook on the model that reads the
 forward's ``position_ids``. When they announce several sequences (``segments``: a restart where a position
@@ -17,7 +38,7 @@ values), and concatenates the outputs along the sequence axis. One sequence (or 
 the inner function unchanged.
 
 Invariants: the per-sequence call is the alone call with the same shapes, values and mask; undo
-(``Installed.close``) restores the registry entry and removes the hooks; installs are reference counted per
+(``PerSequence.close``) restores the registry entry and removes the hooks; installs are reference counted per
 implementation (the registry entry is process-wide).
 
 Cost: finding the sequences reads the positions on the host (one sync per forward) — so this cannot run
@@ -27,11 +48,53 @@ one SDPA launch per sequence per layer replaces one per layer.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+MASK_KEY = "sdpa"  # the attention implementation whose mask is wrapped (the engine's models run SDPA)
+
+
+def causal_skip(kwargs: dict[str, Any], causal_mask_function: Callable) -> bool:
+    """Whether `transformers` would build no mask for this call outside a capture (pure)."""
+    return (kwargs.get("allow_is_causal_skip", True)
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+            and kwargs.get("attention_mask") is None
+            and kwargs.get("local_size") is None
+            and isinstance(kwargs.get("q_offset", 0), int) and kwargs.get("q_offset", 0) == 0
+            and kwargs.get("q_length") is not None and kwargs.get("q_length") == kwargs.get("kv_length"))
+
+
+@contextlib.contextmanager
+def one_sequence() -> Iterator[None]:
+    """While entered, `transformers` treats the positions as one sequence and skips its causal mask as it does
+    outside a capture (module docstring): only around the capture of a batch known to be one sequence."""
+    from transformers import masking_utils
+
+    registry = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
+    find_packed, sdpa_mask = masking_utils.find_packed_sequence_indices, registry[MASK_KEY]
+    causal = masking_utils.causal_mask_function
+
+    def sdpa_mask_skipping_causal(*args, **kwargs):
+        if not args and causal_skip(kwargs, causal):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = _not_packed
+    registry[MASK_KEY] = sdpa_mask_skipping_causal
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find_packed
+        registry[MASK_KEY] = sdpa_mask
+
+
+def _not_packed(position_ids) -> None:
+    return None
+
 
 #: attention implementations this module can make batch invariant (the ones with a per-call mask rule below)
 SUPPORTED = ("sdpa", "eager")
@@ -63,7 +126,7 @@ def alone_mask_needed(implementation: str, length: int, sliding_window: int | No
 
 
 @dataclass
-class Installed:
+class PerSequence:
     """One model's batch-invariant attention; ``close()`` undoes it (idempotent)."""
     implementation: str
     handles: list = field(default_factory=list)
@@ -78,7 +141,7 @@ class Installed:
         _release(self.implementation)
 
 
-def install(model: Any) -> Installed:
+def install_per_sequence(model: Any) -> PerSequence:
     """Make ``model``'s attention batch invariant (module docstring); raises ``BatchInvariantAttentionError``
     for an implementation outside ``SUPPORTED``."""
     implementation = str(getattr(model.config, "_attn_implementation", None))
@@ -87,7 +150,7 @@ def install(model: Any) -> Installed:
             f"--batch-invariant: the model's attention runs {implementation!r}; batch-invariant attention covers "
             f"{', '.join(SUPPORTED)} (load the model with one of them, or drop --batch-invariant)")
     _acquire(implementation)
-    installed = Installed(implementation)
+    installed = PerSequence(implementation)
     tokens: list = []
 
     def before(_module, _args, kwargs):
