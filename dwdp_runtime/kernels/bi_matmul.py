@@ -101,6 +101,15 @@ def _dot(a, b, acc, INTERP: tl.constexpr, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _swizzled_tile(tile, num_m, num_n, GROUP: tl.constexpr):
+    """Row and column block of output tile ``tile`` in GROUP-swizzled order (L2 reuse of the weight columns)."""
+    per_group = GROUP * num_n
+    first_m = (tile // per_group) * GROUP
+    group_m = tl.minimum(num_m - first_m, GROUP)
+    return first_m + ((tile % per_group) % group_m), (tile % per_group) // group_m
+
+
 @triton.jit(do_not_specialize=["M", "s_ab", "s_cb"])
 def _persistent_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
@@ -114,12 +123,8 @@ def _persistent_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     c_ptr += batch * s_cb
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * num_n
     for tile in range(pid, num_m * num_n, NUM_PROGRAMS):
-        first_m = (tile // per_group) * GROUP
-        group_m = tl.minimum(num_m - first_m, GROUP)
-        pid_m = first_m + ((tile % per_group) % group_m)
-        pid_n = (tile % per_group) // group_m
+        pid_m, pid_n = _swizzled_tile(tile, num_m, num_n, GROUP)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -158,13 +163,7 @@ def _tiled_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     a_ptr += batch * s_ab
     b_ptr += batch * s_bb
     c_ptr += batch * s_cb
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * num_n
-    first_m = (pid // per_group) * GROUP
-    group_m = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + ((pid % per_group) % group_m)
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = _swizzled_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
