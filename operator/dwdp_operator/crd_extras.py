@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .spec import GROUP, HGX_FIX, KIND, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS
+from .spec import DEGRADE_NEEDS_REPLICAS, GROUP, HGX_FIX, KIND, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS
 
 SINGULAR = KIND.lower()
 LIST_KIND = f"{KIND}List"
@@ -28,7 +28,8 @@ KIND_DESCRIPTION = (
     "of dwdpSize GPUs; each rank holds numExpertsPerWorker experts and prefetches the others from its peers' "
     "GPU memory layer by layer. The operator creates the groups' pods (gang-scheduled inside one NVLink "
     "clique), their Services, NetworkPolicies, token Secret and IMEX ComputeDomain, restarts a whole group "
-    "when one of its pods fails, and reports per-group state in status. docs/OPERATOR.md.")
+    "when one of its pods fails (or, with failurePolicy Degrade, recreates only that pod while the others "
+    "serve), and reports per-group state in status. docs/OPERATOR.md.")
 SPEC_DESCRIPTION = "the desired groups, their expert sharding, model and pod template"
 STATUS_DESCRIPTION = "written by the operator only"
 
@@ -63,6 +64,8 @@ PRINTER_COLUMNS = (
                   "Ready, Progressing, Degraded, Blocked (a child refused) or Invalid (the spec breaks a rule)"),
     PrinterColumn("Reason", "string", ".status.reason", "reason of the condition behind Status"),
     PrinterColumn("Age", "date", ".metadata.creationTimestamp"),
+    PrinterColumn("ReadyRanks", "integer", ".status.readyRanks",
+                  "ranks in Ready pods (a Degraded group counts only its serving ranks)", wide=True),
     PrinterColumn("DwdpSize", "integer", ".spec.dwdpSize", "ranks (GPUs) per group", wide=True),
     PrinterColumn("Experts/Worker", "integer", ".spec.experts.numExpertsPerWorker", "experts each rank holds",
                   wide=True),
@@ -104,6 +107,9 @@ SPEC_RULES = (
             "experts.numPrefetchSlots must be >= 2 so the next layer's copy overlaps this layer's compute"),
     CelRule("has(self.model.path) != has(self.model.synthetic)", "set exactly one of model.path or model.synthetic"),
     CelRule("self.httpPort != self.storePort", "httpPort and storePort must differ"),
+    # degrade.pod_loss_errors (exact for every sharding the rules above admit: degrade invariant 4)
+    CelRule("self.failurePolicy != 'Degrade' || self.experts.replicas > self.gpusPerPod",
+            f"failurePolicy {DEGRADE_NEEDS_REPLICAS}"),
 )
 
 #: rules of one spec object, on that object's schema (``self`` is the object): spec.autoscaling's cross-field

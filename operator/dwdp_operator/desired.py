@@ -59,11 +59,12 @@ from typing import Any
 
 from . import labels as L
 from . import manifests as M
+from .degrade import Action, Decision, coverage_left, decide, fresh_failures, pod_ranks, ranks_of, recent
 from .failures import group_failures, unschedulable_since
 from .observed import slim_pod
 from .restart import backoff_seconds, exhausted
 from .spec import DwdpGroupSpec, parse_spec
-from .state import (BUSY_PHASES, EventReason, EventType, Failure, FailureKind, GroupPhase, GroupStatus,
+from .state import (BUSY_PHASES, EventReason, EventType, Failure, FailureKind, GroupPhase, GroupStatus, LostPod,
                     PlannedEvent, RestartRecord, read_groups)
 from .status import invalid_conditions, iso, object_status, parse_iso, summarize
 
@@ -216,9 +217,19 @@ def _live_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) -> Gr
         plan.event(EventType.NORMAL, EventReason.GROUP_CREATED,
                    f"group {g} attempt {st.attempt}: creating {spec.pods_per_group} pods")
 
-    failures = group_failures(ctx.spec, ctx.name, st, cur, now=ctx.now)
+    failures = fresh_failures(st, group_failures(ctx.spec, ctx.name, st, cur, now=ctx.now))
     if failures:
-        return _restart(ctx, plan, st, cur, gpods, failures)
+        decision = decide(spec, st, failures, now=now)
+        if decision.action == Action.RESTART_GROUP:
+            return _restart(ctx, plan, st, cur, gpods, failures, note=decision.reason)
+        st = _lose_pods(ctx, plan, st, cur, failures, decision)
+
+    if st.phase == GroupPhase.DEGRADED:
+        if st.templateHash != ctx.thash:  # _roll replaces it at once (a group not Ready)
+            return _observe(ctx, st, cur)
+        st = _recreate_lost(ctx, plan, st, cur)
+        if st.phase == GroupPhase.DEGRADED:
+            return _observe(ctx, st, cur)
 
     if st.templateHash != ctx.thash:  # rolled (or not yet) by _roll, within the budget
         return _ready_or_pending(ctx, _observe(ctx, st, cur))
@@ -257,16 +268,87 @@ def _settled(ctx: _Ctx, st: GroupStatus, cur: list[dict]) -> GroupStatus:
     return st
 
 
-def _restart(ctx: _Ctx, plan: Plan, st: GroupStatus, cur: list[dict], gpods: list[dict],
-             failures: list[Failure]) -> GroupStatus:
+def _lose_pods(ctx: _Ctx, plan: Plan, st: GroupStatus, cur: list[dict], failures: list[Failure],
+               d: Decision) -> GroupStatus:
+    """failurePolicy Degrade absorbs ``failures``: record the lost pods (by the uid that failed), count them
+    against the budget, phase Degraded; ``_recreate_lost`` then deletes and recreates them."""
     spec, now = ctx.spec, ctx.now
-    why = "; ".join(f.text for f in failures)
+    uid = {p["name"]: p["uid"] for p in cur}
+    lost = {lp.pod: lp for lp in st.lostPods or ()}
+    for i in d.pods:
+        name = M.pod_name(ctx.name, st.index, i)
+        why = "; ".join(f.text for f in failures if f.pod == i)
+        lost[i] = LostPod(pod=i, ranks=list(pod_ranks(spec, i)), uid=uid.get(name, ""), reason=why, since=iso(now))
+    window = recent(st.podRecreations, now=now, window_s=spec.degrade.windowSeconds) + [iso(now)] * len(d.pods)
+    serving = spec.dwdpSize - len(d.lost_ranks)
+    for i in d.pods:
+        lp = lost[i]
+        plan.event(EventType.WARNING, EventReason.RANK_LOST,
+                   f"group {st.index}: pod {M.pod_name(ctx.name, st.index, i)} (rank(s) {lp.ranks}) lost ({lp.reason}); "
+                   f"failurePolicy Degrade: recreating only that pod at attempt {st.attempt}, the others keep "
+                   f"serving ({serving}/{spec.dwdpSize} ranks); coverage left {d.coverage} (fewest surviving "
+                   f"holders of an expert); recreation {len(window)}/{spec.degrade.maxPodRecreations} within "
+                   f"{spec.degrade.windowSeconds}s")
+    return st.model_copy(update={"phase": GroupPhase.DEGRADED, "lostPods": [lost[i] for i in sorted(lost)],
+                                 "missingRanks": list(d.lost_ranks), "coverage": d.coverage,
+                                 "podRecreations": window})
+
+
+def _recreate_lost(ctx: _Ctx, plan: Plan, st: GroupStatus, cur: list[dict]) -> GroupStatus:
+    """A Degraded group: delete each lost pod that is still there (the uid that failed), create it again once
+    gone (same name, same attempt, gang complete: it joins the running group), and forget it once its
+    replacement is Ready (Event RankRejoined). With none left the group is whole again (phase from the pods)."""
+    spec, g = ctx.spec, st.index
+    by_name = {p["name"]: p for p in cur}
+    left, created = [], []
+    for lp in st.lostPods or ():
+        name = M.pod_name(ctx.name, g, lp.pod)
+        p = by_name.get(name)
+        if p is None:
+            pod = M.worker_pod(name=ctx.name, ns=ctx.ns, uid=ctx.uid, g=g, i=lp.pod, attempt=st.attempt, spec=spec,
+                               thash=ctx.thash, whole=True)
+            plan.creates.append(pod)
+            created.append(slim_pod(pod))
+            left.append(lp)
+        elif p["uid"] == lp.uid or p["deleting"]:
+            if not p["deleting"]:
+                plan.deletes.append(("Pod", name))
+            left.append(lp)
+        elif p["ready"] and p["phase"] == "Running":
+            since = parse_iso(lp.since)
+            took = f" {ctx.now - since:.0f}s after its loss" if since is not None else ""
+            plan.event(EventType.NORMAL, EventReason.RANK_REJOINED,
+                       f"group {g}: pod {name} (rank(s) {lp.ranks}) Ready again{took}: rejoined the running group "
+                       f"at attempt {st.attempt}")
+        else:
+            left.append(lp)  # the replacement is starting
+    plan.patches += [(p["name"], M.serving_patch(True)) for p in cur if p["labels"].get(L.SERVING) != "true"]
+    plan.patches += [(p["name"], M.role_patch()) for p in cur if L.LLMD_ROLE not in p["labels"]]
+    if left:
+        missing = ranks_of(spec, (lp.pod for lp in left))
+        st = st.model_copy(update={"lostPods": left, "missingRanks": list(missing),
+                                   "coverage": coverage_left(spec, missing)})
+        if created:
+            ctx.after_creates[g] = _observe(ctx, st, cur + created)
+        return st
+    plan.event(EventType.NORMAL, EventReason.RANK_REJOINED,
+               f"group {g}: every lost pod rejoined; full capacity ({spec.dwdpSize} ranks, coverage "
+               f"{coverage_left(spec, ())})")
+    return st.model_copy(update={"phase": GroupPhase.PENDING, "lostPods": None, "missingRanks": None,
+                                 "coverage": None})
+
+
+def _restart(ctx: _Ctx, plan: Plan, st: GroupStatus, cur: list[dict], gpods: list[dict],
+             failures: list[Failure], note: str = "") -> GroupStatus:
+    spec, now = ctx.spec, ctx.now
+    why = "; ".join(f.text for f in failures) + (f"; {note}" if note else "")
     n = st.groupRestarts
     hist = st.history[-(HISTORY - 1):] + [RestartRecord(attempt=st.attempt, time=iso(now), reason=why)]
     dead_end = any(f.kind == FailureKind.PLACEMENT_DEAD_END for f in failures)
     avoid = sorted({p["node"] for p in cur if p["node"]}) if dead_end else None
     st = st.model_copy(update={"history": hist, "lastRestartTime": iso(now), "lastRestartReason": why,
-                               "avoidNodes": avoid})
+                               "avoidNodes": avoid, "lostPods": None, "missingRanks": None, "coverage": None,
+                               "podRecreations": None})
     _delete_all(plan, gpods)
     if exhausted(n, max_restarts=spec.restartPolicy.maxRestarts):
         st = st.model_copy(update={"phase": GroupPhase.FAILED, "restartAt": None})
@@ -314,7 +396,8 @@ def _surplus_group(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict], *,
 def _roll(ctx: _Ctx, plan: Plan, groups: list[GroupStatus], by_group: dict) -> list[GroupStatus]:
     """Start rolling outdated groups: unavailable ones at once, Ready ones within the budget."""
     live = [st for st in groups if st.index < ctx.spec.numGroups]
-    outdated = [st for st in live if st.phase in (GroupPhase.PENDING, GroupPhase.READY) and st.templateHash != ctx.thash]
+    outdated = [st for st in live if st.phase in (GroupPhase.PENDING, GroupPhase.READY, GroupPhase.DEGRADED)
+                and st.templateHash != ctx.thash]
     start = {st.index for st in outdated if st.phase != GroupPhase.READY}
     budget = ctx.spec.rollout.maxUnavailableGroups - sum(1 for st in live if st.phase != GroupPhase.READY)
     for st in sorted([s for s in outdated if s.phase == GroupPhase.READY], key=lambda s: -s.index):
@@ -328,7 +411,8 @@ def _roll(ctx: _Ctx, plan: Plan, groups: list[GroupStatus], by_group: dict) -> l
             _delete_all(plan, by_group.get(st.index, []))
             plan.event(EventType.NORMAL, EventReason.ROLLING_UPDATE,
                        f"group {st.index}: replacing attempt {st.attempt} with template {ctx.thash}")
-            st = st.model_copy(update={"phase": GroupPhase.UPDATING, "restartAt": iso(ctx.now), "readyPods": 0})
+            st = st.model_copy(update={"phase": GroupPhase.UPDATING, "restartAt": iso(ctx.now), "readyPods": 0,
+                                       "lostPods": None, "missingRanks": None, "coverage": None})
         out.append(st)
     return out
 
@@ -339,7 +423,7 @@ def _schedule_wake(ctx: _Ctx, plan: Plan, st: GroupStatus, gpods: list[dict]) ->
         plan.wake_in((parse_iso(st.restartAt) or ctx.now) - ctx.now)
     if st.phase == GroupPhase.DRAINING and st.drainUntil and (parse_iso(st.drainUntil) or 0.0) > ctx.now:
         plan.wake_in((parse_iso(st.drainUntil) or ctx.now) - ctx.now)  # past it: the busy recheck (6a) asks
-    if st.phase in BUSY_PHASES:
+    if st.phase in BUSY_PHASES or st.phase == GroupPhase.DEGRADED:  # a recreated pod may be the stuck one
         _, since = unschedulable_since(ctx.spec, [p for p in gpods if p["attempt"] == st.attempt], now=ctx.now)
         if since is not None:
             plan.wake_in(since + ctx.spec.restartPolicy.unschedulableSeconds - ctx.now)

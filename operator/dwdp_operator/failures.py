@@ -1,6 +1,7 @@
 """What counts as a failure of one group's current attempt — pure rules over the observed pods.
 
-``group_failures`` lists, in a fixed order (pods by name, then a placement dead end, then missing pods):
+``group_failures`` lists, in a fixed order (pods by name, then a placement dead end, then missing pods),
+each naming its pod's index and uid (``Failure.pod``; ``degrade.decide`` reads them):
   * a pod deleted under the group once the gang was complete (before that it is a pod of an unfinished
     gang, e.g. a roll-back, and is re-created once gone: ``desired`` invariant 2);
   * a pod that ended (Failed/Succeeded) or whose container restarted;
@@ -21,14 +22,17 @@ from .status import parse_iso
 def group_failures(spec: DwdpGroupSpec, name: str, st: GroupStatus, cur: list[dict], *, now: float) -> list[Failure]:
     """The failures of group ``st`` given its current attempt's pods ``cur`` (see the module docstring)."""
     out = []
+    index = {M.pod_name(name, st.index, i): i for i in range(spec.pods_per_group)}
     for p in sorted(cur, key=lambda p: p["name"]):
+        at = {"pod": index.get(p["name"]), "uid": p.get("uid", "")}
         if p["deleting"]:
             if st.gangComplete:
-                out.append(Failure(FailureKind.POD_DELETED, f"pod {p['name']} deleted"))
+                out.append(Failure(FailureKind.POD_DELETED, f"pod {p['name']} deleted", **at))
         elif p["phase"] in ("Failed", "Succeeded"):
-            out.append(Failure(FailureKind.POD_ENDED, f"pod {p['name']} {p['phase']}"))
+            out.append(Failure(FailureKind.POD_ENDED, f"pod {p['name']} {p['phase']}", **at))
         elif p["restarts"] > 0:
-            out.append(Failure(FailureKind.CONTAINER_RESTARTED, f"pod {p['name']} container restarted ({p['restarts']}x)"))
+            out.append(Failure(FailureKind.CONTAINER_RESTARTED,
+                               f"pod {p['name']} container restarted ({p['restarts']}x)", **at))
     dead_end = placement_dead_end(spec, cur, now=now)
     if dead_end:
         out.append(dead_end)
@@ -37,7 +41,7 @@ def group_failures(spec: DwdpGroupSpec, name: str, st: GroupStatus, cur: list[di
         for i in range(spec.pods_per_group):
             n = M.pod_name(name, st.index, i)
             if n not in have:
-                out.append(Failure(FailureKind.POD_DISAPPEARED, f"pod {n} disappeared"))
+                out.append(Failure(FailureKind.POD_DISAPPEARED, f"pod {n} disappeared", pod=i))
     return out
 
 

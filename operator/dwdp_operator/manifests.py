@@ -80,10 +80,12 @@ def claim_template_name(name: str) -> str:
 def template_hash(spec: DwdpGroupSpec) -> str:
     # kvTransfer and serving shape the pod env, but an absent section must not change existing groups' hash;
     # inferencePool is not pod-shaping: adding or removing an InferencePool never restarts a group;
-    # autoscaling only moves numGroups
+    # autoscaling only moves numGroups; failurePolicy and degrade only decide what a failure does (switching
+    # them never restarts a group, and an operator upgrade that adds them keeps every group's hash)
     unset = {k for k in ("kvTransfer", "serving") if getattr(spec, k) is None}
     shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing",
-                                                    "inferencePool", "autoscaling"} | unset)
+                                                    "inferencePool", "autoscaling", "failurePolicy",
+                                                    "degrade"} | unset)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -115,6 +116,36 @@ class RestartPolicy(_Model):
     unschedulableSeconds: int = Field(default=300, ge=0, le=86400, description=(
         "a group whose pods are partly bound while another cannot be scheduled (placement dead end) is "
         "restarted away from those nodes after this long; 0 = never"))
+
+
+class FailurePolicy(StrEnum):
+    """``spec.failurePolicy``: what the operator does when one pod of a running group fails."""
+
+    RESTART_GROUP = "RestartGroup"  # every pod of the group is recreated at attempt+1 (backoff, maxRestarts)
+    DEGRADE = "Degrade"             # only the failed pod is recreated; the survivors keep serving (issue #30)
+
+
+# spec.degrade defaults: a pod (node, GPU) that fails again and again is recreated at most this often per
+# group within the window before the group restarts as a whole (its own backoff and maxRestarts then apply)
+DEFAULT_MAX_POD_RECREATIONS = 3
+DEFAULT_RECREATION_WINDOW_S = 600
+MAX_RECREATION_WINDOW_S = 86400
+
+
+#: why Degrade needs replicas (validate_spec's message and its CEL twin's, crd_extras.SPEC_RULES)
+DEGRADE_NEEDS_REPLICAS = ("Degrade needs experts.replicas > gpusPerPod: a failed pod takes its gpusPerPod ranks "
+                          "with it, and only more replicas than that keep every expert on a surviving rank (with "
+                          "replicas 1 a lost rank's experts are gone with it and the group must restart anyway)")
+
+
+class Degrade(_Model):
+    """The budget of ``failurePolicy: Degrade`` (docs/OPERATOR.md, "Degrade")."""
+
+    maxPodRecreations: int = Field(default=DEFAULT_MAX_POD_RECREATIONS, ge=0, le=MAX_RESTARTS, description=(
+        "pods of one group recreated alone within windowSeconds; one more failure restarts the whole group "
+        "(restartPolicy's backoff and maxRestarts); 0 = every failure restarts the group"))
+    windowSeconds: int = Field(default=DEFAULT_RECREATION_WINDOW_S, ge=1, le=MAX_RECREATION_WINDOW_S,
+                               description="the sliding window maxPodRecreations counts in")
 
 
 class Rollout(_Model):
@@ -222,7 +253,15 @@ class DwdpGroupSpec(_Model):
     topologyKey: str = Field(default="nvidia.com/gpu.clique", min_length=1, description=(
         "node label whose value names an NVLink clique; a group never spans two values"))
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy, description=(
-        "what the operator does when a pod of a group fails (the whole group restarts)"))
+        "how a group restarts as a whole when a pod of it fails (failurePolicy RestartGroup, or a Degrade that "
+        "cannot keep the group: coverage lost, budget spent): backoff and budget"))
+    failurePolicy: FailurePolicy = Field(default=FailurePolicy.RESTART_GROUP, description=(
+        "RestartGroup: a failed pod restarts its whole group (every pod, next attempt). Degrade: only the failed "
+        "pod is recreated (same name, same attempt; the worker rejoins the running group) while the others keep "
+        "serving, as long as every expert keeps a surviving holder and spec.degrade's budget lasts; needs "
+        "experts.replicas > gpusPerPod"))
+    degrade: Degrade = Field(default_factory=Degrade, description=(
+        "the budget of failurePolicy Degrade (ignored under RestartGroup)"))
     rollout: Rollout = Field(default_factory=Rollout, description="how a template change replaces running groups")
     template: Template = Field(default_factory=Template, description="additions to every worker pod")
     sizing: Sizing | None = Field(default=None, description=(

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class GroupPhase(StrEnum):
     PENDING = "Pending"        # creating, or not every pod ready
     READY = "Ready"            # every pod Running and Ready
+    DEGRADED = "Degraded"      # failurePolicy Degrade: a pod lost, recreated alone; the others keep serving
     RESTARTING = "Restarting"  # failed; waiting for the backoff (restartAt), old pods being deleted
     UPDATING = "Updating"      # rolled to a new template; old pods being deleted
     DRAINING = "Draining"      # scaled away: out of the client Service until drainUntil, then deleted
@@ -36,7 +37,7 @@ class DwdpState(StrEnum):
 
     INVALID = "Invalid"          # the spec breaks a rule (condition Invalid)
     BLOCKED = "Blocked"          # the API server refuses a child (condition ChildrenAccepted=False)
-    DEGRADED = "Degraded"        # a group is restarting or Failed
+    DEGRADED = "Degraded"        # a group is restarting, Failed, or serving without a lost pod (Degrade)
     PROGRESSING = "Progressing"  # groups being created, rolled, drained
     READY = "Ready"              # every desired group Ready
 
@@ -57,6 +58,7 @@ class Reason(StrEnum):
     RECONCILING = "Reconciling"
     COMPLETE = "Complete"
     GROUP_FAILURES = "GroupFailures"
+    RANKS_MISSING = "RanksMissing"  # failurePolicy Degrade: groups serve without lost pods (nothing restarting)
     HEALTHY = "Healthy"
     VALID = "Valid"
     INVALID_SPEC = "InvalidSpec"
@@ -68,6 +70,8 @@ class EventReason(StrEnum):
     GROUP_CREATED = "GroupCreated"     # a group's new attempt is being created
     GROUP_RESTART = "GroupRestart"
     GROUP_FAILED = "GroupFailed"
+    RANK_LOST = "RankLost"             # Degrade: a pod's ranks lost; only that pod is recreated (the message: why)
+    RANK_REJOINED = "RankRejoined"     # Degrade: the recreated pod is Ready again (rejoined the running group)
     ROLLING_UPDATE = "RollingUpdate"
     SCALE_UP = "ScaleUp"
     SCALE_DOWN = "ScaleDown"
@@ -100,10 +104,14 @@ class FailureKind(StrEnum):
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a group restarts: ``kind`` drives behaviour, ``text`` is for people."""
+    """Why a group restarts: ``kind`` drives behaviour, ``text`` is for people; ``pod`` is the failed pod's
+    index i (``<name>-g<g>-p<i>``) and ``uid`` its uid ("" for a pod that is gone), None for a failure of the
+    group as a whole (a placement dead end)."""
 
     kind: FailureKind
     text: str
+    pod: int | None = None
+    uid: str = ""
 
 
 class _Model(BaseModel):
@@ -116,13 +124,23 @@ class RestartRecord(_Model):
     reason: str = Field(description="why")
 
 
+class LostPod(_Model):
+    """One entry of ``status.groups[].lostPods`` (failurePolicy Degrade): a pod being recreated alone."""
+
+    pod: int = Field(description="pod index i (<name>-g<g>-p<i>)")
+    ranks: list[int] = Field(description="the group ranks it ran (DWDP_RANK_BASE .. + gpusPerPod - 1)")
+    uid: str = Field(default="", description="uid of the pod that failed (its replacement has another)")
+    reason: str = Field(default="", description="why it was lost")
+    since: str = Field(default="", description="when the operator saw it lost")
+
+
 class GroupStatus(_Model):
     """One entry of ``status.groups``."""
 
     index: int = Field(description="group index g (pods <name>-g<g>-p<i>)")
     attempt: int = Field(default=0, description="bumped by every restart and rollout (DWDP_ATTEMPT)")
     phase: GroupPhase = Field(default=GroupPhase.PENDING, description=(
-        "Pending, Ready, Restarting, Updating, Draining or Failed"))
+        "Pending, Ready, Degraded, Restarting, Updating, Draining or Failed"))
     templateHash: str = Field(default="", description="template of the current attempt")
     gangComplete: bool = Field(default=False, description="every pod of the attempt existed once")
     pods: int = Field(default=0, description="pods of the current attempt")
@@ -139,6 +157,15 @@ class GroupStatus(_Model):
     avoidNodes: list[str] | None = Field(default=None, description=(
         "nodes the next attempt must avoid (left by a placement dead end)"))
     history: list[RestartRecord] = Field(default_factory=list, description="the last 10 restarts")
+    lostPods: list[LostPod] | None = Field(default=None, description=(
+        "failurePolicy Degrade: pods lost and being recreated alone (absent when the group is whole)"))
+    missingRanks: list[int] | None = Field(default=None, description=(
+        "failurePolicy Degrade: ranks of lostPods, not serving (absent when the group is whole)"))
+    coverage: int | None = Field(default=None, description=(
+        "failurePolicy Degrade: fewest surviving holders of any expert without missingRanks (>= 1 while "
+        "Degraded; absent when the group is whole: experts.replicas)"))
+    podRecreations: list[str] | None = Field(default=None, description=(
+        "failurePolicy Degrade: when pods were recreated alone within degrade.windowSeconds (the budget)"))
 
     def to_status(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)

@@ -3,10 +3,12 @@
 
 Invariants:
   1. A condition's ``lastTransitionTime`` changes only when its ``status`` changes.
-  2. ``aggregate`` derives replicas/readyGroups/totalRestarts from ``groups[]`` alone, so the
+  2. ``aggregate`` derives replicas/readyGroups/degradedGroups/readyRanks/totalRestarts from ``groups[]``
+     alone, so the
      printer columns and the scale subresource can never disagree with the per-group entries.
   3. Conditions (``state.ConditionType``): Ready (every desired group Ready), Progressing (a group
-     is being created, restarted, rolled or drained), Degraded (a group is restarting or Failed),
+     is being created, restarted, rolled or drained), Degraded (a group is restarting or Failed, or serves
+     without lost pods under failurePolicy Degrade: reason RanksMissing when nothing else is wrong),
      Invalid (the spec breaks a rule; children untouched), ChildrenAccepted (False while the API
      server refuses a child: the reason names the kind and the cause, the message the fix).
   4. ``summarize`` is the only place that ranks conditions into ``status.state`` / ``status.reason``
@@ -51,11 +53,15 @@ def condition(old: list[dict] | None, *, type: str, status: bool, reason: str, m
     return out
 
 
-def aggregate(groups: list[GroupStatus], *, num_groups: int) -> dict[str, int]:
+def aggregate(groups: list[GroupStatus], *, num_groups: int, gpus_per_pod: int = 1) -> dict[str, int]:
     live = [g for g in groups if g.index < num_groups]
     return {
         "replicas": len(live),
         "readyGroups": sum(1 for g in live if g.phase == GroupPhase.READY),
+        "degradedGroups": sum(1 for g in live if g.phase == GroupPhase.DEGRADED),
+        # a Degraded group serves with the ranks of its Ready pods only (reduced capacity, never "full")
+        "readyRanks": sum(g.readyPods for g in live if g.phase in (GroupPhase.READY, GroupPhase.DEGRADED))
+        * gpus_per_pod,
         "totalRestarts": sum(g.groupRestarts for g in groups),
     }
 
@@ -78,15 +84,17 @@ def conditions_for(groups: list[GroupStatus], *, num_groups: int, outdated: int,
     busy = [g for g in groups if g.phase in BUSY_PHASES]
     failed = [g.index for g in groups if g.phase == GroupPhase.FAILED]
     restarting = [g.index for g in groups if g.phase == GroupPhase.RESTARTING]
+    short = [g for g in live if g.phase == GroupPhase.DEGRADED]
     all_ready = ready == num_groups and len(live) == num_groups
     progressing = bool(busy) or outdated > 0 or len(live) != num_groups
-    degraded = bool(failed or restarting)
+    degraded = bool(failed or restarting or short)
     if degraded:
         parts = []
         if failed:
             parts.append(f"groups {failed} Failed (restart budget spent; change the template to retry)")
         if restarting:
             parts.append(f"groups {restarting} restarting after backoff")
+        parts += [degraded_message(g) for g in short]
         deg_msg = "; ".join(parts)
     else:
         deg_msg = "no group is failing"
@@ -96,16 +104,25 @@ def conditions_for(groups: list[GroupStatus], *, num_groups: int, outdated: int,
     return [
         condition(old, type=c.READY, status=all_ready,
                   reason=Reason.ALL_GROUPS_READY if all_ready else Reason.GROUPS_NOT_READY,
-                  message=f"{ready}/{num_groups} groups ready", now=now, generation=generation),
+                  message=f"{ready}/{num_groups} groups ready" + (f", {len(short)} degraded (serving with fewer ranks)"
+                                                               if short else ""), now=now, generation=generation),
         condition(old, type=c.PROGRESSING, status=progressing,
                   reason=Reason.RECONCILING if progressing else Reason.COMPLETE, message=prog_msg, now=now,
                   generation=generation),
-        condition(old, type=c.DEGRADED, status=degraded, reason=Reason.GROUP_FAILURES if degraded else Reason.HEALTHY,
-                  message=deg_msg, now=now, generation=generation),
+        condition(old, type=c.DEGRADED, status=degraded,
+                  reason=(Reason.GROUP_FAILURES if failed or restarting else Reason.RANKS_MISSING) if degraded
+                  else Reason.HEALTHY, message=deg_msg, now=now, generation=generation),
         condition(old, type=c.INVALID, status=False, reason=Reason.VALID, message="spec passes every rule",
                   now=now, generation=generation),
         accepted_condition(refusals, old=old, now=now, generation=generation),
     ]
+
+
+def degraded_message(g: GroupStatus) -> str:
+    """One Degraded group in the condition's message: the missing ranks, why, the coverage left."""
+    why = "; ".join(f"pod {lp.pod}: {lp.reason}" for lp in g.lostPods or ())
+    return (f"group {g.index} serving without ranks {g.missingRanks or []} ({why}); coverage {g.coverage} "
+            f"(fewest surviving holders of an expert); recreating the lost pod(s)")
 
 
 def object_status(spec: DwdpGroupSpec, groups: list[GroupStatus], *, name: str, thash: str, old: dict[str, Any],
@@ -117,7 +134,8 @@ def object_status(spec: DwdpGroupSpec, groups: list[GroupStatus], *, name: str, 
                                 refusals=old.get("refusals") or [], old=old.get("conditions"), now=now,
                                 generation=generation)
     status = {
-        "observedGeneration": generation, **aggregate(groups, num_groups=spec.numGroups),
+        "observedGeneration": generation,
+        **aggregate(groups, num_groups=spec.numGroups, gpus_per_pod=spec.gpusPerPod),
         "selector": L.selector(name), "templateHash": thash, "groups": [g.to_status() for g in groups],
         "refusals": list(old.get("refusals") or []), "conditions": conditions, **summarize(conditions),
     }

@@ -92,6 +92,10 @@ class DwdpGroupStatus(_Model):
     reason: str | None = Field(default=None, description="reason of the condition behind state (printer column REASON)")
     replicas: int | None = Field(default=None, description="groups that exist (any phase but removed)")
     readyGroups: int | None = Field(default=None, description="groups with every pod Running and Ready")
+    degradedGroups: int | None = Field(default=None, description=(
+        "groups serving without lost pods (failurePolicy Degrade; phase Degraded)"))
+    readyRanks: int | None = Field(default=None, description=(
+        "ranks in Ready pods of Ready and Degraded groups: the capacity serving now"))
     totalRestarts: int | None = Field(default=None, description="sum of groups[].groupRestarts")
     selector: str | None = Field(default=None, description="label selector of all worker pods (scale subresource)")
     templateHash: str | None = Field(default=None, description="hash of the pod-shaping spec fields")

@@ -143,7 +143,8 @@ def test_scale_subresource_and_printer_columns():
     cols = [c["name"].upper() for c in VERSION["additionalPrinterColumns"] if not c.get("priority")]
     assert cols == ["GROUPS", "READY", "RESTARTS", "STATUS", "REASON", "AGE"]
     wide = [c["jsonPath"] for c in VERSION["additionalPrinterColumns"] if c.get("priority") == 1]
-    assert wide == [".spec.dwdpSize", ".spec.experts.numExpertsPerWorker", ".spec.experts.transfer", ".spec.image"]
+    assert wide == [".status.readyRanks", ".spec.dwdpSize", ".spec.experts.numExpertsPerWorker", ".spec.experts.transfer",
+                    ".spec.image"]
     assert CRD["spec"]["names"]["shortNames"] == ["dwdp"]
 
 

@@ -129,6 +129,6 @@ def test_every_status_the_operator_writes_fits_the_status_schema(case):
 def test_the_status_check_sees_a_field_the_server_would_prune():
     status = copy.deepcopy(STATUSES["ready"])
     status["groups"][0]["warmupSeconds"] = 3
-    status["readyRanks"] = 8
+    status["servingRanks"] = 8
     errors = instance_errors(STATUS_SCHEMA, status)
     assert len(errors) == 2 and all("Additional properties are not allowed" in e for e in errors), errors
