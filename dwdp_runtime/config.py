@@ -15,6 +15,8 @@ Rules (each error message names the rule and suggests a fix):
   8. ``1 <= expert_replicas <= d``         — every expert on at least r distinct ranks (a rank stores
      its ring predecessors' experts too, ``layout.holder_layout``): r ranks cannot be found in a
      group of fewer; each step of r costs about k more experts of memory per rank.
+  9. ``on_uncovered`` in ``contract.OnUncovered`` (``restart`` | ``reload``): what a rank loss that leaves an
+     expert without a surviving holder does (``DwdpConfig.elastic``, ``membership.group_survives``).
 with d = dwdp_size, N = num_experts, k = num_experts_per_worker, s = num_prefetch_experts.
 Rank r owns experts ``[r*s, min(r*s + k, N))`` (see ``layout.peer_ranges``).
 """
@@ -25,7 +27,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from . import layout
-from .contract import DEFAULT_TRANSFER, TRANSFER_MODES, TransferMode
+from .contract import DEFAULT_ON_UNCOVERED, DEFAULT_TRANSFER, ON_UNCOVERED_POLICIES, TRANSFER_MODES, OnUncovered, TransferMode
 
 __all__ = ["TRANSFER_MODES", "TransferMode", "DwdpConfig", "sharding_errors", "suggest_sharding"]
 
@@ -130,6 +132,9 @@ class DwdpConfig:
     contention_opt: bool = False
     transfer: TransferMode = DEFAULT_TRANSFER
     expert_replicas: int = 1  # every expert on >= this many ranks (1 = no spare copy: today's layout)
+    # an expert without a surviving holder after a loss: ``restart`` the group (today) or ``reload`` it from the
+    # checkpoint on every survivor (``contract.OnUncovered``; ``DwdpManager.reload_uncovered``)
+    on_uncovered: str = DEFAULT_ON_UNCOVERED
 
     def __post_init__(self) -> None:
         errors = sharding_errors(
@@ -143,6 +148,8 @@ class DwdpConfig:
         )
         if self.transfer not in TRANSFER_MODES:
             errors.append(f"transfer={self.transfer!r}: must be one of {', '.join(TRANSFER_MODES)}")
+        if self.on_uncovered not in ON_UNCOVERED_POLICIES:
+            errors.append(f"on_uncovered={self.on_uncovered!r}: must be one of {', '.join(ON_UNCOVERED_POLICIES)}")
         if errors:
             raise ValueError("invalid DWDP config: " + "; ".join(errors))
 
@@ -152,6 +159,13 @@ class DwdpConfig:
         k, s = suggest_sharding(dwdp_size=dwdp_size, num_experts=num_experts)
         return cls(dwdp_size=dwdp_size, num_experts=num_experts, num_experts_per_worker=k,
                    num_prefetch_experts=s, **kw)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a rank loss is survived in place (peers judged by ``PeerMonitor(elastic=True)``, membership
+        epochs, re-plans): with spare copies (r ≥ 2), or with ``on_uncovered=reload`` (the survivors reload the
+        lost experts from the checkpoint, so even r = 1 survives)."""
+        return self.expert_replicas > 1 or self.on_uncovered == OnUncovered.RELOAD
 
     def holders(self) -> "layout.HolderLayout":
         """Primary ranges and replica runs of every rank (``layout.holder_layout``)."""

@@ -108,6 +108,7 @@ class LayoutEnv(StrEnum):
     """Pod env of layout knobs whose default keeps today's pods unchanged, set only when not the default."""
 
     EXPERT_REPLICAS = "DWDP_EXPERT_REPLICAS"      # experts.replicas when > 1 (absent: 1, no spare copy)
+    ON_UNCOVERED = "DWDP_ON_UNCOVERED"            # experts.onUncovered when reload (absent: restart, today's pods)
 
 
 POD_ENV_OPTIONAL: tuple[str, ...] = (tuple(v.value for v in KvEnv) + tuple(v.value for v in ServingEnv)
@@ -140,6 +141,19 @@ class Transfer(StrEnum):
 TransferMode = _literal_of(Transfer)
 TRANSFER_MODES: tuple[str, ...] = tuple(m.value for m in Transfer)
 DEFAULT_TRANSFER: str = Transfer.COPY_ENGINE.value  # a plain str: safe in dataclass dumps
+
+
+class OnUncovered(StrEnum):
+    """``--on-uncovered`` / ``experts.onUncovered``: what a group does when a rank loss leaves some expert with no
+    surviving holder (r = 1, or r ranks lost; ``DwdpManager.reload_uncovered``)."""
+
+    RESTART = "restart"  # the group restarts (today's behaviour; the default: no memory or checkpoint read at run time)
+    RELOAD = "reload"    # every survivor reads those experts from the checkpoint into private memory and serves on
+
+
+OnUncoveredName = _literal_of(OnUncovered)
+ON_UNCOVERED_POLICIES: tuple[str, ...] = tuple(m.value for m in OnUncovered)
+DEFAULT_ON_UNCOVERED: str = OnUncovered.RESTART.value
 
 
 class ModelDtype(StrEnum):

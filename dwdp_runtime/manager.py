@@ -21,17 +21,27 @@ Lifecycle::
 ``fill(view, start, end)`` that writes experts ``[start, end)`` into ``view`` (the loader reads
 safetensors slices straight into the shareable allocation: a rank never materialises all experts).
 
+Reload (issue #30, ``config.on_uncovered == "reload"``): ``set_membership`` first calls ``reload_uncovered``,
+which reads the experts no survivor holds from the checkpoint through the same ``fill`` readers into private runs
+of this rank (``holders_reload``) — only those experts' bytes — so the re-plan finds a source for every expert.
+A loader whose readers need their files reopened sets ``reload_source`` (a context manager factory, e.g.
+``SafetensorsIndex.reopened``; what it yields may count ``bytes_read``).
+
 There is no process-global manager: the model receives its manager explicitly.
 Any failure in ``setup`` releases everything created so far before re-raising.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Hashable
+import time
+from typing import Any, Callable, ContextManager, Hashable
 
 from .config import DwdpConfig
 from .contract import DEFAULT_TRANSFER, Backend
+from .contract import OnUncovered
+from .holders_reload import ReloadReport, orphaned_runs, private_runs_of, with_private_runs
 from .layout import DEFAULT_PAGE_MULTIPLIER, coverage
 from .memory import MemoryBackend, select_backend
 from .memory.base import nbytes_of
@@ -73,6 +83,9 @@ class DwdpManager:
                                    holders=self.holders)
         self.alive: frozenset[int] = frozenset(range(config.dwdp_size))
         self.replans = 0
+        self.reloads: list[ReloadReport] = []   # every reload of experts without a surviving holder, in order
+        # opens what the fill readers read, for the duration of a reload (None: they need nothing opened)
+        self.reload_source: Callable[[], ContextManager[Any]] | None = None
         self._layers: list[Hashable] = []
         self._repeated: list[Hashable] = []
         self._specs: dict[Hashable, list[WeightSpec]] = {}
@@ -207,12 +220,42 @@ class DwdpManager:
         if alive == self.alive:
             return
         self.streams.synchronize()
+        self.reload_uncovered(alive)
         self.buffer.replan(alive)
         weights.reload_copies()
         for peer in sorted(self.alive - alive):
             self.transport.drop_peer(peer)
         self.alive = alive
         self.replans += 1
+
+    def reload_uncovered(self, alive) -> ReloadReport | None:
+        """Per ``config.on_uncovered``: with ``reload``, read every expert no rank of ``alive`` holds (and this rank
+        has not reloaded yet) from the checkpoint into private runs and plan over them from the next
+        ``buffer.replan``; ``None`` when nothing is uncovered or the policy is ``restart`` (the re-plan then
+        refuses with ``NoSurvivingHolder``). Raises ``holders_reload.ReloadRefused`` (nothing changed) when the
+        runs cannot be allocated or read. Call with the copy stream quiesced (``set_membership`` does)."""
+        if self.config.on_uncovered != OnUncovered.RELOAD:
+            return None
+        shared = self.holders
+        view = self.buffer.holders or shared
+        runs = orphaned_runs(shared, alive, private_runs_of(view, shared, self.rank))
+        if not runs:
+            return None
+        t0 = time.perf_counter()
+        with (self.reload_source() if self.reload_source is not None else contextlib.nullcontext()) as src:
+            read0 = getattr(src, "bytes_read", None)
+            allocated = self.transport.add_private_runs(runs)
+            read = getattr(src, "bytes_read", None)
+        self.buffer.use_holders(with_private_runs(view, self.rank, runs))
+        experts = tuple(e for a, b in runs for e in range(a, b))
+        specs = [s for layer in self._layers for s in self._specs[layer]]
+        report = ReloadReport(experts=experts, runs=runs, nbytes=len(experts) * sum(s.expert_bytes for s in specs),
+                              allocated_bytes=allocated,
+                              bytes_read=None if read0 is None or read is None else read - read0,
+                              seconds=time.perf_counter() - t0)
+        self.reloads.append(report)
+        log.warning("rank %d: %s", self.rank, report.describe())
+        return report
 
     def capture(self):
         """Context manager for one forward captured in a CUDA graph (``WeightManager.capture``)."""
@@ -240,7 +283,8 @@ class DwdpManager:
 
     def stats(self) -> dict[str, Any]:
         out = {"restarts": self.num_restarts, "backend": self.backend_name, "transfer": self.streams.transfer,
-               "members": len(self.alive), "replans": self.replans, "coverage": self.coverage()}
+               "members": len(self.alive), "replans": self.replans, "coverage": self.coverage(),
+               "reloaded_experts": sorted(e for rep in self.reloads for e in rep.experts)}
         if self.weights:
             out.update(self.weights.stats)
         out["remote_bytes_per_forward"] = sum(self.buffer.remote_bytes_per_layer.values())

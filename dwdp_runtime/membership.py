@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .config import DwdpConfig
+from .contract import OnUncovered
 from .layout import coverage
 from .monitor import PeerLost, PeerMonitor
 from .rendezvous import StoreRendezvous
@@ -68,11 +69,12 @@ def next_membership(current: Membership, lost: Iterable[int]) -> Membership | No
 
 
 def group_survives(config: DwdpConfig, lost_ranks: Iterable[int]) -> bool:
-    """Whether a group can keep serving without ``lost_ranks``: elastic (r ≥ 2), someone left, and every
-    expert still on a surviving holder (``layout.coverage`` ≥ 1). Otherwise: a group restart."""
+    """Whether a group can keep serving without ``lost_ranks``: elastic (``config.elastic``), someone left, and
+    every expert still on a surviving holder (``layout.coverage`` ≥ 1) — or, with ``on_uncovered=reload``, read
+    back from the checkpoint by the survivors (``DwdpManager.reload_uncovered``). Otherwise: a group restart."""
     lost = set(lost_ranks)
-    return (config.expert_replicas > 1 and len(lost) < config.dwdp_size
-            and coverage(config.holders(), lost) >= 1)
+    return (config.elastic and len(lost) < config.dwdp_size
+            and (config.on_uncovered == OnUncovered.RELOAD or coverage(config.holders(), lost) >= 1))
 
 
 def epoch_key(epoch: int) -> str:

@@ -19,6 +19,11 @@ the rank maps its own replica runs read-only too (it may be an expert's survivin
 itself). ``drop_peer(peer)`` unmaps and releases every view of a lost peer: after it, no address of
 that peer's memory exists in this process (what a device loss requires; docs/RUNTIME.md).
 
+Private runs (``add_private_runs``, a reload of experts no survivor holds: ``holders_reload``): per key one more
+allocation per run, filled by the same ``fill_replica`` reader after setup, mapped read-only under this rank's
+own handle index ``len(stored) + i`` and **never exported** (``_exported`` lists primary and replica handles only,
+so the handle count peers expect never changes). Released with the rank's other allocations.
+
 Invariant: keys are added in the same order on every rank (the manager registers layers in
 forward order), so allocation i of rank r is the same (layer, weight) everywhere; handles of one
 key are exported in handle order.
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 from .fdpass import FdServer, fetch_fds
@@ -46,6 +51,8 @@ class _Entry:
     shape: tuple[int, ...]  # per-expert shape
     dtype: object
     allocs: list[Allocation]  # by handle index: 0 = primary range, j = replica run j-1
+    reader: Callable[[object, int, int], None] | None = None  # fill_replica: experts [start, end) into a view
+    private: list[Allocation] = field(default_factory=list)   # handle len(allocs) + i: reloaded run i, not exported
 
     @property
     def alloc(self) -> Allocation:
@@ -100,7 +107,7 @@ class Transport:
                 self.memory.release(alloc)
             raise
         self._index[key] = len(self._entries)
-        self._entries.append(_Entry(key, expert_bytes, tuple(expert_shape), dtype, allocs))
+        self._entries.append(_Entry(key, expert_bytes, tuple(expert_shape), dtype, allocs, fill_replica))
 
     def _create_filled(self, num: int, expert_shape, dtype, expert_bytes: int, fill) -> Allocation:
         nbytes = handle_bytes(num, expert_bytes, self.memory.granularity)
@@ -150,6 +157,45 @@ class Transport:
             self.memory.free_reservation(va, nbytes)
         for alloc in self._peer_allocs.pop(peer, []):
             self.memory.release(alloc)
+
+    def add_private_runs(self, runs: Sequence[tuple[int, int]]) -> int:
+        """Allocate, fill (``fill_replica``) and map read-only one private allocation per key and run (module
+        docstring); returns the bytes allocated. Handle index of run i: this key's handle count before + i. All
+        or nothing: on any failure what this call created is released, and ``holders_reload.ReloadRefused``
+        names the cause (the memory backend's refusal, a reader's error) and the bytes it needed."""
+        from .holders_reload import ReloadRefused, private_bytes
+
+        if not self._exchanged or self._released:
+            raise RuntimeError("private runs are added to a running transport (after the exchange, before release)")
+        missing = [e.key for e in self._entries if e.reader is None]
+        if missing:
+            raise ReloadRefused(f"no checkpoint reader for {missing[:3]} (the experts were given as tensors, "
+                                f"not as fill(view, start, end)): cannot reload experts {list(runs)}")
+        need = private_bytes(runs, [e.expert_bytes for e in self._entries], self.memory.granularity)
+        made: list[tuple[_Entry, Allocation, tuple]] = []   # (entry, allocation, view key)
+        try:
+            for entry in self._entries:
+                for a, b in runs:
+                    alloc = self._create_filled(b - a, entry.shape, entry.dtype, entry.expert_bytes,
+                                                lambda v, a=a, b=b, r=entry.reader: r(v, a, b))
+                    handle = len(entry.allocs) + len(entry.private)
+                    entry.private.append(alloc)
+                    made.append((entry, alloc, (self.rank, entry.key, handle)))
+                    self._map_view(self.rank, entry.key, handle, alloc,
+                                   handle_bytes(b - a, entry.expert_bytes, self.memory.granularity))
+        except BaseException as exc:
+            for entry, alloc, key in reversed(made):
+                view = self._peer_views.pop(key, None)
+                if view is not None:
+                    self.memory.unmap(*view)
+                    self.memory.free_reservation(*view)
+                entry.private.remove(alloc)
+                self.memory.release(alloc)
+            if isinstance(exc, Exception):
+                raise ReloadRefused(f"reloading experts {list(runs)} ({need / 2**20:.1f} MiB on the {self.memory.name} "
+                                    f"backend) failed: {type(exc).__name__}: {exc}") from exc
+            raise
+        return need
 
     def exchange(self, peers: Sequence[int], *, progress: Callable[[int], None] | None = None) -> None:
         """Import the allocations of ``peers`` (the ranks this rank copies from)."""
@@ -254,7 +300,7 @@ class Transport:
             except Exception as exc:  # noqa: BLE001 - a dead peer must not block our teardown
                 log.warning("release barrier failed (%s); releasing local allocations anyway", exc)
         for entry in self._entries:
-            for alloc in entry.allocs:
+            for alloc in [*entry.allocs, *entry.private]:
                 self.memory.release(alloc)
         if errors:
             log.warning("errors while unmapping peer views: %s", errors[0])

@@ -19,6 +19,9 @@ Re-plan (``replan(alive)``, a membership epoch after a rank loss): only step 3 i
 ``copy_plan(..., holders, alive)`` — the composites, pool and mappings stay; every source of the new
 copy lists is a surviving holder's allocation (``layout.surviving_owner``). Pure host work: the caller
 quiesces the copy stream first (``DwdpManager.set_membership``).
+
+Reloaded experts (``use_holders(view)``, ``holders_reload``): the plan's holder layout becomes this rank's own
+view, the group's plus its private runs; the next ``replan`` then sources the reloaded experts from them.
 """
 
 from __future__ import annotations
@@ -142,6 +145,19 @@ class WeightBuffer:
         self._compiled.update(compiled)
         self.remote_bytes_per_layer.update(remote)
         self.alive = alive
+
+    def use_holders(self, view: HolderLayout) -> None:
+        """Plan over ``view`` from the next ``replan`` on: the group's layout with runs added to this rank only
+        (its private, reloaded runs; ``holders_reload.with_private_runs``). Other ranks' runs must not change:
+        they are what this rank imported."""
+        if self.holders is None:
+            raise RuntimeError("a re-plan needs the holder layout (expert_replicas)")
+        others = [r for r in range(view.dwdp_size) if r != self.rank]
+        if view.primary != self.holders.primary or any(
+                view.replicas[r] != self.holders.replicas[r] for r in others) or \
+                view.replicas[self.rank][:len(self.holders.replicas[self.rank])] != self.holders.replicas[self.rank]:
+            raise ValueError("a holder view may only append runs to this rank's own replica runs")
+        self.holders = view
 
     def sources(self) -> set[int]:
         """Ranks the current copy lists read from (this rank included when it reads its own replicas)."""

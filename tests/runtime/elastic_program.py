@@ -34,8 +34,19 @@ def expected_digests(num_experts: int) -> list[str]:
             for layer in range(NUM_LAYERS)]
 
 
+def write_checkpoint(path, num_experts: int) -> None:
+    """The reference experts as a safetensors checkpoint (one fused ``[E, 32, 64]`` tensor per layer)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.runtime.workloads import reference
+
+    save_file({f"layer{layer}": reference(layer, "w", num_experts, EXPERT_SHAPE, torch.float32).contiguous()
+               for layer in range(NUM_LAYERS)}, str(path))
+
+
 def elastic_rank(rank, world, port, *, num_experts, k, s, replicas, events, run_s, after_replan_forwards,
-                 dead_after_s, interval_s, hold=None):
+                 dead_after_s, interval_s, hold=None, checkpoint=None, on_uncovered="restart"):
     import torch
 
     from dwdp_runtime.config import DwdpConfig
@@ -47,16 +58,28 @@ def elastic_rank(rank, world, port, *, num_experts, k, s, replicas, events, run_
 
     torch.set_num_threads(1)
     cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts, num_experts_per_worker=k, num_prefetch_experts=s,
-                     expert_replicas=replicas)
+                     expert_replicas=replicas, on_uncovered=on_uncovered)
     x = torch.arange(EXPERT_SHAPE[1] * 4, dtype=torch.float32).reshape(4, EXPERT_SHAPE[1]) / 7.0
     rdzv = StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="elastic", token="t",
                            timeout_s=60)
     mgr = DwdpManager.create(config=cfg, rank=rank, rendezvous=rdzv, backend="host")
+    ckpt = None
+    if checkpoint is not None:  # real preads of only [a, b) through the loader's index (worker on PYTHONPATH)
+        from dwdp_worker.checkpoint.safetensors_index import SafetensorsIndex
+
+        ckpt = SafetensorsIndex(checkpoint)
     for layer in range(NUM_LAYERS):
-        full = reference(layer, "w", num_experts, EXPERT_SHAPE, torch.float32)
         mgr.add_layer(layer)
-        mgr.add_expert_weight(layer, "w", expert_shape=EXPERT_SHAPE, dtype=torch.float32,
-                              fill=lambda view, a, b, full=full: view.copy_(full[a:b]))
+        if ckpt is not None:
+            fill = (lambda view, a, b, key=f"layer{layer}": ckpt.read_rows(key, a, b, view))
+        else:
+            full = reference(layer, "w", num_experts, EXPERT_SHAPE, torch.float32)
+            fill = (lambda view, a, b, full=full: view.copy_(full[a:b]))
+        mgr.add_expert_weight(layer, "w", expert_shape=EXPERT_SHAPE, dtype=torch.float32, fill=fill)
+    if ckpt is not None:
+        ckpt.close()  # as the loader does: nothing stays open; a reload reopens the files
+        setup_read = ckpt.bytes_read
+        mgr.reload_source = ckpt.reopened
     mgr.setup()
     monitor = PeerMonitor(rdzv, interval_s=interval_s, dead_after_s=dead_after_s, elastic=True).start()
     agent = MembershipAgent(rdzv, monitor).start()
@@ -94,7 +117,9 @@ def elastic_rank(rank, world, port, *, num_experts, k, s, replicas, events, run_
     monitor.stop()
     result = {"before": before, "after": after, "forwards": forwards, "alive": sorted(mgr.alive),
               "imported": sorted(mgr.transport.imported_peers), "sources": sorted(mgr.buffer.sources()),
-              "stats": {k: v for k, v in mgr.stats().items() if k in ("members", "replans", "coverage", "restarts")}}
+              "stats": {k: v for k, v in mgr.stats().items() if k in ("members", "replans", "coverage", "restarts")},
+              "reloads": [(list(r.experts), r.nbytes, r.bytes_read, r.allocated_bytes, r.seconds) for r in mgr.reloads],
+              "setup_read": setup_read if ckpt is not None else None}
     mgr.release(barrier=False)
     rdzv.close(linger_s=30.0)  # rank 0 hosts the store: it waits for the survivors to leave (rdzv.members)
     return result

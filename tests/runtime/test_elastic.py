@@ -37,7 +37,7 @@ def _entry(rank, world, port, kw, results):
 
 
 def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.0, sig=signal.SIGKILL,
-                        also: tuple[int, ...] = ()):
+                        also: tuple[int, ...] = (), **extra):
     """Start the group, send ``sig`` to ``victim`` once all serve. SIGSTOP: once every survivor re-planned, the
     victim is continued (SIGCONT) while the survivors keep serving (``hold``), so it wakes into a group that
     moved on without it."""
@@ -47,7 +47,7 @@ def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.
     final = sorted(set(range(world)) - {victim, *also})
     port = free_port()
     kw = dict(num_experts=num_experts, k=k, s=s, replicas=replicas, events=events, run_s=run_s,
-              after_replan_forwards=5, dead_after_s=DEAD_AFTER_S, interval_s=INTERVAL_S, hold=hold)
+              after_replan_forwards=5, dead_after_s=DEAD_AFTER_S, interval_s=INTERVAL_S, hold=hold, **extra)
     procs = [ctx.Process(target=_entry, args=(r, world, port, kw, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -174,3 +174,75 @@ def test_r1_loss_of_a_sole_holder_names_the_experts_without_a_copy():
     assert uncovered_experts(h, {1}) == (2, 3)
     with pytest.raises(NoSurvivingHolder, match="expert 2 has no surviving holder"):
         surviving_owner(2, h, {0, 2, 3})
+
+
+#: bytes of one expert in elastic_program (float32 [32, 64])
+EXPERT_BYTES = 32 * 64 * 4
+
+
+def _reload_run(tmp_path, *, victim, also=(), replicas, on_uncovered, run_s=60.0):
+    from tests.runtime.elastic_program import write_checkpoint
+
+    ckpt = tmp_path / "experts.safetensors"
+    write_checkpoint(ckpt, 8)
+    return _run_group_and_kill(world=4, victim=victim, also=also, num_experts=8, k=2, s=2, replicas=replicas,
+                               run_s=run_s, checkpoint=str(tmp_path), on_uncovered=on_uncovered)
+
+
+def test_r1_kill_9_of_a_sole_holder_with_reload_the_survivors_read_exactly_its_experts_and_serve_bitwise(tmp_path):
+    """r = 1, on_uncovered=reload: rank 1 (sole holder of experts [2, 4)) is killed; every survivor reads exactly
+    those experts' bytes from the checkpoint (preads counted by the index) into private runs, re-plans and serves
+    bitwise the reference; nobody maps rank 1 any more."""
+    from tests.runtime.elastic_program import NUM_LAYERS
+
+    killed_at, replans, out, procs = _reload_run(tmp_path, victim=1, replicas=1, on_uncovered="reload")
+    assert killed_at is not None and procs[1].exitcode == -signal.SIGKILL
+    survivors = [0, 2, 3]
+    assert sorted(out) == survivors, out
+    errors = {r: v for r, (st, v) in out.items() if st != "ok"}
+    assert not errors, errors
+    want = expected_digests(8)
+    lost_bytes = 2 * EXPERT_BYTES * NUM_LAYERS       # experts 2 and 3, every layer
+    for r in survivors:
+        res = out[r][1]
+        assert res["before"] == want and len(res["after"]) == 5 and all(f == want for f in res["after"])
+        assert res["setup_read"] == 2 * EXPERT_BYTES * NUM_LAYERS  # at load: its own 2 experts only
+        [(experts, nbytes, read, allocated, seconds)] = res["reloads"]
+        assert experts == [2, 3] and nbytes == lost_bytes and read == lost_bytes, res["reloads"]
+        assert allocated >= lost_bytes
+        assert 1 not in res["imported"] and 1 not in res["sources"] and r in res["sources"]  # its own private run
+        epoch, alive, detected, replanned = replans[r]
+        assert (epoch, alive) == (1, survivors)
+        assert detected - killed_at <= DEAD_AFTER_S + 2 * INTERVAL_S + SLACK_S, (detected - killed_at)
+        print(f"rank {r}: reloaded experts {experts} ({read} bytes read) in {seconds * 1e3:.1f} ms; serving "
+              f"re-planned {replanned - killed_at:.2f} s after kill -9")
+
+
+def test_r1_kill_9_of_a_sole_holder_with_restart_names_the_experts_and_ends_the_group(tmp_path):
+    """The same loss under on_uncovered=restart (the default): the survivors refuse the re-plan naming expert 2
+    and exit non-zero: a group restart, as before the reload existed."""
+    _, _, out, _ = _reload_run(tmp_path, victim=1, replicas=1, on_uncovered="restart", run_s=30.0)
+    assert sorted(out) == [0, 2, 3], out
+    for r in (0, 2, 3):
+        status, why = out[r]
+        assert status == "error", why
+        assert "NoSurvivingHolder: expert 2 has no surviving holder" in why or "lost the rendezvous store" in why, why
+    assert "NoSurvivingHolder: expert 2" in out[0][1]
+
+
+def test_r2_both_holders_lost_with_reload_reload_just_those_experts(tmp_path):
+    """r = 2, kill -9 of ranks 1 and 2 (the only holders of experts [2, 4); [4, 6) keep rank 3): the survivors
+    {0, 3} reload experts 2 and 3 only, and serve bitwise."""
+    from tests.runtime.elastic_program import NUM_LAYERS
+
+    _, replans, out, _ = _reload_run(tmp_path, victim=1, also=(2,), replicas=2, on_uncovered="reload")
+    assert sorted(out) == [0, 3], out
+    want = expected_digests(8)
+    for r in (0, 3):
+        status, res = out[r]
+        assert status == "ok", res
+        assert res["alive"] == [0, 3] and all(f == want for f in res["after"])
+        reloaded = [e for rep in res["reloads"] for e in rep[0]]
+        assert reloaded == [2, 3], res["reloads"]
+        assert sum(rep[2] for rep in res["reloads"]) == 2 * EXPERT_BYTES * NUM_LAYERS
+        print(f"rank {r}: epochs {replans[r][:2]}, reloads {[(e, b, round(t * 1e3, 1)) for e, _, b, _, t in res['reloads']]}")

@@ -178,3 +178,26 @@ def test_a_retired_rank_leaves_the_front_ready_and_degraded():
     snap["ranks"][1]["retired"] = False             # a dead rank its group cannot do without
     live, ready, body = probes.evaluate(snap, heartbeat_timeout_s=10)
     assert not live and not ready and "rank 1 (group 0, DWDP rank 1) is not running" in body["reasons"]
+
+
+def test_reload_policy_makes_r1_survivable_and_readyz_names_the_reloaded_experts():
+    from dwdp_runtime.config import DwdpConfig
+    from dwdp_runtime.membership import group_survives
+    from dwdp_worker.front import probes
+
+    r1 = DwdpConfig(dwdp_size=4, num_experts=8, num_experts_per_worker=2, num_prefetch_experts=2,
+                    on_uncovered="reload")
+    assert r1.elastic and group_survives(r1, {1}) and group_survives(r1, {1, 2, 3})
+    assert not group_survives(r1, {0, 1, 2, 3})      # nobody left to reload into
+    with pytest.raises(ValueError, match="on_uncovered='sometimes': must be one of restart, reload"):
+        DwdpConfig(dwdp_size=4, num_experts=8, num_experts_per_worker=2, num_prefetch_experts=2,
+                   on_uncovered="sometimes")
+
+    def rank(i, **kw):
+        return {"global_id": i, "group": 0, "rank": i, "alive": True, "retired": False, "phase": "ready",
+                "heartbeat_age_s": 0.1, "last_forward_age_s": 0.1, "prefetch_restarts": 0, "forwards": 1, "kv": None,
+                "reloaded_experts": [2, 3], **kw}
+    snap = {"ranks": [rank(0), rank(1, alive=False, retired=True, reloaded_experts=[]), rank(2)]}
+    live, ready, body = probes.evaluate(snap, heartbeat_timeout_s=10)
+    assert ready and body["status"] == "degraded"
+    assert "group 0 reloaded experts [2, 3] from the checkpoint (no surviving holder)" in body["degraded"]

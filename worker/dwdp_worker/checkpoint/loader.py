@@ -13,7 +13,8 @@ Pipeline (``load_sharded``):
   6. for each experts module (forward order) register the layer with DWDP and a ``fill`` callback per
      sharded tensor (weights and per-expert biases) that reads **only experts [a, b)** of this rank from
      safetensors (one expert at a time, or the row range of a fused tensor) straight into the transport
-     handle with ``pread``;
+     handle with ``pread`` (the same readers reload experts a lost rank held: ``manager.reload_source``
+     reopens the files, issue #30);
   7. ``manager.setup()`` (handle exchange, composites), then bind each experts parameter to its
      composite ``[E, ...]`` tensor (zero-copy).
 
@@ -302,6 +303,8 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
                     total_bytes += experts.num_experts * per_expert
                     scale_bytes += (b - a) * per_expert if p.role.value == "scale" else 0
     t_map = time.monotonic()
+    # the same readers serve a reload of experts no survivor holds (issue #30): the files reopen for it
+    manager.reload_source = ckpt.reopened
     manager.setup()
     t_done = time.monotonic()
     for experts in layout.experts:

@@ -3,10 +3,15 @@
 Invariant: nothing of a file stays mapped or resident in this process after a read — bytes go from the
 page cache straight into the caller's tensor (a transport handle for the local experts), so a rank never
 holds a weight twice. Only the documented file format is used (see ``SafetensorsIndex``).
+
+``reopened()`` opens the files again after ``close`` for a later read through the same index (the reload of
+experts a lost rank held, issue #30), refusing a file that changed since its header was read; ``bytes_read``
+counts every byte read, so a caller can say exactly what a reload read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from dataclasses import dataclass
@@ -53,6 +58,8 @@ class SafetensorsIndex:
             raise CheckpointError(f"{model_dir}: no *.safetensors files")
         self.entries: dict[str, _Entry] = {}
         self._fds: dict[pathlib.Path, int] = {}
+        self._files: dict[pathlib.Path, tuple[int, int]] = {}  # (size, mtime ns) when the header was read
+        self.bytes_read = 0
         try:
             for f in files:
                 self._read_header(f)
@@ -67,7 +74,9 @@ class SafetensorsIndex:
         import torch
 
         fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
+        self._files[path] = (size, st.st_mtime_ns)
         raw = os.pread(fd, 8, 0)
         if len(raw) != 8:
             raise CheckpointError(f"{path}: truncated safetensors file")
@@ -108,6 +117,7 @@ class SafetensorsIndex:
             if got <= 0:
                 raise CheckpointError(f"{e.path}: short read at byte {pos + done}")
             done += got
+        self.bytes_read += nbytes
 
     def read_rows(self, key: str, begin: int, end: int, dst) -> None:
         """``dst.copy_(tensor[begin:end])`` without materialising the tensor: a direct read when ``dst`` is a
@@ -136,6 +146,30 @@ class SafetensorsIndex:
         out = torch.empty(e.shape, dtype=e.dtype)
         self._pread_into(e, 0, e.nbytes, out)
         return out
+
+    @contextlib.contextmanager
+    def reopened(self):
+        """The files open again for the block (after ``close``); yields the index. Raises ``CheckpointError`` when
+        a file is gone or changed (size or mtime) since its header was read: its offsets would be wrong."""
+        import os
+
+        if self._fds:
+            yield self
+            return
+        try:
+            for path, (size, mtime) in self._files.items():
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as exc:
+                    raise CheckpointError(f"{path}: cannot reopen the checkpoint ({exc})") from None
+                self._fds[path] = fd
+                st = os.fstat(fd)
+                if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                    raise CheckpointError(f"{path}: the checkpoint changed since it was loaded (size {size} → "
+                                          f"{st.st_size}, or modified): its tensors' offsets no longer hold")
+            yield self
+        finally:
+            self.close()
 
     def close(self) -> None:
         import os

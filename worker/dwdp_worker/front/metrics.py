@@ -96,6 +96,9 @@ class Metrics:
         self.coverage_margin = Gauge("dwdp_coverage_margin", "minimum surviving holders per expert of the elastic "
                                      "group (set at its first rank loss; 0 = an expert has no copy left)", ["group"],
                                      registry=r)
+        self.experts_reloaded = Counter("dwdp_experts_reloaded", "experts ranks of the group read back from the "
+                                        "checkpoint after a loss left them without a holder (summed over ranks)",
+                                        ["group"], registry=r)
         self.members_ready = Gauge("dwdp_members_ready", "ranks of the group still serving", ["group"], registry=r)
         r.register(_RankCollector(snapshot))
         r.register(KvCollector(snapshot))  # dwdp_kv_*: KV handoff, from the ranks' stats

@@ -12,7 +12,8 @@ instant SIGTERM arrives.
 
 A rank *retired* by an elastic group (``retired: true``: it died and its group survives on its replicas,
 issue #30) does not count against either: the group serves degraded, and the body says so
-(``status: degraded``, ``degraded: [its description]``).
+(``status: degraded``, ``degraded: [its description]``); a group whose survivors reloaded experts no one held
+from the checkpoint (``on_uncovered: reload``) adds one line naming them.
 
 Both answer the same JSON body; it always carries ``prefetch_restarts``, ``group_attempt``,
 ``forwards`` and ``last_forward_age_s`` (the operator reads ``prefetch_restarts``).
@@ -70,8 +71,18 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
         "last_forward_age_s": round(min(ages), 3) if ages else None,
         "reasons": not_ready,
         "degraded": [f"rank {r['global_id']} (group {r['group']}, DWDP rank {r['rank']}) was lost; its group "
-                     f"serves on the other ranks' replicas" for r in retired],
+                     f"serves on the other ranks' replicas" for r in retired] + _reloaded(serving),
         "kv": budget_summary(ranks),   # KV handoff budget use over the ranks (None: off)
         "ranks": ranks,
     }
     return live, ready, body
+
+
+def _reloaded(serving: list[dict[str, Any]]) -> list[str]:
+    """One line per group whose serving ranks reloaded experts from the checkpoint (their union)."""
+    by_group: dict[int, set[int]] = {}
+    for r in serving:
+        if r.get("reloaded_experts"):
+            by_group.setdefault(r["group"], set()).update(r["reloaded_experts"])
+    return [f"group {g} reloaded experts {sorted(e)} from the checkpoint (no surviving holder)"
+            for g, e in sorted(by_group.items())]

@@ -58,6 +58,7 @@ class RankHandle:
         self.exitcode: int | None = None
         self.dead = False
         self.retired = False  # dead, and its elastic group serves on without it (issue #30)
+        self.reloaded: list[int] = []  # experts this rank reloaded from the checkpoint (on_uncovered=reload)
         self.stopping = False
 
     @property
@@ -129,6 +130,8 @@ class RankHandle:
             self.last_forward_end = now
             self.compute_s += msg.compute_s
             self.prefetch_wait_s += msg.prefetch_wait_s
+        elif isinstance(msg, p.ExpertsReloaded):
+            self.reloaded = sorted({*self.reloaded, *msg.experts})
         elif isinstance(msg, p.PeerLost):
             self.peer_lost = msg.message
         elif isinstance(msg, p.Fatal):
@@ -148,6 +151,7 @@ class RankHandle:
             "global_id": self.gid, "group": self.spec.group, "rank": self.spec.rank,
             "pid": self.proc.pid if self.proc else None, "device": self.spec.device or "cpu",
             "phase": str(self.phase), "alive": not self.dead, "retired": self.retired, "exitcode": self.exitcode,
+            "reloaded_experts": list(self.reloaded),
             "busy": self.batch is not None,
             "busy_s": round(now - self.batch.sent_at, 3) if self.batch else None,
             "heartbeat_age_s": round(self.heartbeat_age(now), 3),

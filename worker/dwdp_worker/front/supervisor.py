@@ -198,6 +198,11 @@ class Supervisor:
             log.info("%s load: %s: %s", h.describe(), msg.step, msg.detail)
         elif isinstance(msg, p.MembershipChanged):
             self._on_membership(h, msg)
+        elif isinstance(msg, p.ExpertsReloaded):
+            log.warning("%s: membership epoch %d: reloaded experts %s from the checkpoint (no surviving holder; "
+                        "%s bytes read, %.2f s)", h.describe(), msg.epoch, list(msg.experts), msg.bytes_read,
+                        msg.seconds)
+            self.metrics.experts_reloaded.labels(group=str(h.spec.group)).inc(len(msg.experts))
         elif isinstance(msg, p.PeerLost):
             if not (self._stopping_ranks or h.stopping):
                 self.fail(f"{h.describe()}: {msg.message}")

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from dwdp_runtime.config import DwdpConfig
 from dwdp_runtime.contract import POD_ENV, POD_ENV_ONE_OF, BackendName, ModelDtypeName, TransferMode
-from dwdp_runtime.contract import LayoutEnv
+from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, LayoutEnv
 from dwdp_runtime.contract import PodEnvVar as E
 
 ENV_VARS: tuple[str, ...] = tuple(v.value for v in POD_ENV)
@@ -61,6 +61,7 @@ class PodEnv(BaseModel):
     http_port: int = Field(alias=E.HTTP_PORT, ge=1, le=65535)
     # contract.LayoutEnv (optional, absent = 1): not a field, so the fields stay exactly POD_ENV
     _expert_replicas: int = PrivateAttr(default=1)
+    _on_uncovered: str = PrivateAttr(default=DEFAULT_ON_UNCOVERED)  # contract.LayoutEnv.ON_UNCOVERED
 
     @model_validator(mode="after")
     def _cross_field(self) -> "PodEnv":
@@ -86,7 +87,7 @@ class PodEnv(BaseModel):
                           num_experts_per_worker=self.experts_per_worker,
                           num_prefetch_experts=self.prefetch_stride, num_prefetch_slots=self.prefetch_slots,
                           contention_opt=self.contention_opt, transfer=self.transfer,
-                          expert_replicas=self._expert_replicas)
+                          expert_replicas=self._expert_replicas, on_uncovered=self._on_uncovered)
 
     @property
     def expert_replicas(self) -> int:
@@ -114,6 +115,11 @@ def parse_env(environ: Mapping[str, str]) -> PodEnv:
     except ValueError:
         raise EnvContractError(f"{LayoutEnv.EXPERT_REPLICAS}={raw!r}: must be an integer >= 1 "
                                f"(experts.replicas; absent means 1)") from None
+    policy = environ.get(LayoutEnv.ON_UNCOVERED, DEFAULT_ON_UNCOVERED)
+    if policy not in ON_UNCOVERED_POLICIES:
+        raise EnvContractError(f"{LayoutEnv.ON_UNCOVERED}={policy!r}: must be one of {', '.join(ON_UNCOVERED_POLICIES)} "
+                               f"(experts.onUncovered; absent means {DEFAULT_ON_UNCOVERED})")
+    env._on_uncovered = policy
     try:
         env.dwdp_config()
     except ValueError as exc:

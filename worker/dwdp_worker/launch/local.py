@@ -22,7 +22,7 @@ import pathlib
 import secrets
 
 from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
-from dwdp_runtime.contract import Backend, ModelDtype, Transfer
+from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, Backend, ModelDtype, Transfer
 
 from ..rank import timeouts
 from ..kv.options import advertise_host_for, settings_from_args
@@ -45,6 +45,11 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-replicas", type=int, default=1,
                    help="r: store every expert on at least r ranks of a group (1..D; default 1 = no spare copy). "
                         "Costs up to (r-1)*K more experts of memory per rank")
+    p.add_argument("--on-uncovered", choices=ON_UNCOVERED_POLICIES, default=DEFAULT_ON_UNCOVERED,
+                   help="a rank loss that leaves an expert with no surviving holder (r=1, or r ranks lost): restart "
+                        "the group (default: today's behaviour, no run-time read or memory) or reload: every "
+                        "survivor reads only those experts from the checkpoint into more memory of its own and "
+                        "serves on (makes even r=1 elastic; excludes --cuda-graphs; docs/RUNTIME.md)")
     p.add_argument("--contention-opt", action="store_true",
                    help="cut expert copies into 2 MiB slices interleaved across peers (spreads the pull over sources)")
     p.add_argument("--transfer", choices=TRANSFER_MODES, default=Transfer.COPY_ENGINE.value,
@@ -59,7 +64,7 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_per_worker: int | None,
                       prefetch_stride: int | None, prefetch_slots: int = 2, contention_opt: bool = False,
-                      expert_replicas: int = 1,
+                      expert_replicas: int = 1, on_uncovered: str = DEFAULT_ON_UNCOVERED,
                       transfer: str = Transfer.COPY_ENGINE.value, backend: str = Backend.AUTO.value, dtype: str | None = None,
                       threads_per_rank: int | None = None,
                       rendezvous_timeout_s: float = timeouts.RENDEZVOUS_LOCAL_S,
@@ -76,13 +81,14 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     config = DwdpConfig(dwdp_size=dwdp_size, num_experts=num_experts, num_groups=groups,
                         num_experts_per_worker=experts_per_worker or k0, num_prefetch_experts=prefetch_stride or s0,
                         num_prefetch_slots=prefetch_slots, contention_opt=contention_opt, transfer=transfer,
-                        expert_replicas=expert_replicas)
+                        expert_replicas=expert_replicas, on_uncovered=on_uncovered)
     gpus = 0 if backend == "host" else cuda_count()
     if backend == "cuda" and gpus == 0:
         raise ValueError("--backend cuda: no CUDA GPU is visible (use --backend host or auto)")
     check_cuda_graphs(cuda_graphs, gpus)
-    if expert_replicas > 1 and cuda_graphs:
-        raise ValueError(f"--expert-replicas {expert_replicas} with --cuda-graphs {cuda_graphs}: a captured forward "
+    if config.elastic and cuda_graphs:
+        raise ValueError(f"--expert-replicas {expert_replicas} / --on-uncovered {on_uncovered} (an elastic group) "
+                         f"with --cuda-graphs {cuda_graphs}: a captured forward "
                          f"keeps the copy plan it was captured with and cannot follow a re-plan; set one of them off")
     check_batch_invariant(batch_invariant, gpus, cuda_graphs)
     n = groups * dwdp_size
@@ -107,7 +113,7 @@ def plan_local(args: argparse.Namespace, stack: contextlib.ExitStack) -> FrontPl
     specs = build_local_specs(model_dir=model_dir, groups=args.groups, dwdp_size=args.dwdp_size,
                               experts_per_worker=args.experts_per_worker, prefetch_stride=args.prefetch_stride,
                               prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
-                              expert_replicas=args.expert_replicas,
+                              expert_replicas=args.expert_replicas, on_uncovered=args.on_uncovered,
                               transfer=args.transfer, backend=args.backend, dtype=args.dtype,
                               threads_per_rank=args.threads_per_rank, rendezvous_timeout_s=args.rendezvous_timeout_s,
                               cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant)

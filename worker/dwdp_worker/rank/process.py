@@ -36,6 +36,7 @@ import traceback
 
 from dwdp_runtime import compile_cache
 from dwdp_runtime.contract import TuningEnv
+from dwdp_runtime.holders_reload import ReloadRefused
 
 from . import protocol as p
 from . import timeouts
@@ -146,10 +147,11 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
 
     torch.set_num_threads(max(1, spec.threads))
     config = DwdpConfig(**spec.config)
-    if config.expert_replicas > 1 and spec.cuda_graphs:
+    if config.elastic and spec.cuda_graphs:
         # a captured forward replays the copies of the plan it was captured with: after a re-plan it would
         # still read the lost rank's memory
-        raise ValueError(f"expert_replicas={config.expert_replicas} (an elastic group) cannot use CUDA graphs "
+        raise ValueError(f"expert_replicas={config.expert_replicas}, on_uncovered={config.on_uncovered} (an elastic "
+                         f"group) cannot use CUDA graphs "
                          f"(cuda_graphs={spec.cuda_graphs}): set one of them off")
     dtype = getattr(torch, spec.dtype) if spec.dtype else None
     import_s = time.monotonic() - t_import
@@ -175,7 +177,7 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
             f"handles exchanged and mapped, in {time.monotonic() - t0:.1f} s")))
         # Peers in other pods can die without this front noticing: the monitor heart-beats through
         # the group's store (side threads, off the forward path) and names a lost peer at once.
-        elastic = config.expert_replicas > 1
+        elastic = config.elastic
         interval_s, dead_after_s = _peer_timing(spec, elastic)
         monitor = PeerMonitor(rdzv, interval_s=interval_s, dead_after_s=dead_after_s, elastic=elastic,
                               on_lost=lambda why: _report_lost(link, why)).start()
@@ -228,13 +230,22 @@ def _stop_watchers(monitor, agent) -> None:
 
 def _apply_membership(engine, link: RankLink, agent) -> None:
     """Between forwards: a new membership epoch → re-plan the copies over surviving holders, tell the front.
-    ``Fenced`` (the others excluded this rank) and ``NoSurvivingHolder`` (an expert lost every copy)
+    With on_uncovered=reload the experts no survivor holds are read from the checkpoint first (``ExpertsReloaded``);
+    ``ReloadRefused`` is reported as ``PeerLost`` (the front fails the group). ``Fenced`` (the others excluded
+    this rank) and ``NoSurvivingHolder`` (an expert lost every copy)
     propagate: the rank exits non-zero with the reason."""
     m = agent.poll()
     if m is None:
         return
     t0 = time.perf_counter()
-    engine.manager.set_membership(m.alive)
+    reloads = len(engine.manager.reloads)
+    try:
+        engine.manager.set_membership(m.alive)
+    except ReloadRefused as exc:  # the group cannot serve on: the front fails it at once (a group restart)
+        _report_lost(link, f"membership epoch {m.epoch}: {exc}")
+        raise
+    for rep in engine.manager.reloads[reloads:]:
+        link.send(p.ExpertsReloaded(m.epoch, rep.experts, rep.bytes_read, rep.allocated_bytes, rep.seconds))
     link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t0))
 
 

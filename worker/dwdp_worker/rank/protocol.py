@@ -206,5 +206,16 @@ class MembershipChanged:
     replan_s: float          # seconds the re-plan took on this rank (between two forwards)
 
 
+@dataclass(frozen=True)
+class ExpertsReloaded:
+    """At a membership epoch this rank read experts no survivor held from the checkpoint (on_uncovered=reload)."""
+
+    epoch: int
+    experts: tuple[int, ...]
+    bytes_read: int | None   # from the checkpoint files (None: the reader does not count)
+    allocated_bytes: int     # memory the reloaded experts take on this rank
+    seconds: float
+
+
 RankMessage = (PhaseChanged | LoadProgress | Ready | Heartbeat | StepResult | StepFailed | PeerLost | Fatal
-               | MembershipChanged)
+               | MembershipChanged | ExpertsReloaded)
