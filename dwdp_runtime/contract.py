@@ -111,8 +111,24 @@ class LayoutEnv(StrEnum):
     ON_UNCOVERED = "DWDP_ON_UNCOVERED"            # experts.onUncovered when reload (absent: restart, today's pods)
 
 
+class ElasticEnv(StrEnum):
+    """Pod env of an elastic group (``experts.replicas`` > 1 or ``onUncovered: reload``), set only for one."""
+
+    # where every pod of the group answers, with ``{pod}`` for the pod index (``<name>-g<g>-p{pod}.<name>-ranks.
+    # <ns>.svc``): a survivor finds the standby store of any rank there when the store host is lost, and a
+    # replacement pod finds the group's current store (``standby_store_port``; dwdp_runtime.store_chain)
+    POD_ADDR_TEMPLATE = "DWDP_POD_ADDR_TEMPLATE"
+
+
+def standby_store_port(store_port: int, rank: int) -> int:
+    """The port rank ``rank`` of an elastic group listens on with its standby store (the store the survivors move
+    to when the store host is lost): ``store_port + 1 + rank``, so every rank of a group has its own port on one
+    host (the local launcher) and the NetworkPolicy opens one range ``[store_port, store_port + dwdpSize]``."""
+    return store_port + 1 + rank
+
+
 POD_ENV_OPTIONAL: tuple[str, ...] = (tuple(v.value for v in KvEnv) + tuple(v.value for v in ServingEnv)
-                                     + tuple(v.value for v in LayoutEnv))
+                                     + tuple(v.value for v in LayoutEnv) + tuple(v.value for v in ElasticEnv))
 RESERVED_POD_ENV: frozenset[str] = frozenset(v.value for v in POD_ENV) | frozenset(POD_ENV_OPTIONAL)
 
 

@@ -72,7 +72,8 @@ def test_create_schedules_each_group_in_one_clique(cluster, ns):
     assert out[:7] == ["NAME", "GROUPS", "READY", "RESTARTS", "STATUS", "REASON", "AGE"]
     assert out[7:13] == ["r1", "3", "3", "0", "Ready", "AllGroupsReady"]
     wide = c.kubectl("get", "dwdp", "r1", "-n", ns, "-o", "wide").stdout.split()
-    assert wide[7:11] == ["DWDPSIZE", "EXPERTS/WORKER", "TRANSFER", "IMAGE"] and wide[-4:] == ["4", "4", "copy_engine", "dwdp:test"]
+    assert wide[7:12] == ["READYRANKS", "DWDPSIZE", "EXPERTS/WORKER", "TRANSFER", "IMAGE"]
+    assert wide[-5:] == ["12", "4", "4", "copy_engine", "dwdp:test"]  # 3 ready groups x 4 ranks
 
 
 def test_killed_pod_recreates_whole_group_with_next_attempt(cluster, ns):
