@@ -27,6 +27,12 @@ of this rank (``holders_reload``) — only those experts' bytes — so the re-pl
 A loader whose readers need their files reopened sets ``reload_source`` (a context manager factory, e.g.
 ``SafetensorsIndex.reopened``; what it yields may count ``bytes_read``).
 
+Elastic groups (issue #30; ``config.elastic``): the transport serves this rank's exports for its whole life and
+``member_record()`` says where. ``set_membership(membership, records)`` follows every epoch — ranks lost are
+dropped, ranks that joined (a replacement: the same rank, a new incarnation) are imported from their
+``elastic.records.MemberRecord``. A replacement calls ``prepare_join(join)`` before ``setup()``: it imports the
+members' memory from their records and plans over them, with no collective (the members keep serving).
+
 There is no process-global manager: the model receives its manager explicitly.
 Any failure in ``setup`` releases everything created so far before re-raising.
 """
@@ -36,7 +42,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, Hashable
+import uuid
+from typing import Any, Callable, ContextManager, Hashable, Mapping
 
 from .config import DwdpConfig
 from .contract import DEFAULT_TRANSFER, Backend
@@ -65,7 +72,7 @@ def make_streams(memory: MemoryBackend, *, transfer: str = DEFAULT_TRANSFER, cop
 class DwdpManager:
     def __init__(self, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, memory: MemoryBackend,
                  streams: Streams, token: str = "", page_multiplier: int = DEFAULT_PAGE_MULTIPLIER,
-                 progress: bool = False):
+                 progress: bool = False, incarnation: str | None = None):
         if not 0 <= rank < config.dwdp_size:
             raise ValueError(f"rank {rank} outside the group [0, dwdp_size={config.dwdp_size})")
         if rendezvous.world_size != config.dwdp_size:
@@ -75,14 +82,20 @@ class DwdpManager:
         self.progress = progress
         self.holders = config.holders()
         self.ranges = self.holders.primary
+        # this process's id in the group's membership (a replacement of this rank gets another)
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.transport = Transport(memory=memory, rendezvous=rendezvous, rank=rank, ranges=self.ranges,
-                                   token_key=token_key(token), holders=self.holders)
+                                   token_key=token_key(token), holders=self.holders, serve_exports=config.elastic)
         self.buffer = WeightBuffer(memory=memory, streams=streams, transport=self.transport, rank=rank,
                                    ranges=self.ranges, num_slots=config.num_prefetch_slots,
                                    page_multiplier=page_multiplier, contention_opt=config.contention_opt,
                                    holders=self.holders)
-        self.alive: frozenset[int] = frozenset(range(config.dwdp_size))
+        # the members this rank plans over, each with its incarnation ("" until the formation names them)
+        self.incarnations: dict[int, str] = {r: "" for r in range(config.dwdp_size)}
+        self.incarnations[rank] = self.incarnation
+        self.join = None          # elastic.entry.JoinPoint of a replacement (prepare_join), else None
         self.replans = 0
+        self.rejoins = 0          # replacements this rank imported at their admission
         self.reloads: list[ReloadReport] = []   # every reload of experts without a surviving holder, in order
         # opens what the fill readers read, for the duration of a reload (None: they need nothing opened)
         self.reload_source: Callable[[], ContextManager[Any]] | None = None
@@ -95,17 +108,23 @@ class DwdpManager:
     @classmethod
     def create(cls, *, config: DwdpConfig, rank: int, rendezvous: Rendezvous, backend: str = Backend.AUTO.value,
                device=None, token: str = "", granularity: int | None = None, copy_delay_s: float = 0.0,
-               progress: bool = False, page_multiplier: int = DEFAULT_PAGE_MULTIPLIER) -> "DwdpManager":
+               progress: bool = False, page_multiplier: int = DEFAULT_PAGE_MULTIPLIER,
+               incarnation: str | None = None) -> "DwdpManager":
         memory = select_backend(backend, device=device, granularity=granularity)
         streams = make_streams(memory, transfer=config.transfer, copy_delay_s=copy_delay_s)
         try:
             return cls(config=config, rank=rank, rendezvous=rendezvous, memory=memory, streams=streams,
-                       token=token, page_multiplier=page_multiplier, progress=progress)
+                       token=token, page_multiplier=page_multiplier, progress=progress, incarnation=incarnation)
         except BaseException:
             streams.close()
             raise
 
     # -- registration ----------------------------------------------------------------------------
+    @property
+    def alive(self) -> frozenset[int]:
+        """The ranks this rank plans over (every rank until a membership epoch says otherwise)."""
+        return frozenset(self.incarnations)
+
     @property
     def local_range(self) -> tuple[int, int]:
         return self.ranges[self.rank]
@@ -152,6 +171,32 @@ class DwdpManager:
         self._specs[layer].append(spec)
 
     # -- setup -----------------------------------------------------------------------------------
+    def prepare_join(self, join) -> None:
+        """This rank replaces a lost one in a running elastic group: ``setup()`` imports the members of ``join``
+        (an ``elastic.entry.JoinPoint``) from their records and plans over them and this rank."""
+        if self.weights is not None:
+            raise RuntimeError("prepare_join() must come before setup()")
+        if not self.config.elastic:
+            raise ValueError("only an elastic group (expert_replicas > 1 or on_uncovered=reload) can be joined")
+        self.join = join
+        self.incarnations = {**join.membership.incarnations, self.rank: self.incarnation}
+        self.buffer.alive = self.alive
+
+    def name_members(self, membership) -> None:
+        """The formation's epoch 0 (``elastic.entry.complete_formation``): which process serves each rank, so that a
+        later epoch tells a replacement (another incarnation) from the member it replaces."""
+        if membership.incarnations.get(self.rank) != self.incarnation:
+            raise ValueError(f"epoch {membership.epoch} names rank {self.rank} as "
+                             f"{membership.incarnations.get(self.rank)!r}, this process is {self.incarnation!r}")
+        if set(membership.incarnations) != set(self.incarnations):
+            raise ValueError(f"epoch {membership.epoch} has members {sorted(membership.alive)}, this rank plans over "
+                             f"{sorted(self.incarnations)}")
+        self.incarnations = dict(membership.incarnations)
+
+    def member_record(self):
+        """This rank's ``elastic.records.MemberRecord`` (an elastic group, after setup)."""
+        return self.transport.record(self.incarnation)
+
     def setup(self) -> None:
         if self.weights is not None:
             raise RuntimeError("setup() already ran")
@@ -160,11 +205,15 @@ class DwdpManager:
         try:
             specs = [s for layer in self._layers for s in self._specs[layer]]
             peers = self.buffer.peers_needed(specs) - {self.rank}
-            if any(self.holders.replicas):
-                # r > 1: every peer's every handle, so that any survivor can be a source without a new exchange
+            if any(self.holders.replicas) or self.config.elastic:
+                # every peer's every handle, so that any survivor can be a source without a new exchange
                 peers = set(range(self.config.dwdp_size)) - {self.rank}
-            with _progress(self.progress, len(peers) * len(specs), "dwdp: importing peer handles") as bar:
-                self.transport.exchange(sorted(peers), progress=bar.update)
+            if self.join is not None:
+                with _progress(self.progress, len(self.join.records), "dwdp: importing the members' handles") as bar:
+                    self.transport.join_exchange(self.join.records, progress=bar.update)
+            else:
+                with _progress(self.progress, len(peers) * len(specs), "dwdp: importing peer handles") as bar:
+                    self.transport.exchange(sorted(peers), progress=bar.update)
             with _progress(self.progress, len(self._layers), "dwdp: mapping composite tensors") as bar:
                 self.buffer.build(self._layers, self._specs, progress=bar.update)
             self.weights = WeightManager(buffer=self.buffer, streams=self.streams, layers=self._layers,
@@ -200,33 +249,54 @@ class DwdpManager:
         gone = set(range(self.config.dwdp_size)) - self.alive
         return coverage(self.holders, gone | set(lost))
 
-    def set_membership(self, alive) -> None:
-        """Serve with the ranks ``alive`` only, from now on. Call between forwards.
+    def set_membership(self, membership, records: Mapping[int, Any] | None = None) -> frozenset[int]:
+        """Serve with ``membership``'s members (an ``elastic.membership.Membership``) from now on. Call between
+        forwards. Returns the joined ranks this rank could not import (it plans without them; logged).
 
         1. quiesce the copy stream (no copy reading anyone is in flight afterwards);
-        2. re-plan every layer's copy list over surviving holders (``WeightBuffer.replan``; raises
-           ``layout.NoSurvivingHolder`` and changes nothing when an expert has no surviving copy);
-        3. the schedule is invalidated: the next forward re-copies every layer from the new sources;
-        4. the lost peers' views are unmapped and released: no address of their memory remains.
-        Idempotent for the same set; a set can only shrink (a rejoin is a new group attempt today).
+        2. drop (unmap, release) every peer that left or whose incarnation changed: no address of a lost
+           process's memory remains (what a device loss requires; docs/RUNTIME.md);
+        3. import every peer that joined, from ``records`` (``elastic.records.MemberRecord`` by rank; a replacement
+           whose memory cannot be fetched is skipped);
+        4. with ``on_uncovered=reload``, read back what no member holds (``reload_uncovered``);
+        5. re-plan every layer's copy list over the members (``WeightBuffer.replan``; raises
+           ``layout.NoSurvivingHolder`` when an expert has no copy left: the group must restart);
+        6. the schedule is invalidated: the next forward re-copies every layer from the new sources.
+        Idempotent for the same membership.
         """
         weights = self._ready()
-        alive = frozenset(alive)
-        if self.rank not in alive:
-            raise ValueError(f"rank {self.rank} is not in the membership {sorted(alive)}: it must stop serving")
-        if not alive <= self.alive:
-            raise ValueError(f"membership {sorted(alive)} adds ranks to {sorted(self.alive)}: a rejoin is not "
-                             f"supported in place (restart the group)")
-        if alive == self.alive:
-            return
+        new = dict(membership.incarnations)
+        if new.get(self.rank) != self.incarnation:
+            raise ValueError(f"rank {self.rank} ({self.incarnation}) is not in the membership {sorted(new)}: it must "
+                             f"stop serving")
+        cur = self.incarnations
+        if "" in cur.values():
+            raise RuntimeError("set_membership before name_members(): the formation's members are not named yet")
+        gone = sorted(r for r, inc in cur.items() if r != self.rank and new.get(r) != inc)
+        came = sorted(r for r, inc in new.items() if r != self.rank and cur.get(r) != inc)
+        if not gone and not came:
+            return frozenset()
         self.streams.synchronize()
+        for peer in gone:
+            self.transport.drop_peer(peer)
+        skipped = set()
+        for peer in came:
+            rec = (records or {}).get(peer)
+            try:
+                if rec is None or rec.incarnation != new[peer]:
+                    raise LookupError(f"no record of its incarnation {new[peer]}")
+                self.transport.import_peer(peer, rec)
+            except Exception as exc:  # noqa: BLE001 - a replacement this rank cannot read is not a source here
+                log.warning("rank %d: cannot import joined rank %d (%s); planning without it", self.rank, peer, exc)
+                skipped.add(peer)
+        alive = frozenset(new) - skipped
         self.reload_uncovered(alive)
         self.buffer.replan(alive)
         weights.reload_copies()
-        for peer in sorted(self.alive - alive):
-            self.transport.drop_peer(peer)
-        self.alive = alive
+        self.incarnations = {r: new[r] for r in alive}
         self.replans += 1
+        self.rejoins += len(came) - len(skipped)
+        return frozenset(skipped)
 
     def reload_uncovered(self, alive) -> ReloadReport | None:
         """Per ``config.on_uncovered``: with ``reload``, read every expert no rank of ``alive`` holds (and this rank
@@ -283,7 +353,8 @@ class DwdpManager:
 
     def stats(self) -> dict[str, Any]:
         out = {"restarts": self.num_restarts, "backend": self.backend_name, "transfer": self.streams.transfer,
-               "members": len(self.alive), "replans": self.replans, "coverage": self.coverage(),
+               "members": len(self.alive), "replans": self.replans, "rejoins": self.rejoins,
+               "coverage": self.coverage(),
                "reloaded_experts": sorted(e for rep in self.reloads for e in rep.experts)}
         if self.weights:
             out.update(self.weights.stats)

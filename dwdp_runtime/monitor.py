@@ -23,8 +23,16 @@ store calls do. ``check()`` (the rank's serving loop) raises ``PeerLost`` with t
 
 Elastic mode (``elastic=True``, issue #30: a group with expert replicas survives a rank loss): a
 silent *peer* is not fatal; it is added to ``lost_ranks`` (``dead_peers``, pure) and the watch goes
-on judging the others — ``membership.MembershipAgent`` turns it into a new membership epoch. A lost
-or frozen *store* stays fatal (the store is the group's only meeting point; there is no failover).
+on judging the others — ``elastic.agent.MembershipAgent`` turns it into a new membership epoch, and
+``readmit`` takes a rank back when its replacement joins. A lost or frozen *store* is handed to
+``on_store_lost`` (the agent's failover to a survivor's standby store, ``elastic.store_chain``): while it
+runs nothing is judged lost; ``resume(lost_host)`` then starts a fresh beat thread on the new store with a
+fresh bound for every peer (the old thread may stay blocked on the frozen store forever: it is abandoned,
+and its late return is ignored by its generation token), or ``fail(why)`` makes the loss fatal after all.
+Without ``on_store_lost`` (or when it declines) a lost store is fatal, as in a static group.
+
+Beats are ``<tag>:<counter>`` (the tag: the process's incarnation), so a replacement's beats read as movement
+even when its counter meets the old one's.
 
 A process that was itself stopped (SIGSTOP, a VM pause) must not blame the others for its own silence:
 when two judgements are more than ``dead_after_s`` apart, this process was frozen, and every record
@@ -55,7 +63,7 @@ class Observations:
 
     started: float                                                # monotonic time the monitor started
     last_round: float                                             # when the last full store round finished
-    peers: dict[int, tuple[int, float]] = field(default_factory=dict)  # peer → (counter, when it last moved)
+    peers: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # peer → (beat, when it last moved)
     store_error: str | None = None                                # the store call raised (connection lost)
 
 
@@ -91,29 +99,42 @@ def verdict(obs: Observations, now: float, *, dead_after_s: float, where: str) -
 
 class PeerMonitor:
     def __init__(self, rendezvous: StoreRendezvous, *, interval_s: float = 1.0, dead_after_s: float = 10.0,
-                 on_lost: Callable[[str], None] | None = None, elastic: bool = False):
+                 on_lost: Callable[[str], None] | None = None, elastic: bool = False, beat_tag: str = "",
+                 on_store_lost: Callable[[str], bool] | None = None):
         if dead_after_s <= 2 * interval_s:
             raise ValueError(f"dead_after_s={dead_after_s} must exceed two heartbeat intervals ({interval_s} s)")
         self._rdzv = rendezvous
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self._on_lost = on_lost
         self.elastic = elastic
+        self.beat_tag = beat_tag
+        # elastic mode: called once per store loss (from the watch thread; it must return at once); True = a failover
+        # runs and will call resume() or fail(); False = the loss is fatal
+        self.on_store_lost = on_store_lost
+        self._failing_over = False
         self._lost_ranks: frozenset[int] = frozenset()  # elastic mode: silent peers (replaced, never mutated)
         self._lost: str | None = None
         self._lost_lock = threading.Lock()
         self._last_judged: float | None = None
         self._stop = threading.Event()
+        self._beat_token = 0  # the beat thread's generation: a thread of an older one exits when it next wakes
+        # peer → (its latest beat, monotonic time it last changed as this process saw it change): never reset by a
+        # failover or a wake-up, so a dead process's last beat never passes for a live one (``moving``)
+        self._moved: dict[int, tuple[bytes, float]] = {}
         now = time.monotonic()
         self._obs = Observations(started=now, last_round=now)
-        self._beat = threading.Thread(target=self._beat_loop, name="dwdp-peer-beat", daemon=True)
         self._watch = threading.Thread(target=self._watch_loop, name="dwdp-peer-monitor", daemon=True)
 
     def start(self) -> "PeerMonitor":
         now = time.monotonic()
         self._obs = Observations(started=now, last_round=now)
-        self._beat.start()
+        self._start_beats()
         self._watch.start()
         return self
+
+    def _start_beats(self) -> None:
+        self._beat_token += 1
+        threading.Thread(target=self._beat_loop, args=(self._beat_token,), name="dwdp-peer-beat", daemon=True).start()
 
     @property
     def lost(self) -> str | None:
@@ -121,8 +142,12 @@ class PeerMonitor:
 
     @property
     def lost_ranks(self) -> frozenset[int]:
-        """Elastic mode: the peers found silent so far (a snapshot; never shrinks)."""
+        """Elastic mode: the peers found silent and not readmitted since (a snapshot)."""
         return self._lost_ranks
+
+    @property
+    def failing_over(self) -> bool:
+        return self._failing_over
 
     def check(self) -> None:
         """Raise ``PeerLost`` if the group is broken (judged now, without touching the store)."""
@@ -130,26 +155,64 @@ class PeerMonitor:
         if self._lost:
             raise PeerLost(self._lost)
 
+    # -- elastic mode: after a failover, a replacement, or no failover after all -----------------------------
+    def resume(self, lost_host: int | None) -> None:
+        """The store moved (``rendezvous.switch_to``): beat there from a fresh thread, judge every peer afresh from
+        now, and count the old store's host as lost (``None``: it was this rank, or is not a peer)."""
+        now = time.monotonic()
+        obs = self._obs
+        self._obs = Observations(obs.started, now, {p: (b, now) for p, (b, _) in obs.peers.items()})
+        if lost_host is not None and lost_host != self._rdzv.rank:
+            self._lost_ranks = self._lost_ranks | {lost_host}
+        self._failing_over = False
+        self._start_beats()
+
+    def readmit(self, rank: int) -> None:
+        """``rank`` serves again (its replacement joined): judge it afresh from now."""
+        self._lost_ranks = self._lost_ranks - {rank}
+        obs = self._obs
+        peers = dict(obs.peers)
+        peers[rank] = (peers.get(rank, (b"", 0.0))[0], time.monotonic())
+        self._obs = Observations(obs.started, obs.last_round, peers, obs.store_error)
+
+    def moving(self, rank: int) -> bytes | None:
+        """``rank``'s latest beat if this process saw it change within ``dead_after_s``, else ``None`` (a replacement
+        asking to join must be beating: ``elastic.agent``)."""
+        seen = self._moved.get(rank)
+        if seen is None or time.monotonic() - seen[1] > self.dead_after_s:
+            return None
+        return seen[0]
+
+    def fail(self, why: str) -> None:
+        """The group cannot go on (a failover found no store): the loss is fatal, ``on_lost`` is told."""
+        self._declare(why)
+
     # -- beat thread: the only one that talks to the store ------------------------------------------------
-    def _beat_loop(self) -> None:
+    def _beat_loop(self, token: int) -> None:
         r = self._rdzv
         beat = 0
-        peers = {p: (-1, time.monotonic()) for p in range(r.world_size) if p != r.rank}
-        while not self._stop.is_set():
+        peers = {p: (self._obs.peers.get(p, (b"", 0.0))[0], time.monotonic()) for p in range(r.world_size)
+                 if p != r.rank}
+        while not self._stop.is_set() and token == self._beat_token:
             beat += 1
             try:
-                r.store_set(f"alive/{r.rank}", str(beat).encode())
-                seen = {}
-                for peer in peers:
-                    raw = r.store_get_nowait(f"alive/{peer}")
-                    seen[peer] = int(raw) if raw else 0
-            except Exception as exc:  # noqa: BLE001 - the store (rank 0) is gone
-                if not self._stop.is_set():
-                    self._obs = Observations(self._obs.started, self._obs.last_round, dict(peers), str(exc))
+                r.store_set(f"alive/{r.rank}", f"{self.beat_tag}:{beat}".encode())
+                seen = {peer: r.store_get_nowait(f"alive/{peer}") or b"" for peer in peers}
+            except Exception as exc:  # noqa: BLE001 - the store (its host) is gone
+                if not self._stop.is_set() and token == self._beat_token:
+                    self._obs = Observations(self._obs.started, self._obs.last_round, dict(self._obs.peers), str(exc))
                     self._judge()
                 return
+            if token != self._beat_token:
+                return  # a failover replaced this thread while it was blocked: its view is of the old store
             now = time.monotonic()
-            peers = {p: ((c, now) if c != peers[p][0] else peers[p]) for p, c in seen.items()}
+            for p, b in seen.items():
+                before = self._moved.get(p)
+                if b and (before is None or before[0] != b):
+                    self._moved[p] = (b, now if before is not None else float("-inf"))  # a first read is no change
+            current = self._obs.peers
+            peers = {p: ((b, now) if b != current.get(p, peers[p])[0] else current.get(p, peers[p]))
+                     for p, b in seen.items()}
             self._obs = Observations(self._obs.started, now, dict(peers))
             self._stop.wait(self.interval_s)
 
@@ -168,18 +231,32 @@ class PeerMonitor:
             self._obs = Observations(obs.started, now, {p: (c, now) for p, (c, _) in obs.peers.items()}, obs.store_error)
             log.warning("this process was stopped for %.1f s: peer and store records restart now", now - self._last_judged)
         self._last_judged = now
-        if self.elastic:
-            obs = self._obs
-            dead = frozenset(dead_peers(obs, dead_after_s=self.dead_after_s)) - self._lost_ranks
-            if dead:
-                log.warning("rank(s) %s of %s stopped heart-beating (elastic group: survivors re-plan)",
-                            sorted(dead), self._rdzv.where)
-                self._lost_ranks = self._lost_ranks | dead
-            why = store_verdict(obs, time.monotonic(), dead_after_s=self.dead_after_s, where=self._rdzv.where)
-        else:
+        if not self.elastic:
             why = verdict(self._obs, time.monotonic(), dead_after_s=self.dead_after_s, where=self._rdzv.where)
+            return why is not None and self._declare(why)
+        if self._failing_over:
+            return False  # the old store's records mean nothing until resume() (or fail())
+        obs = self._obs
+        dead = frozenset(dead_peers(obs, dead_after_s=self.dead_after_s)) - self._lost_ranks
+        if dead:
+            log.warning("rank(s) %s of %s stopped heart-beating (elastic group: survivors re-plan)",
+                        sorted(dead), self._rdzv.where)
+            self._lost_ranks = self._lost_ranks | dead
+        why = store_verdict(obs, time.monotonic(), dead_after_s=self.dead_after_s, where=self._rdzv.where)
         if why is None:
             return False
+        if self.on_store_lost is not None and not self._stop.is_set():
+            self._failing_over = True
+            try:
+                if self.on_store_lost(why):
+                    log.warning("%s: failing over to a standby store", why)
+                    return False
+            except Exception:  # noqa: BLE001 - a failing failover hook leaves the loss fatal
+                log.exception("the store failover could not start")
+            self._failing_over = False
+        return self._declare(why)
+
+    def _declare(self, why: str) -> bool:
         with self._lost_lock:
             if self._lost is not None:
                 return True
@@ -193,10 +270,8 @@ class PeerMonitor:
         return True
 
     def stop(self) -> None:
-        """Stop both threads. Joins the watch thread (bounded); the beat thread may be stuck in a store call
-        on a frozen store host, so it is not waited for (a daemon: it dies with the process)."""
+        """Stop both threads. Joins the watch thread (bounded); a beat thread may be stuck in a store call on a
+        frozen store host, so it is not waited for (a daemon: it dies with the process)."""
         self._stop.set()
         if self._watch.is_alive():
             self._watch.join(timeout=2 * self.interval_s + 1)
-        if self._beat.is_alive():
-            self._beat.join(timeout=min(self.interval_s, 1.0))

@@ -66,37 +66,92 @@ class Rendezvous(ABC):
         self.close()
 
 
+class GroupKeys:
+    """The namespace and the authentication of one group attempt's store entries (pure: no store I/O).
+
+    Keys live under ``dwdp/<job>/<group>/<attempt>/<token-tag>/``; a sealed value is ``HMAC(key, value) +
+    value`` under the token, so an entry a stranger wrote is refused when opened. The same keys work on
+    any store of the group (its primary and, after a failover, a standby: ``elastic.store_chain``)."""
+
+    def __init__(self, *, job: str, group: int, attempt: int, token: str):
+        self._key = token_key(token)
+        tag = hashlib.sha256(self._key).hexdigest()[:16]
+        self.prefix = f"dwdp/{job}/{group}/{attempt}/{tag}/"
+
+    def full(self, key: str) -> str:
+        return self.prefix + key
+
+    def mac(self, full: str, value: bytes) -> bytes:
+        return hmac.new(self._key, full.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def seal(self, key: str, value: bytes) -> bytes:
+        return self.mac(self.full(key), value) + value
+
+    def open(self, key: str, raw: bytes, where: str) -> bytes:
+        """The payload of a sealed entry; ``RendezvousError`` when its MAC is not this group's."""
+        mac, payload = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self.mac(self.full(key), payload)):
+            raise RendezvousError(f"the entry {key!r} of {where} failed the token check: written by a "
+                                  f"client without this group's token")
+        return bytes(payload)
+
+
 class StoreRendezvous(Rendezvous):
     def __init__(self, *, host: str, port: int, rank: int, world_size: int, job: str = "dwdp",
                  group: int = 0, attempt: int = 0, token: str = "", timeout_s: float = 300.0,
-                 poll_s: float = 0.005):
+                 poll_s: float = 0.005, store=None, generation: int = 0, host_rank: int = 0):
+        """Rank 0 hosts the primary store on ``host:port``, the others connect to it. ``store``: an already
+        connected client of the group's *current* store instead (a replacement joining a running elastic group
+        finds it with ``elastic.store_chain``), hosted by ``host_rank`` since failover ``generation``."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, {world_size})")
-        from torch.distributed import TCPStore
-
         self.rank, self.world_size = rank, world_size
         self.host, self.port, self.timeout_s, self._poll_s = host, port, timeout_s, poll_s
+        self.job, self.group, self.attempt = job, group, attempt
+        self.keys = GroupKeys(job=job, group=group, attempt=attempt, token=token)
+        self._key = self.keys._key
+        self._prefix = self.keys.prefix
+        # which store the group uses now: generation 0 is the primary (rank 0's); an elastic group's failover
+        # moves it to a standby store of a survivor (``switch_to``)
+        self.generation, self.host_rank = generation, host_rank
         self._where = f"group {group} attempt {attempt} (store {host}:{port})"
-        self._key = token_key(token)
-        tag = hashlib.sha256(self._key).hexdigest()[:16]
-        self._prefix = f"dwdp/{job}/{group}/{attempt}/{tag}/"
-        try:
-            self._store = TCPStore(host, port, world_size, is_master=(rank == 0),
-                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        except Exception as exc:  # noqa: BLE001 - rewrap with the fix
-            who = "host" if rank == 0 else "reach"
-            raise RendezvousError(f"rank {rank} could not {who} the rendezvous store {host}:{port} "
-                                  f"within {timeout_s:.0f} s ({exc}); rank 0 hosts it: is it running and "
-                                  f"is the port free/reachable?") from exc
+        if store is None:
+            store = self._connect_primary()
+        self._store = store
         self._closed = False
-        # the ranks rank 0 waits for at close: all, until an elastic group's membership shrinks
-        # (``membership.MembershipAgent`` sets it): a lost rank never leaves, and waiting for it would hold
+        # the ranks the store host waits for at close: all, until an elastic group's membership changes
+        # (``elastic.agent.MembershipAgent`` sets it): a lost rank never leaves, and waiting for it would hold
         # the store open for the whole linger while the survivors are long gone
         self.members: frozenset[int] = frozenset(range(world_size))
+
+    def _connect_primary(self):
+        from torch.distributed import TCPStore
+
+        try:
+            return TCPStore(self.host, self.port, self.world_size, is_master=(self.rank == 0),
+                            timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        except Exception as exc:  # noqa: BLE001 - rewrap with the fix
+            who = "host" if self.rank == 0 else "reach"
+            raise RendezvousError(f"rank {self.rank} could not {who} the rendezvous store {self.host}:{self.port} "
+                                  f"within {self.timeout_s:.0f} s ({exc}); rank 0 hosts it: is it running and "
+                                  f"is the port free/reachable?") from exc
 
     @property
     def where(self) -> str:
         return self._where
+
+    @property
+    def store(self):
+        """The client of the group's current store (replaced by ``switch_to``)."""
+        return self._store
+
+    def switch_to(self, store, *, generation: int, host_rank: int, where: str) -> None:
+        """Use ``store`` (a standby promoted to ``generation``, hosted by ``host_rank``) from now on. Calls already
+        blocked on the old store stay blocked there (their threads are abandoned: ``elastic.agent``)."""
+        if generation <= self.generation:
+            raise ValueError(f"store generation {generation} is not newer than {self.generation}")
+        self._store, self.generation, self.host_rank = store, generation, host_rank
+        self._where = f"group {self.group} attempt {self.attempt} (store {where}, generation {generation})"
 
     def store_set(self, key: str, value: bytes) -> None:
         """A raw, namespaced set (used by the peer monitor's heartbeats)."""
@@ -105,29 +160,27 @@ class StoreRendezvous(Rendezvous):
     def store_get_nowait(self, key: str) -> bytes | None:
         """A raw, namespaced get that returns None instead of waiting for a missing key."""
         full = self._prefix + key
-        return bytes(self._store.get(full)) if self._store.check([full]) else None
+        store = self._store
+        return bytes(store.get(full)) if store.check([full]) else None
 
     def _mac(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
+        return self.keys.mac(key, value)
 
-    def _verified(self, full: str, raw: bytes, what: str) -> bytes:
-        mac, payload = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
-        if not hmac.compare_digest(mac, self._mac(full, payload)):
-            raise RendezvousError(f"the entry {what!r} of {self._where} failed the token check: written by a "
-                                  f"client without this group's token")
-        return bytes(payload)
+    def store_set_verified(self, key: str, value: bytes) -> None:
+        """An authenticated set (opened by ``store_get_verified_nowait`` on any rank)."""
+        self._store.set(self._prefix + key, self.keys.seal(key, value))
 
     def store_claim(self, key: str, value: bytes) -> bytes:
         """Write ``value`` under ``key`` unless some rank wrote it first (``compare_set`` on an absent key:
         atomic in the store); returns the value that won, authenticated. Used once per membership epoch."""
-        full = self._prefix + key
-        won = self._store.compare_set(full, "", self._mac(full, value) + value)
-        return self._verified(full, bytes(won), key)
+        won = self._store.compare_set(self._prefix + key, "", self.keys.seal(key, value))
+        return self.keys.open(key, bytes(won), self._where)
 
     def store_get_verified_nowait(self, key: str) -> bytes | None:
         """An authenticated ``store_get_nowait`` (an entry without the token's MAC raises)."""
         full = self._prefix + key
-        return self._verified(full, bytes(self._store.get(full)), key) if self._store.check([full]) else None
+        store = self._store
+        return self.keys.open(key, bytes(store.get(full)), self._where) if store.check([full]) else None
 
     def allgather(self, key: str, value: bytes) -> list[bytes]:
         if self._closed:
@@ -170,13 +223,14 @@ class StoreRendezvous(Rendezvous):
         self.close(linger_s=1.0 if exc_type else 10.0)
 
     def close(self, *, linger_s: float = 10.0) -> None:
-        """Leave the group. Rank 0 hosts the store, so it lingers (bounded) until every rank left."""
+        """Leave the group. The store's host (rank 0, or a standby's after a failover) lingers (bounded) until every
+        member left."""
         if self._closed:
             return
         self._closed = True
         try:
             self._store.set(f"{self._prefix}left/{self.rank}", b"1")
-            if self.rank == 0:
+            if self.rank == self.host_rank:
                 keys = [f"{self._prefix}left/{r}" for r in sorted(self.members)]
                 deadline = time.monotonic() + linger_s
                 while time.monotonic() < deadline and not self._store.check(keys):

@@ -24,6 +24,12 @@ allocation per run, filled by the same ``fill_replica`` reader after setup, mapp
 own handle index ``len(stored) + i`` and **never exported** (``_exported`` lists primary and replica handles only,
 so the handle count peers expect never changes). Released with the rank's other allocations.
 
+Elastic groups (``serve_exports=True``, issue #30): the exported handles stay served for the transport's life — the
+fd server keeps running with its fds (fd transport), the handle bytes are kept (bytes transport) — and
+``record(incarnation)`` says where (``elastic.records.MemberRecord``). A replacement of a lost rank imports the
+members' memory from their records without any collective (``join_exchange``), and the members import its memory
+from its record (``import_peer``) when it is admitted.
+
 Invariant: keys are added in the same order on every rank (the manager registers layers in
 forward order), so allocation i of rank r is the same (layer, weight) everywhere; handles of one
 key are exported in handle order.
@@ -42,6 +48,10 @@ from .memory.base import Allocation, MemoryBackend
 from .rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
+
+#: fetching an admitted replacement's fds happens between two forwards of a serving rank: a live local fd server
+#: answers in milliseconds (hundreds of fds); a frozen one must not hold the serving loop longer than this
+IMPORT_PEER_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -67,7 +77,8 @@ def _close_fds(items) -> None:
 
 class Transport:
     def __init__(self, *, memory: MemoryBackend, rendezvous: Rendezvous, rank: int,
-                 ranges: Sequence[tuple[int, int]], token_key: bytes, holders: HolderLayout | None = None):
+                 ranges: Sequence[tuple[int, int]], token_key: bytes, holders: HolderLayout | None = None,
+                 serve_exports: bool = False):
         self.memory, self.rendezvous, self.rank = memory, rendezvous, rank
         self.ranges = tuple(ranges)
         self.holders = holders or HolderLayout(self.ranges, tuple(() for _ in self.ranges))
@@ -80,6 +91,10 @@ class Transport:
         self._peer_views: dict[tuple[int, Hashable, int], tuple[int, int]] = {}  # (peer, key, handle) -> (va, nbytes)
         self._exchanged = False
         self._released = False
+        self.serve_exports = serve_exports
+        self._server: FdServer | None = None   # elastic, fd transport: serves the exports for the transport's life
+        self._served_fds: list[int] = []
+        self._exported_bytes: list[bytes] = []  # elastic, bytes transport: the exports, for the member record
 
     @property
     def num_local(self) -> int:
@@ -263,19 +278,84 @@ class Transport:
                 self._import_all(peer, fetch_fds(names[peer].decode(), token_key=self._token_key), progress)
             self.rendezvous.barrier("transport/fds-fetched")
         finally:
-            if server is not None:
-                server.close()
-            for fd in exported:
-                os.close(fd)
+            if server is not None and self.serve_exports and not self._released:
+                self._server, self._served_fds = server, exported  # kept for replacements (module docstring)
+            else:
+                if server is not None:
+                    server.close()
+                _close_fds(exported)
 
     def _exchange_bytes(self, peers: list[int], progress) -> None:
         blobs = self._exported()
+        if self.serve_exports:
+            self._exported_bytes = blobs
         width = len(blobs[0]) if blobs else 0
         gathered = self.rendezvous.allgather("transport/handles", b"".join(blobs))
         for peer in peers:
             raw = gathered[peer]
             count = len(raw) // width if width else 0
             self._import_all(peer, [raw[i * width:(i + 1) * width] for i in range(count)], progress)
+
+    # -- elastic groups: serve the exports, import from records (module docstring) ------------------------------
+    def record(self, incarnation: str):
+        """This rank's ``MemberRecord``: where its exported memory is fetched (after the exchange or the join). Without
+        ``serve_exports`` it carries the incarnation only: nobody can import from it later."""
+        from .elastic.records import MemberRecord
+
+        if not self._exchanged:
+            raise RuntimeError("a member record needs a finished exchange or join")
+        if not self.serve_exports:
+            return MemberRecord(self.rank, incarnation)
+        if self.memory.handle_transport == "fd":
+            return MemberRecord(self.rank, incarnation, fd_server=self._server.name if self._server else None)
+        blobs = self._exported_bytes
+        return MemberRecord(self.rank, incarnation, handles=b"".join(blobs), handle_width=len(blobs[0]) if blobs else 0)
+
+    def import_peer(self, peer: int, record) -> None:
+        """Map every allocation ``peer`` exports, as its record says where (an admitted replacement). Raises on any
+        failure, with nothing of ``peer`` left mapped."""
+        if peer == self.rank or peer in self._peer_allocs:
+            raise ValueError(f"rank {peer} is this rank or still imported (drop_peer first)")
+        try:
+            if self.memory.handle_transport == "fd":
+                if not record.fd_server:
+                    raise RuntimeError(f"rank {peer}'s record names no fd server")
+                self._import_all(peer, fetch_fds(record.fd_server, token_key=self._token_key,
+                                                 timeout_s=IMPORT_PEER_TIMEOUT_S), None)
+            else:
+                self._import_all(peer, record.handle_list(), None)
+        except BaseException:
+            self.drop_peer(peer)
+            raise
+
+    def join_exchange(self, records: dict, *, progress: Callable[[int], None] | None = None) -> None:
+        """A replacement's exchange: import every member's memory from its record, map its own replica runs, and
+        serve its exports — no collective (the members are serving)."""
+        if self._exchanged:
+            raise RuntimeError("handles were already exchanged")
+        if not self.serve_exports:
+            raise RuntimeError("a join needs serve_exports=True (the members import this rank's memory later)")
+        self._exchanged = True
+        try:
+            for peer in sorted(records):
+                if peer != self.rank:
+                    self.import_peer(peer, records[peer])
+                    if progress:
+                        progress(1)
+            self._map_own_replicas()
+            exported = self._exported()
+            if self.memory.handle_transport == "fd":
+                try:
+                    self._server = FdServer(exported, token_key=self._token_key)
+                except BaseException:
+                    _close_fds(exported)
+                    raise
+                self._served_fds = exported
+            else:
+                self._exported_bytes = exported
+        except BaseException:
+            self.release(barrier=False)
+            raise
 
     def release(self, *, barrier: bool = True) -> None:
         """Idempotent. Peer views first, then (optionally) a barrier, then this rank's allocations."""
@@ -299,6 +379,11 @@ class Transport:
                 self.rendezvous.barrier("transport/released")
             except Exception as exc:  # noqa: BLE001 - a dead peer must not block our teardown
                 log.warning("release barrier failed (%s); releasing local allocations anyway", exc)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        _close_fds(self._served_fds)
+        self._served_fds = []
         for entry in self._entries:
             for alloc in [*entry.allocs, *entry.private]:
                 self.memory.release(alloc)

@@ -93,7 +93,9 @@ class WeightBuffer:
               progress=None) -> None:
         """Build pool, composites and copy lists for ``layers`` (in forward order). Rolls back on error."""
         try:
-            pages = [sum(self.plan(s)[0].pool_pages for s in specs_by_layer[layer]) for layer in layers]
+            # a replacement joining a running elastic group builds over the members it joins (``alive``), never
+            # over the full group's owners: the lost ranks' memory is not there to read
+            pages = [sum(self.plan(s, self.alive)[0].pool_pages for s in specs_by_layer[layer]) for layer in layers]
             for slot, n in enumerate(slot_pool_pages(pages, self.num_slots)):
                 self._pool[slot] = [self.memory.create(self.page_bytes) for _ in range(n)]
             setup_copies = []
@@ -103,7 +105,7 @@ class WeightBuffer:
                 copies = []
                 composites = []
                 for spec in specs_by_layer[layer]:
-                    layout, ops, setup = self.plan(spec)
+                    layout, ops, setup = self.plan(spec, self.alive)
                     comp = self._map_composite(spec, layout, slot, page_cursor)
                     composites.append(comp)
                     page_cursor += layout.pool_pages

@@ -20,7 +20,7 @@ import traceback
 import pytest
 
 from tests.runtime.elastic_program import elastic_rank, expected_digests
-from tests.runtime.group import free_port
+from dwdp_runtime.elastic.store_chain import free_port_block
 
 #: the monitor's knobs in this test: detection within DEAD_AFTER_S + 2 × INTERVAL_S = 3 s (issue bound: ≤ 5 s)
 INTERVAL_S = 0.5
@@ -45,7 +45,7 @@ def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.
     events, results = ctx.Queue(), ctx.Queue()
     hold = ctx.Event()  # the survivors serve on until every one of them reached the final membership
     final = sorted(set(range(world)) - {victim, *also})
-    port = free_port()
+    port = free_port_block(world + 1)  # the store's and every rank's standby store's
     kw = dict(num_experts=num_experts, k=k, s=s, replicas=replicas, events=events, run_s=run_s,
               after_replan_forwards=5, dead_after_s=DEAD_AFTER_S, interval_s=INTERVAL_S, hold=hold, **extra)
     procs = [ctx.Process(target=_entry, args=(r, world, port, kw, results), daemon=True) for r in range(world)]

@@ -9,15 +9,24 @@ from dwdp_runtime.rendezvous import RendezvousError, StoreRendezvous
 from tests.runtime.group import free_port
 
 
-def test_next_membership_only_shrinks_and_counts_epochs():
-    full = Membership.full(4)
-    assert full == Membership(0, frozenset({0, 1, 2, 3}))
+def _m(epoch, members):
+    return Membership.of(epoch, {r: f"p{r}" if isinstance(members, set) else members[r] for r in members})
+
+
+def test_next_membership_drops_losses_admits_joins_and_counts_epochs():
+    full = _m(0, {0, 1, 2, 3})
+    assert full.alive == {0, 1, 2, 3} and full.serves(1, "p1") and not full.serves(1, "q1")
     assert next_membership(full, ()) is None
     one = next_membership(full, {1})
-    assert one == Membership(1, frozenset({0, 2, 3}))
+    assert one == _m(1, {0, 2, 3})
     assert next_membership(one, {1}) is None                  # already out: no new epoch
-    assert next_membership(one, {1, 3}) == Membership(2, frozenset({0, 2}))
-    assert Membership.decode(one.encode()) == one
+    assert next_membership(one, {1, 3}) == _m(2, {0, 2})
+    # a replacement of rank 1 (another incarnation) joins; the monitor still counts rank 1 lost until readmitted
+    back = next_membership(one, {1}, {1: "q1"})
+    assert back == Membership.of(2, {0: "p0", 1: "q1", 2: "p2", 3: "p3"})
+    assert next_membership(back, (), {1: "z1"}) is None       # a member is never replaced in place
+    assert next_membership(one, {3}, {1: "q1"}) == Membership.of(2, {0: "p0", 1: "q1", 2: "p2"})
+    assert Membership.decode(back.encode()) == back
 
 
 def test_one_claim_wins_per_epoch_and_a_forged_entry_is_refused():
@@ -25,8 +34,8 @@ def test_one_claim_wins_per_epoch_and_a_forged_entry_is_refused():
     host = StoreRendezvous(host="127.0.0.1", port=port, rank=0, world_size=2, job="m", token="t", timeout_s=10)
     peer = StoreRendezvous(host="127.0.0.1", port=port, rank=1, world_size=2, job="m", token="t", timeout_s=10)
     try:
-        a = Membership(1, frozenset({0, 2, 3}))
-        b = Membership(1, frozenset({0, 2}))
+        a = _m(1, {0, 2, 3})
+        b = _m(1, {0, 2})
         assert Membership.decode(host.store_claim(epoch_key(1), a.encode())) == a
         assert Membership.decode(peer.store_claim(epoch_key(1), b.encode())) == a   # the first claim won
         assert Membership.decode(peer.store_get_verified_nowait(epoch_key(1))) == a
