@@ -217,3 +217,15 @@ def test_local_launcher_takes_expert_replicas():
     with pytest.raises(ValueError, match="expert_replicas=5 must be in \\[1, dwdp_size=4\\]"):
         build_local_specs(model_dir="/nonexistent", groups=1, dwdp_size=4, experts_per_worker=2,
                           prefetch_stride=2, expert_replicas=5, backend="host", num_experts=8)
+
+
+@pytest.mark.parametrize("value", ["r1-g1-p0.r1-ranks.prod.svc", "r1-g1-p{pod}-{pod}.r1-ranks.prod.svc",
+                                   "r1-g1-p{pod}.{ns}.svc", "r1-g1-p{POD}.r1-ranks.prod.svc", "r1-g1-p{{pod}}.svc",
+                                   "r1-g1-p{pod.r1-ranks.prod.svc", ""])
+def test_a_pod_addr_template_without_exactly_one_placeholder_is_refused_with_an_example(value):
+    with pytest.raises(EnvContractError) as info:
+        parse_env({**GOOD, "DWDP_EXPERT_REPLICAS": "2", "DWDP_POD_ADDR_TEMPLATE": value})
+    message = str(info.value)
+    assert message.startswith(f"DWDP_POD_ADDR_TEMPLATE={value!r}: must hold the pod index placeholder {{pod}} exactly "
+                              f"once and no other brace")
+    assert "e.g. 'r1-g0-p{pod}.r1-ranks.default.svc'" in message
