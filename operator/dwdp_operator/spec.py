@@ -31,7 +31,7 @@ from dwdp_runtime.config import sharding_errors
 from dwdp_runtime.serving_options import ServingOptions, camel, camel_field
 from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
                                    MAX_CUDA_GRAPHS, POD_ENV,
-                                   RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode)
+                                   RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode, standby_store_port)
 
 GROUP = LABEL_PREFIX
 # docs/ENV_CONTRACT.md: the variables the operator sets on every worker pod (manifests.worker_env)
@@ -289,6 +289,22 @@ class DwdpGroupSpec(_Model):
     @property
     def pods_per_group(self) -> int:
         return self.dwdpSize // self.gpusPerPod
+
+    @property
+    def elastic(self) -> bool:
+        """A group that survives a rank loss in place (``dwdp_runtime.config.DwdpConfig.elastic``): spare expert
+        copies, experts.replicas > 1. (The runtime's other half, ``on_uncovered=reload``, is no spec field yet.)
+        Every rank of such a group hosts a standby store its survivors move to when the store host is lost."""
+        return self.experts.replicas > 1
+
+    @property
+    def store_ports(self) -> tuple[int, int]:
+        """The first and last TCP port a worker pod may serve a rendezvous store on: storePort (the group's store,
+        on rank 0's pod) and, in an elastic group, every rank's standby store (``contract.standby_store_port``:
+        storePort + 1 + rank, up to storePort + dwdpSize)."""
+        if not self.elastic:
+            return self.storePort, self.storePort
+        return self.storePort, standby_store_port(self.storePort, self.dwdpSize - 1)
 
 
 Check = Callable[[DwdpGroupSpec], list[str]]

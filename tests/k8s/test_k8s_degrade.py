@@ -83,6 +83,7 @@ def test_degrade_recreates_only_the_failed_pod_shows_degraded_then_ready(cluster
     time.sleep(POD_REMEMBER_S)
     before = pod_uids(c, ns)
     lost = PODS[2]
+    lost_env = c.core.read_namespaced_pod(lost, ns).spec.containers[0].env
     c.kubelet.hold(ns, lost)  # the replacement stays Pending: the group stays Degraded while the test reads it
     try:
         t_fail = time.time()
@@ -98,8 +99,13 @@ def test_degrade_recreates_only_the_failed_pod_shows_degraded_then_ready(cluster
         assert {n: u for n, u in after.items() if n != lost} == {n: u for n, u in before.items() if n != lost}
         assert replacement.metadata.labels["dwdp.io/attempt"] == "0" and replacement.status.phase == "Pending"
         assert replacement.metadata.labels["dwdp.io/gang"] == "complete" and not replacement.spec.scheduling_gates
-        env = {e.name: e.value for e in replacement.spec.containers[0].env}
-        assert env["DWDP_ATTEMPT"] == "0" and env["DWDP_RANK_BASE"] == "2"  # it rejoins the running attempt
+        assert replacement.spec.containers[0].env == lost_env  # the same rank of the same attempt: it rejoins
+        env = {e.name: e.value for e in lost_env}
+        assert env["DWDP_ATTEMPT"] == "0" and env["DWDP_RANK_BASE"] == "2"
+        # an elastic group: where every pod answers, for the survivors' store failover (contract.ElasticEnv)
+        assert env["DWDP_POD_ADDR_TEMPLATE"] == f"{NAME}-g0-p{{pod}}.{NAME}-ranks.{ns}.svc"
+        assert env["DWDP_POD_ADDR_TEMPLATE"].replace("{pod}", "2") == \
+            f"{replacement.spec.hostname}.{replacement.spec.subdomain}.{ns}.svc"
 
         # the status the operator writes while the group serves without rank 2
         assert (st["state"], st["reason"]) == ("Degraded", "RanksMissing")
