@@ -284,7 +284,9 @@ class DwdpGroupSpec(_Model):
     httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535, description=(
         "workers' HTTP port: API, /healthz, /readyz, /metrics"))
     storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535, description=(
-        "rank 0's rendezvous store port (reachable only from pods of the same group)"))
+        "rank 0's rendezvous store port (reachable only from the DwdpGroup's own workers); an elastic group "
+        "(experts.replicas > 1) also uses storePort+1 .. storePort+dwdpSize, a standby store per rank at "
+        "storePort+1+rank, which httpPort and kvTransfer's ports must avoid"))
 
     @property
     def pods_per_group(self) -> int:
@@ -408,6 +410,39 @@ def check_ports(spec: DwdpGroupSpec) -> list[str]:
     if spec.httpPort == spec.storePort:
         return [f"spec.httpPort and spec.storePort are both {spec.httpPort}; pick two different ports"]
     return []
+
+
+MAX_PORT = 65535  # TCP
+
+
+def elastic_store_ports(spec: DwdpGroupSpec) -> str:
+    """How a message names the store ports of an elastic group (``DwdpGroupSpec.store_ports``)."""
+    first, last = spec.store_ports
+    return (f"an elastic group (experts.replicas={spec.experts.replicas} > 1) serves rendezvous stores on ports "
+            f"{first}-{last} (storePort, and a standby store per rank at storePort+1+rank)")
+
+
+@register_check
+def check_standby_store_ports(spec: DwdpGroupSpec) -> list[str]:
+    """An elastic group's standby stores (``DwdpGroupSpec.store_ports``) need ports of their own: inside TCP's range,
+    apart from the HTTP port and from the KV handoff's UCX ports (CEL twins: ``crd_extras.SPEC_RULES``)."""
+    if not spec.elastic:
+        return []
+    first, last = spec.store_ports
+    out = []
+    if last > MAX_PORT:
+        out.append(f"spec.storePort={spec.storePort}: {elastic_store_ports(spec)}, past {MAX_PORT}; set storePort to "
+                   f"{MAX_PORT - spec.dwdpSize} or less")
+    if first < spec.httpPort <= last:  # == storePort: check_ports says so already
+        out.append(f"spec.httpPort={spec.httpPort}: {elastic_store_ports(spec)}; set httpPort below {first} or "
+                   f"above {last}")
+    if (kv := spec.kvTransfer) is not None:
+        kv_last = kv.tcpPortBase + KV_TCP_PORTS - 1
+        if kv.tcpPortBase <= last and first <= kv_last:
+            out.append(f"spec.kvTransfer.tcpPortBase={kv.tcpPortBase}: the KV handoff's ports {kv.tcpPortBase}-{kv_last} "
+                       f"overlap the stores' ({elastic_store_ports(spec)}); set tcpPortBase above {last} or to "
+                       f"{first - KV_TCP_PORTS} or less")
+    return out
 
 
 def _pydantic_messages(err: ValidationError) -> list[str]:

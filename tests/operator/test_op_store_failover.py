@@ -1,15 +1,17 @@
 """The operator's side of an elastic group's store failover (experts.replicas > 1): every rank hosts a standby store
 on ``contract.standby_store_port(storePort, rank)``. The pods learn where every pod answers
 (``DWDP_POD_ADDR_TEMPLATE``), the NetworkPolicy opens storePort .. storePort + dwdpSize to the DwdpGroup's own
-workers. A group that is not elastic renders exactly as before."""
+workers, and validation (operator and CEL alike) keeps those ports inside TCP's range and apart from httpPort and
+the KV handoff's ports. A group that is not elastic renders exactly as before."""
 
 import pytest
 
 from dwdp_operator import manifests as M
-from dwdp_operator.spec import DwdpGroupSpec
+from dwdp_operator.spec import DwdpGroupSpec, validate_spec
 from dwdp_runtime.contract import ElasticEnv, LayoutEnv, standby_store_port
 
 from .dwdp_op_util import spec
+from .test_op_crd import cel_errors
 from .test_op_manifests import contract_names
 
 ELASTIC = {"replicas": 2}
@@ -68,3 +70,34 @@ def test_store_ports_are_the_store_and_every_ranks_standby():
     plain = DwdpGroupSpec.model_validate(spec(storePort=1000))
     assert not plain.elastic and plain.store_ports == (1000, 1000)
 
+
+# (spec, a piece of the operator's message, or "" = valid); CEL must agree on every one
+CASES = {
+    "store-range-at-the-top": (elastic(storePort=65531), ""),
+    "store-range-past-65535": (elastic(storePort=65532), "spec.storePort=65532: an elastic group (experts.replicas=2 > 1) "
+                               "serves rendezvous stores on ports 65532-65536"),
+    "store-range-past-65535-fix": (elastic(storePort=65532), "set storePort to 65531 or less"),
+    "not-elastic-at-the-top": (spec(storePort=65535), ""),
+    "http-just-below": (elastic(httpPort=29499), ""),
+    "http-first-standby": (elastic(httpPort=29501), "spec.httpPort=29501"),
+    "http-last-standby": (elastic(httpPort=29504), "set httpPort below 29500 or above 29504"),
+    "http-just-above": (elastic(httpPort=29505), ""),
+    "not-elastic-http-next-to-store": (spec(httpPort=29501), ""),
+    "kv-just-below": (elastic(kvTransfer={"budgetBytes": 0, "tcpPortBase": 29436}), ""),
+    "kv-last-port-on-store": (elastic(kvTransfer={"budgetBytes": 0, "tcpPortBase": 29437}),
+                              "spec.kvTransfer.tcpPortBase=29437: the KV handoff's ports 29437-29500 overlap"),
+    "kv-first-port-on-last-standby": (elastic(kvTransfer={"budgetBytes": 0, "tcpPortBase": 29504}),
+                                      "set tcpPortBase above 29504 or to 29436 or less"),
+    "kv-just-above": (elastic(kvTransfer={"budgetBytes": 0, "tcpPortBase": 29505}), ""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_elastic_port_rules_refuse_with_the_fix_and_cel_agrees(case):
+    raw, needle = CASES[case]
+    errors = validate_spec(raw)
+    if needle:
+        assert any(needle in e for e in errors), errors
+    else:
+        assert errors == []
+    assert bool(cel_errors(raw)) == bool(errors), (cel_errors(raw), errors)
