@@ -30,7 +30,8 @@ seconds so a resync does not hammer the API with creates that answer 409; a chil
 comes back within that time. Pod creates are remembered per (name, attempt) for ``POD_REMEMBER_S``
 (the pod informer lags our own writes by a few events): a pod recreated alone at the same attempt
 (failurePolicy Degrade) within that time of its first creation is created once the memory ends (the pass
-that skipped it waits for the pod, ``expectations``, at most as long, then runs again). The memory is bounded: entries expire and are
+that skipped it waits for the pod, ``expectations``, at most as long, then runs again).
+The memory is bounded: entries expire and are
 dropped, and at most ``MEMORY_MAX`` are kept (invariant: it never grows with pods ever created).
 """
 

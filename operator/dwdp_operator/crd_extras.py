@@ -123,7 +123,8 @@ SPEC_RULES = (
             f"{ELASTIC_STORES}: storePort + dwdpSize must be <= {MAX_PORT}; lower storePort"),
     CelRule(f"!({ELASTIC}) || self.httpPort < self.storePort || self.httpPort > self.storePort + self.dwdpSize",
             f"{ELASTIC_STORES}: set httpPort below storePort or above storePort + dwdpSize"),
-    CelRule(f"!({ELASTIC}) || !has(self.kvTransfer) || self.kvTransfer.tcpPortBase + {KV_TCP_PORTS - 1} < self.storePort "
+    CelRule(f"!({ELASTIC}) || !has(self.kvTransfer) "
+            f"|| self.kvTransfer.tcpPortBase + {KV_TCP_PORTS - 1} < self.storePort "
             f"|| self.kvTransfer.tcpPortBase > self.storePort + self.dwdpSize",
             f"{ELASTIC_STORES}: kvTransfer's {KV_TCP_PORTS} TCP ports from tcpPortBase must not overlap them; set "
             f"tcpPortBase above storePort + dwdpSize or to storePort - {KV_TCP_PORTS} or less"),

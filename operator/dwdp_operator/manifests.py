@@ -37,8 +37,8 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import (KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, ElasticEnv, KvEnv, LayoutEnv,
-                                   PortName)
+from dwdp_runtime.contract import (KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, ElasticEnv, KvEnv,
+                                   LayoutEnv, PortName)
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L

@@ -439,9 +439,9 @@ def check_standby_store_ports(spec: DwdpGroupSpec) -> list[str]:
     if (kv := spec.kvTransfer) is not None:
         kv_last = kv.tcpPortBase + KV_TCP_PORTS - 1
         if kv.tcpPortBase <= last and first <= kv_last:
-            out.append(f"spec.kvTransfer.tcpPortBase={kv.tcpPortBase}: the KV handoff's ports {kv.tcpPortBase}-{kv_last} "
-                       f"overlap the stores' ({elastic_store_ports(spec)}); set tcpPortBase above {last} or to "
-                       f"{first - KV_TCP_PORTS} or less")
+            out.append(f"spec.kvTransfer.tcpPortBase={kv.tcpPortBase}: the KV handoff's ports "
+                       f"{kv.tcpPortBase}-{kv_last} overlap the stores' ({elastic_store_ports(spec)}); set tcpPortBase "
+                       f"above {last} or to {first - KV_TCP_PORTS} or less")
     return out
 
 
