@@ -28,7 +28,10 @@ gated path.
 Creates of long-lived children (Secret, Services, ComputeDomain) are remembered for ``REMEMBER_S``
 seconds so a resync does not hammer the API with creates that answer 409; a child deleted by hand
 comes back within that time. Pod creates are remembered per (name, attempt) for ``POD_REMEMBER_S``
-(the pod informer lags our own writes by a few events). The memory is bounded: entries expire and are
+(the pod informer lags our own writes by a few events): a pod recreated alone at the same attempt
+(failurePolicy Degrade) within that time of its first creation is created once the memory ends (the pass
+that skipped it waits for the pod, ``expectations``, at most as long, then runs again).
+The memory is bounded: entries expire and are
 dropped, and at most ``MEMORY_MAX`` are kept (invariant: it never grows with pods ever created).
 """
 
@@ -69,7 +72,8 @@ class ScaleRefused(RuntimeError):
 
 
 class CreateMemory:
-    """Keys remembered until their TTL passes; insertion-ordered, so expiry pops from the front."""
+    """Keys remembered until their own TTL passes; insertion-ordered, so expiry pops from the front, and a key
+    asked about past its TTL is gone even when a longer-lived one in front of it kept it in the dict."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, max_entries: int = MEMORY_MAX):
         self.clock, self.max_entries = clock, max_entries
@@ -82,7 +86,11 @@ class CreateMemory:
 
     def __contains__(self, key: tuple) -> bool:
         self._expire()
-        return key in self._until
+        until = self._until.get(key)
+        if until is not None and until <= self.clock():  # expired behind a longer-lived entry (see _expire)
+            del self._until[key]
+            return False
+        return until is not None
 
     def forget(self, match: Callable[[tuple], bool]) -> None:
         for k in [k for k in self._until if match(k)]:

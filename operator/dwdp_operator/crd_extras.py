@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .spec import DEGRADE_NEEDS_REPLICAS, GROUP, HGX_FIX, KIND, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS
+from dwdp_runtime.contract import KV_TCP_PORTS
+
+from .spec import DEGRADE_NEEDS_REPLICAS, GROUP, HGX_FIX, KIND, MAX_PORT, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS
 
 SINGULAR = KIND.lower()
 LIST_KIND = f"{KIND}List"
@@ -74,6 +76,12 @@ PRINTER_COLUMNS = (
 )
 
 
+#: ``DwdpGroupSpec.elastic`` in CEL (the property test of tests/operator/test_op_crd.py holds the two together)
+ELASTIC = "self.experts.replicas > 1"
+ELASTIC_STORES = ("an elastic group (experts.replicas > 1) serves rendezvous stores on ports storePort .. storePort + "
+                  "dwdpSize (storePort, and a standby store per rank at storePort + 1 + rank)")
+
+
 class CelRule(NamedTuple):
     rule: str
     message: str
@@ -110,6 +118,16 @@ SPEC_RULES = (
     # degrade.pod_loss_errors (exact for every sharding the rules above admit: degrade invariant 4)
     CelRule("self.failurePolicy != 'Degrade' || self.experts.replicas > self.gpusPerPod",
             f"failurePolicy {DEGRADE_NEEDS_REPLICAS}"),
+    # spec.check_standby_store_ports: an elastic group's stores use storePort .. storePort + dwdpSize
+    CelRule(f"!({ELASTIC}) || self.storePort + self.dwdpSize <= {MAX_PORT}",
+            f"{ELASTIC_STORES}: storePort + dwdpSize must be <= {MAX_PORT}; lower storePort"),
+    CelRule(f"!({ELASTIC}) || self.httpPort < self.storePort || self.httpPort > self.storePort + self.dwdpSize",
+            f"{ELASTIC_STORES}: set httpPort below storePort or above storePort + dwdpSize"),
+    CelRule(f"!({ELASTIC}) || !has(self.kvTransfer) "
+            f"|| self.kvTransfer.tcpPortBase + {KV_TCP_PORTS - 1} < self.storePort "
+            f"|| self.kvTransfer.tcpPortBase > self.storePort + self.dwdpSize",
+            f"{ELASTIC_STORES}: kvTransfer's {KV_TCP_PORTS} TCP ports from tcpPortBase must not overlap them; set "
+            f"tcpPortBase above storePort + dwdpSize or to storePort - {KV_TCP_PORTS} or less"),
 )
 
 #: rules of one spec object, on that object's schema (``self`` is the object): spec.autoscaling's cross-field

@@ -21,7 +21,8 @@ Invariants:
     ``dwdp.io/gang=pending``, and ``lift_gate_patch`` ungates them once every pod of the attempt
     exists; or, when the whole gang is created at once (``whole=True``, desired invariant 2a),
     without the gate and labelled ``dwdp.io/gang=complete`` from the start (no lift patches);
-  * the NetworkPolicy admits a worker's store port only from worker pods of the same DwdpGroup
+  * the NetworkPolicy admits a worker's store ports (storePort; in an elastic group the standby stores' too,
+    storePort .. storePort + dwdpSize: ``DwdpGroupSpec.store_ports``) only from worker pods of the same DwdpGroup
     (same ``dwdp.io/name``), the HTTP port from anywhere, nothing else;
   * worker pods run as non-root (uid 10001) with a read-only root filesystem, no privilege
     escalation and no capabilities; ``/tmp`` and the home directory (caches) are emptyDirs;
@@ -36,7 +37,8 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, KvEnv, LayoutEnv, PortName
+from dwdp_runtime.contract import (KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, ElasticEnv, KvEnv,
+                                   LayoutEnv, PortName)
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
@@ -51,6 +53,8 @@ WORKER_HOME = "/home/dwdp"
 SCRATCH = (("dwdp-tmp", "/tmp"), ("dwdp-home", WORKER_HOME))
 STARTUP_FAILURE_THRESHOLD = 360  # x 10 s = 1 h for weight loading before liveness takes over
 POD_IP_FIELD = "status.podIP"    # downward API field of the pod's IP (KvEnv.POD_IP)
+# ElasticEnv.POD_ADDR_TEMPLATE's stand-in for the pod index (the worker fills it in: envcontract.POD_PLACEHOLDER)
+POD_PLACEHOLDER = "{pod}"
 
 
 def token_secret_name(name: str) -> str:
@@ -65,8 +69,14 @@ def network_policy_name(name: str) -> str:
     return name
 
 
-def pod_name(name: str, g: int, i: int) -> str:
+def pod_name(name: str, g: int, i: int | str) -> str:
     return f"{name}-g{g}-p{i}"
+
+
+def pod_address(*, name: str, ns: str, g: int, i: int | str) -> str:
+    """Where pod ``i`` of group ``g`` answers: its hostname under the DwdpGroup's headless Service (``rank_service``;
+    the pod's ``hostname`` and ``subdomain``). ``i`` may be ``POD_PLACEHOLDER`` (the elastic pod address template)."""
+    return f"{pod_name(name, g, i)}.{rank_service_name(name)}.{ns}.svc"
 
 
 def compute_domain_name(name: str) -> str:
@@ -127,18 +137,20 @@ def rank_service(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict[s
 
 
 def network_policy(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict[str, Any]:
-    """Ingress to the worker pods: the store port only from the DwdpGroup's own workers; HTTP from
+    """Ingress to the worker pods: the store ports (``DwdpGroupSpec.store_ports``: storePort, and in an elastic
+    group every rank's standby store up to storePort + dwdpSize) only from the DwdpGroup's own workers; HTTP from
     anywhere (clients, the operator's /healthz reads, probes); with ``kvTransfer`` the UCX TCP port
     range from anywhere (decode engines pull KV there); every other port closed."""
     own = workers_selector(name)
+    first, last = spec.store_ports
+    stores = {"protocol": "TCP", "port": first, **({"endPort": last} if last > first else {})}
     kv = [] if spec.kvTransfer is None else [{"ports": [{"protocol": "TCP", "port": spec.kvTransfer.tcpPortBase,
                                                          "endPort": spec.kvTransfer.tcpPortBase + KV_TCP_PORTS - 1}]}]
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(network_policy_name(name), ns, name, uid, "workers"),
             "spec": {"podSelector": {"matchLabels": own}, "policyTypes": ["Ingress"],
                      "ingress": [
-                         {"ports": [{"protocol": "TCP", "port": spec.storePort}],
-                          "from": [{"podSelector": {"matchLabels": own}}]},
+                         {"ports": [stores], "from": [{"podSelector": {"matchLabels": own}}]},
                          {"ports": [{"protocol": "TCP", "port": spec.httpPort}]},
                          *kv,
                      ]}}
@@ -172,7 +184,7 @@ def inference_pool(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict
 def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec) -> list[dict]:
     """The env of docs/ENV_CONTRACT.md, in the contract's order."""
     e, m = spec.experts, spec.model
-    store = f"{pod_name(name, g, 0)}.{rank_service_name(name)}.{ns}.svc"
+    store = pod_address(name=name, ns=ns, g=g, i=0)  # rank 0's pod hosts the group's store
     plain = [
         (E.JOB, name), (E.NAMESPACE, ns), (E.GROUP, g), (E.POD_INDEX, i),
         (E.RANK_BASE, i * spec.gpusPerPod), (E.GPUS_PER_POD, spec.gpusPerPod),
@@ -192,6 +204,9 @@ def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGr
     env += [{"name": str(k), "value": str(v)} for k, v in rest]
     if e.replicas != 1:  # contract.LayoutEnv: absent = 1, so r = 1 pods render exactly as before
         env.append({"name": str(LayoutEnv.EXPERT_REPLICAS), "value": str(e.replicas)})
+    if spec.elastic:  # contract.ElasticEnv: where a survivor finds any rank's standby store (the store failover)
+        env.append({"name": str(ElasticEnv.POD_ADDR_TEMPLATE),
+                    "value": pod_address(name=name, ns=ns, g=g, i=POD_PLACEHOLDER)})
     if (kv := spec.kvTransfer) is not None:  # contract.POD_ENV_OPTIONAL: only when the spec asks for it
         env += [{"name": str(k), "value": str(v)} for k, v in (
             (KvEnv.BUDGET_BYTES, kv.budgetBytes), (KvEnv.BLOCK_BYTES, kv.blockBytes),

@@ -31,7 +31,7 @@ from dwdp_runtime.config import sharding_errors
 from dwdp_runtime.serving_options import ServingOptions, camel, camel_field
 from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
                                    MAX_CUDA_GRAPHS, POD_ENV,
-                                   RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode)
+                                   RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode, standby_store_port)
 
 GROUP = LABEL_PREFIX
 # docs/ENV_CONTRACT.md: the variables the operator sets on every worker pod (manifests.worker_env)
@@ -284,11 +284,29 @@ class DwdpGroupSpec(_Model):
     httpPort: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535, description=(
         "workers' HTTP port: API, /healthz, /readyz, /metrics"))
     storePort: int = Field(default=DEFAULT_STORE_PORT, ge=1, le=65535, description=(
-        "rank 0's rendezvous store port (reachable only from pods of the same group)"))
+        "rank 0's rendezvous store port (reachable only from the DwdpGroup's own workers); an elastic group "
+        "(experts.replicas > 1) also uses storePort+1 .. storePort+dwdpSize, a standby store per rank at "
+        "storePort+1+rank, which httpPort and kvTransfer's ports must avoid"))
 
     @property
     def pods_per_group(self) -> int:
         return self.dwdpSize // self.gpusPerPod
+
+    @property
+    def elastic(self) -> bool:
+        """A group that survives a rank loss in place (``dwdp_runtime.config.DwdpConfig.elastic``): spare expert
+        copies, experts.replicas > 1. (The runtime's other half, ``on_uncovered=reload``, is no spec field yet.)
+        Every rank of such a group hosts a standby store its survivors move to when the store host is lost."""
+        return self.experts.replicas > 1
+
+    @property
+    def store_ports(self) -> tuple[int, int]:
+        """The first and last TCP port a worker pod may serve a rendezvous store on: storePort (the group's store,
+        on rank 0's pod) and, in an elastic group, every rank's standby store (``contract.standby_store_port``:
+        storePort + 1 + rank, up to storePort + dwdpSize)."""
+        if not self.elastic:
+            return self.storePort, self.storePort
+        return self.storePort, standby_store_port(self.storePort, self.dwdpSize - 1)
 
 
 Check = Callable[[DwdpGroupSpec], list[str]]
@@ -392,6 +410,39 @@ def check_ports(spec: DwdpGroupSpec) -> list[str]:
     if spec.httpPort == spec.storePort:
         return [f"spec.httpPort and spec.storePort are both {spec.httpPort}; pick two different ports"]
     return []
+
+
+MAX_PORT = 65535  # TCP
+
+
+def elastic_store_ports(spec: DwdpGroupSpec) -> str:
+    """How a message names the store ports of an elastic group (``DwdpGroupSpec.store_ports``)."""
+    first, last = spec.store_ports
+    return (f"an elastic group (experts.replicas={spec.experts.replicas} > 1) serves rendezvous stores on ports "
+            f"{first}-{last} (storePort, and a standby store per rank at storePort+1+rank)")
+
+
+@register_check
+def check_standby_store_ports(spec: DwdpGroupSpec) -> list[str]:
+    """An elastic group's standby stores (``DwdpGroupSpec.store_ports``) need ports of their own: inside TCP's range,
+    apart from the HTTP port and from the KV handoff's UCX ports (CEL twins: ``crd_extras.SPEC_RULES``)."""
+    if not spec.elastic:
+        return []
+    first, last = spec.store_ports
+    out = []
+    if last > MAX_PORT:
+        out.append(f"spec.storePort={spec.storePort}: {elastic_store_ports(spec)}, past {MAX_PORT}; set storePort to "
+                   f"{MAX_PORT - spec.dwdpSize} or less")
+    if first < spec.httpPort <= last:  # == storePort: check_ports says so already
+        out.append(f"spec.httpPort={spec.httpPort}: {elastic_store_ports(spec)}; set httpPort below {first} or "
+                   f"above {last}")
+    if (kv := spec.kvTransfer) is not None:
+        kv_last = kv.tcpPortBase + KV_TCP_PORTS - 1
+        if kv.tcpPortBase <= last and first <= kv_last:
+            out.append(f"spec.kvTransfer.tcpPortBase={kv.tcpPortBase}: the KV handoff's ports "
+                       f"{kv.tcpPortBase}-{kv_last} overlap the stores' ({elastic_store_ports(spec)}); set tcpPortBase "
+                       f"above {last} or to {first - KV_TCP_PORTS} or less")
+    return out
 
 
 def _pydantic_messages(err: ValidationError) -> list[str]:

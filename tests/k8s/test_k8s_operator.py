@@ -256,6 +256,7 @@ INVALID_SPECS = {
     "bad-imex": _with(imex={"mode": "Fabric"}),
     "reserved-env": _with(template={"env": [{"name": "DWDP_SIZE", "value": "8"}]}),
     "same-ports": _with(httpPort=9000, storePort=9000),
+    "elastic-http-on-a-standby-store": _with(experts={"replicas": 2}, httpPort=29501),  # standby stores: 29501-29504
     "port-range": _with(httpPort=70000),
     "negative-restarts": _with(restartPolicy={"maxRestarts": -1}),
     "zero-unavailable": _with(rollout={"maxUnavailableGroups": 0}),

@@ -76,6 +76,22 @@ def test_create_memory_is_bounded_under_10000_pod_uids_churned():
     assert ("Pod", "ns", "p49", "uid-9999/0") in mem and ("Pod", "ns", "p0", "uid-0/0") not in mem
 
 
+def test_create_memory_forgets_a_pod_at_its_own_ttl_behind_a_longer_lived_child():
+    """A new DwdpGroup's pods are remembered (5 s) right after its Services (30 s): a pod entry must still end at
+    its own TTL. It used to live as long as the entry in front of it, so a pod lost within 30 s of its group's
+    creation was not recreated alone (failurePolicy Degrade) until then (tests/k8s/test_k8s_degrade.py found it)."""
+    now = [0.0]
+    mem = CreateMemory(clock=lambda: now[0])
+    service, pod = ("Service", "ns", "r1", "uid"), ("Pod", "ns", "r1-g0-p2", "uid/0")
+    mem.remember(service, 30.0)
+    mem.remember(pod, 5.0)
+    now[0] = 4.9
+    assert pod in mem and service in mem
+    now[0] = 5.0
+    assert pod not in mem and service in mem
+    assert len(mem) == 1
+
+
 def test_create_memory_hard_bound():
     mem = CreateMemory(clock=lambda: 0.0, max_entries=100)
     for i in range(1000):

@@ -67,9 +67,12 @@ def schema_valid_specs(draw):
                     "replicas": draw(_bounded("experts.replicas", 1, 10))},
         "model": model,
         "imex": {"mode": draw(st.sampled_from(["ComputeDomain", "None"]))},
-        "httpPort": draw(st.sampled_from([8000, 9000])),
-        "storePort": draw(st.sampled_from([9000, 29500])),
+        # ports on both sides of the edges of an elastic group's store range (storePort .. storePort + dwdpSize)
+        "httpPort": draw(st.sampled_from([8000, 9000, 9001, 9004, 9005, 9009, 9010])),
+        "storePort": draw(st.sampled_from([9000, 29500, 65526, 65530, 65535])),
     }
+    if draw(st.booleans()):  # the KV handoff's 64 ports below, on, and above that range
+        raw["kvTransfer"] = {"budgetBytes": 0, "tcpPortBase": draw(st.sampled_from([8936, 8937, 9005, 9010, 30000]))}
     return raw
 
 

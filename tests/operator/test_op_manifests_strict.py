@@ -131,6 +131,7 @@ def test_the_check_sees_a_misspelt_field_of_a_rendered_deployment(tmp_path):
 def test_every_child_the_operator_creates_is_strictly_valid():
     # resources as the API's canonical strings: the client's Quantity is a str (the server also takes numbers)
     full = spec(inferencePool={"endpointPicker": {"name": "epp"}}, kvTransfer={"budgetBytes": 1 << 30},
+                experts={"replicas": 2},  # elastic: the pod address template, the standby stores' port range
                 serving={"maxQueue": 10, "servedModelName": "m"}, resources={"limits": {"cpu": "2", "memory": "1Gi"}},
                 template={"env": [{"name": "HF_HOME", "value": "/m"}], "volumes": [{"name": "m", "emptyDir": {}}],
                           "volumeMounts": [{"name": "m", "mountPath": "/m"}],

@@ -8,7 +8,7 @@ import pytest
 
 from .serving_helpers import ROOT
 
-from dwdp_worker.launch.envcontract import ENV_VARS, EnvContractError, parse_env
+from dwdp_worker.launch.envcontract import ENV_VARS, POD_PLACEHOLDER, EnvContractError, parse_env
 from dwdp_worker.launch.pod import build_pod_specs
 
 GOOD = {
@@ -217,3 +217,30 @@ def test_local_launcher_takes_expert_replicas():
     with pytest.raises(ValueError, match="expert_replicas=5 must be in \\[1, dwdp_size=4\\]"):
         build_local_specs(model_dir="/nonexistent", groups=1, dwdp_size=4, experts_per_worker=2,
                           prefetch_stride=2, expert_replicas=5, backend="host", num_experts=8)
+
+
+def test_pod_addr_template_crosses_from_the_operator_only_for_an_elastic_group():
+    """spec.experts.replicas > 1 → DWDP_POD_ADDR_TEMPLATE (contract.ElasticEnv) → PodEnv.pod_addr_template."""
+    from dwdp_runtime.contract import POD_ENV_OPTIONAL, ElasticEnv
+
+    assert ElasticEnv.POD_ADDR_TEMPLATE in POD_ENV_OPTIONAL
+    manifests, spec_mod = _operator()
+    plain = manifests.worker_env(name="r1", ns="prod", g=1, i=0, attempt=0, spec=_spec(spec_mod))
+    assert parse_env({e["name"]: e.get("value", "t") for e in plain}).pod_addr_template is None
+    env = manifests.worker_env(name="r1", ns="prod", g=1, i=3, attempt=0, spec=_spec(spec_mod, replicas=2))
+    parsed = parse_env({e["name"]: e.get("value", "t") for e in env})
+    assert parsed.pod_addr_template == "r1-g1-p{pod}.r1-ranks.prod.svc"
+    assert parsed.pod_addr_template.replace(POD_PLACEHOLDER, "0") == parsed.store_addr  # rank 0's pod hosts the store
+    assert manifests.POD_PLACEHOLDER == POD_PLACEHOLDER  # the operator writes what the worker substitutes
+
+
+@pytest.mark.parametrize("value", ["r1-g1-p0.r1-ranks.prod.svc", "r1-g1-p{pod}-{pod}.r1-ranks.prod.svc",
+                                   "r1-g1-p{pod}.{ns}.svc", "r1-g1-p{POD}.r1-ranks.prod.svc", "r1-g1-p{{pod}}.svc",
+                                   "r1-g1-p{pod.r1-ranks.prod.svc", ""])
+def test_a_pod_addr_template_without_exactly_one_placeholder_is_refused_with_an_example(value):
+    with pytest.raises(EnvContractError) as info:
+        parse_env({**GOOD, "DWDP_EXPERT_REPLICAS": "2", "DWDP_POD_ADDR_TEMPLATE": value})
+    message = str(info.value)
+    assert message.startswith(f"DWDP_POD_ADDR_TEMPLATE={value!r}: must hold the pod index placeholder {{pod}} exactly "
+                              f"once and no other brace")
+    assert "e.g. 'r1-g0-p{pod}.r1-ranks.default.svc'" in message

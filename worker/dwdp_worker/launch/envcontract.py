@@ -7,7 +7,9 @@ Invariants:
     ``contract.TuningEnv`` (never set by the operator: rank log level, the sm_gather grid, and the
     fault-injection test hook that delays every copy batch).
   * Every variable is required except that exactly one of ``DWDP_MODEL`` / ``DWDP_MODEL_SYNTHETIC``
-    is non-empty. ``DWDP_TOKEN`` must be non-empty (an empty token lets any client join the group).
+    is non-empty. The optional ones a spec feature adds (``contract.LayoutEnv``, ``contract.ElasticEnv``) are
+    read only when present, each checked on its own: ``DWDP_POD_ADDR_TEMPLATE`` must hold ``POD_PLACEHOLDER``
+    exactly once. ``DWDP_TOKEN`` must be non-empty (an empty token lets any client join the group).
   * Any problem raises ``EnvContractError`` whose message names every missing or bad variable and
     what it should be — never a pydantic traceback.
   * Cross-field rules checked here: ``DWDP_SIZE % DWDP_GPUS_PER_POD == 0``,
@@ -23,11 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from dwdp_runtime.config import DwdpConfig
 from dwdp_runtime.contract import POD_ENV, POD_ENV_ONE_OF, BackendName, ModelDtypeName, TransferMode
-from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, LayoutEnv
+from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, ElasticEnv, LayoutEnv
 from dwdp_runtime.contract import PodEnvVar as E
 
 ENV_VARS: tuple[str, ...] = tuple(v.value for v in POD_ENV)
 OPTIONAL_EMPTY: tuple[str, ...] = tuple(v.value for v in POD_ENV_ONE_OF)  # exactly one of the two is set
+#: ElasticEnv.POD_ADDR_TEMPLATE's stand-in for the pod index (the operator writes it: ``manifests.POD_PLACEHOLDER``)
+POD_PLACEHOLDER = "{pod}"
 
 
 class EnvContractError(ValueError):
@@ -62,6 +66,7 @@ class PodEnv(BaseModel):
     # contract.LayoutEnv (optional, absent = 1): not a field, so the fields stay exactly POD_ENV
     _expert_replicas: int = PrivateAttr(default=1)
     _on_uncovered: str = PrivateAttr(default=DEFAULT_ON_UNCOVERED)  # contract.LayoutEnv.ON_UNCOVERED
+    _pod_addr_template: str | None = PrivateAttr(default=None)  # contract.ElasticEnv.POD_ADDR_TEMPLATE (elastic only)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "PodEnv":
@@ -94,6 +99,12 @@ class PodEnv(BaseModel):
         return self._expert_replicas
 
     @property
+    def pod_addr_template(self) -> str | None:
+        """Where every pod of the group answers, ``{pod}`` standing for the pod index (an elastic group's survivors
+        find any rank's standby store there); None when the operator did not set it (a group that is not elastic)."""
+        return self._pod_addr_template
+
+    @property
     def ranks(self) -> list[int]:
         return list(range(self.rank_base, self.rank_base + self.gpus_per_pod))
 
@@ -120,12 +131,27 @@ def parse_env(environ: Mapping[str, str]) -> PodEnv:
         raise EnvContractError(f"{LayoutEnv.ON_UNCOVERED}={policy!r}: must be one of {', '.join(ON_UNCOVERED_POLICIES)} "
                                f"(experts.onUncovered; absent means {DEFAULT_ON_UNCOVERED})")
     env._on_uncovered = policy
+    template = environ.get(ElasticEnv.POD_ADDR_TEMPLATE)
+    if template is not None:
+        env._pod_addr_template = checked_pod_addr_template(template)
     try:
         env.dwdp_config()
     except ValueError as exc:
         raise EnvContractError(f"DWDP_SIZE/DWDP_NUM_EXPERTS/DWDP_EXPERTS_PER_WORKER/DWDP_PREFETCH_STRIDE/"
                                f"DWDP_PREFETCH_SLOTS/DWDP_TRANSFER/DWDP_EXPERT_REPLICAS: {exc}") from None
     return env
+
+
+def checked_pod_addr_template(value: str) -> str:
+    """``value`` if it names the pod index with exactly one ``POD_PLACEHOLDER`` and has no other brace (the worker
+    substitutes the index into it), else ``EnvContractError``."""
+    rest = value.replace(POD_PLACEHOLDER, "", 1)
+    if value.count(POD_PLACEHOLDER) != 1 or "{" in rest or "}" in rest:
+        raise EnvContractError(f"{ElasticEnv.POD_ADDR_TEMPLATE}={value!r}: must hold the pod index placeholder "
+                               f"{POD_PLACEHOLDER} exactly once and no other brace, e.g. "
+                               f"'r1-g0-p{POD_PLACEHOLDER}.r1-ranks.default.svc' (the operator sets it for an elastic "
+                               f"group; docs/ENV_CONTRACT.md)")
+    return value
 
 
 def serving_overrides(environ: Mapping[str, str]) -> dict[str, int | str]:
