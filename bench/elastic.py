@@ -1,24 +1,26 @@
-"""Elastic group (issue #30): throughput degraded ÷ full, time to degraded service (reports, never asserts).
+"""Elastic group (issue #30): throughput full, degraded and restored; time to degraded service and to rejoin
+(reports, never asserts).
 
 Runs the real server, ``python -m dwdp_worker.launch.cli --local --model DIR --dwdp-size D --expert-replicas R``,
 on a seeded tiny qwen3_moe (``--model`` to use yours), with ``--clients`` closed-loop clients sending one short
 completion each at a time. Phases, side by side in one run:
 
   1. full group: completions/s over ``--window-s`` (after a warm-up window);
-  2. ``kill -9`` of DWDP rank ``--victim``; every answer is timed: the first 200 after the kill, and
-     ``/metrics``' ``dwdp_membership_epoch`` is polled: the time the survivors' epoch 1 is seen by the front
-     (detection + agreement + re-plan);
-  3. degraded group: completions/s over ``--window-s`` once the epoch is 1 (expect ≈ (D−1)/D with as many
-     clients as ranks or more: each rank serves its own requests).
+  2. ``--signal kill`` (kill -9) or ``stop`` (SIGSTOP; with ``--victim 0``, the store's host) of DWDP rank
+     ``--victim``; every answer is timed, and ``/metrics`` is polled: when the survivors' epoch 1 is seen by the
+     front (detection + agreement + re-plan; after SIGSTOP of the store host also the store's move), and when the
+     front's replacement of the lost rank has rejoined (``dwdp_rank_rejoins_total``: spawn, load, warm-up, join);
+  3. degraded group: completions/s from epoch 1 until the rejoin (expect ≈ (D−1)/D with one device per rank and
+     as many clients as ranks or more: each rank serves its own requests);
+  4. restored group: completions/s over ``--window-s`` after the rejoin.
 
 Outcomes are counted (200, 503, transport errors = lost). Printed as one JSON line at the end (``--json``).
 
-Measured (2-core CPU, host backend, D=4, R=2, 8 clients, 6 s windows): full 448/s, degraded 479/s (÷ 1.07),
-first answer 0.001 s after the kill, epoch 1 seen by the front 3.47 s after it, 9,652 answers, 0 lost. On CPU
-with fewer cores than ranks the ratio says nothing about (D−1)/D — the four ranks shared two cores, and the
-dead rank's share went to the survivors; the ratio is meaningful on one GPU per rank (not run: no device time).
+Measured: see docs/RELIABILITY.md ("Elastic group") for the figures with dates and machines. With fewer cores (or
+GPUs) than ranks the degraded ratio says nothing about (D−1)/D: the ranks share the device, and the dead rank's
+share goes to the survivors.
 
-On CPU:   python bench/elastic.py --dwdp-size 4 --expert-replicas 2 --backend host
+On CPU:   python bench/elastic.py --dwdp-size 4 --expert-replicas 2 --backend host [--signal stop --victim 0]
 On a GPU: python bench/elastic.py --dwdp-size 4 --expert-replicas 2 --backend cuda   (d ranks on the GPUs present)
 """
 
@@ -42,6 +44,12 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: how often the front's metrics are polled for the membership epoch (the time resolution of "epoch seen")
 POLL_S = 0.05
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+def _metric(text: str, name: str) -> float | None:
+    m = re.search(name + r'\{group="0"\} (\S+)', text)
+    return float(m.group(1)) if m else None
 
 
 def _port() -> int:
@@ -59,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--window-s", type=float, default=10.0)
     ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--signal", choices=sorted(SIGNALS), default="kill")
+    ap.add_argument("--rejoin-timeout-s", type=float, default=300.0)
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -90,18 +100,19 @@ def main(argv=None) -> int:
                 raise SystemExit(f"server did not get ready:\n{open(log.name).read()[-3000:]}")
             time.sleep(0.2)
         pids = [r["pid"] for r in http.get("/readyz").json()["ranks"]]
-        done: list[tuple[float, int]] = []  # (time.time() of the answer, status; -1 = lost)
+        done: list[tuple[float, int, float]] = []  # (time.time() of the answer, status (-1 = lost), latency)
         lock, stop = threading.Lock(), threading.Event()
 
         def client(c: int) -> None:
             with httpx.Client(base_url=url, timeout=120) as h:
                 while not stop.is_set():
+                    t0 = time.time()
                     try:
                         code = h.post("/v1/completions", json={"prompt": [1 + c % 7, 5, 9], "max_tokens": args.max_tokens}).status_code
                     except httpx.TransportError:
                         code = -1
                     with lock:
-                        done.append((time.time(), code))
+                        done.append((time.time(), code, time.time() - t0))
 
         threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(args.clients)]
         for t in threads:
@@ -109,43 +120,56 @@ def main(argv=None) -> int:
 
         def rate(lo: float, hi: float) -> float:
             with lock:
-                return sum(1 for t, c in done if lo <= t < hi and c == 200) / (hi - lo)
+                return sum(1 for t, c, _ in done if lo <= t < hi and c == 200) / (hi - lo)
 
         time.sleep(args.window_s)                      # warm-up
         a = time.time()
         time.sleep(args.window_s)
         full = rate(a, time.time())
-        os.kill(pids[args.victim], signal.SIGKILL)
+        os.kill(pids[args.victim], SIGNALS[args.signal])
         killed = time.time()
-        epoch_seen = None
-        while time.time() - killed < 60:
-            m = re.search(r'dwdp_membership_epoch\{group="0"\} (\S+)', http.get("/metrics").text)
-            if m and float(m.group(1)) >= 1:
+        epoch_seen = rejoined = None
+        while time.time() - killed < args.rejoin_timeout_s:
+            metrics = http.get("/metrics").text
+            if epoch_seen is None and (_metric(metrics, "dwdp_membership_epoch") or 0) >= 1:
                 epoch_seen = time.time() - killed
+            if epoch_seen is not None and (_metric(metrics, "dwdp_rank_rejoins_total") or 0) >= 1:
+                rejoined = time.time() - killed
                 break
             time.sleep(POLL_S)
-        b = time.time()
+        degraded = rate(killed + epoch_seen, killed + rejoined) if epoch_seen and rejoined else None
+        c = time.time()
         time.sleep(args.window_s)
-        degraded = rate(b, time.time())
+        restored = rate(c, time.time())
+        metrics = http.get("/metrics").text
         stop.set()
         for t in threads:
             t.join(120)
         with lock:
-            after = [t - killed for t, c in done if t >= killed and c == 200]
+            after = [(t - killed, lat) for t, code, lat in done if t >= killed and code == 200]
             counts: dict[str, int] = {}
-            for _, c in done:
-                counts[str(c) if c >= 0 else "lost"] = counts.get(str(c) if c >= 0 else "lost", 0) + 1
+            for _, code, _ in done:
+                counts[str(code) if code >= 0 else "lost"] = counts.get(str(code) if code >= 0 else "lost", 0) + 1
         report = {"dwdp_size": args.dwdp_size, "expert_replicas": args.expert_replicas, "backend": args.backend,
-                  "clients": args.clients, "full_per_s": round(full, 2), "degraded_per_s": round(degraded, 2),
-                  "degraded_over_full": round(degraded / full, 3) if full else None,
+                  "signal": args.signal, "victim": args.victim, "clients": args.clients,
+                  "full_per_s": round(full, 2), "degraded_per_s": round(degraded, 2) if degraded else None,
+                  "restored_per_s": round(restored, 2),
+                  "degraded_over_full": round(degraded / full, 3) if full and degraded else None,
+                  "restored_over_full": round(restored / full, 3) if full else None,
                   "expected_ratio": round((args.dwdp_size - 1) / args.dwdp_size, 3),
-                  "first_200_after_kill_s": round(min(after), 3) if after else None,
-                  "epoch_seen_after_kill_s": round(epoch_seen, 3) if epoch_seen is not None else None,
+                  "first_200_after_signal_s": round(min(t for t, _ in after), 3) if after else None,
+                  "longest_request_across_loss_s": round(max(lat for _, lat in after), 3) if after else None,
+                  "epoch_seen_after_signal_s": round(epoch_seen, 3) if epoch_seen is not None else None,
+                  "rejoined_after_signal_s": round(rejoined, 3) if rejoined is not None else None,
+                  "store_failovers": _metric(metrics, "dwdp_store_failovers_total"),
                   "outcomes": counts}
         if not args.json:
-            print(f"full {full:.1f}/s, degraded {degraded:.1f}/s (÷ {report['degraded_over_full']}, expect "
-                  f"≈ {report['expected_ratio']}); first answer {report['first_200_after_kill_s']} s after kill -9, "
-                  f"epoch 1 seen at {report['epoch_seen_after_kill_s']} s; outcomes {counts}")
+            print(f"full {full:.1f}/s, degraded {report['degraded_per_s']}/s (÷ {report['degraded_over_full']}, "
+                  f"expect ≈ {report['expected_ratio']} with one device per rank), restored {restored:.1f}/s "
+                  f"(÷ {report['restored_over_full']}); {args.signal} of rank {args.victim}: first answer "
+                  f"{report['first_200_after_signal_s']} s after, epoch 1 seen at {report['epoch_seen_after_signal_s']} "
+                  f"s, rejoined at {report['rejoined_after_signal_s']} s, longest request "
+                  f"{report['longest_request_across_loss_s']} s; outcomes {counts}")
         print(json.dumps(report))
     finally:
         http.close()

@@ -116,8 +116,13 @@ class ElasticEnv(StrEnum):
 
     # where every pod of the group answers, with ``{pod}`` for the pod index (``<name>-g<g>-p{pod}.<name>-ranks.
     # <ns>.svc``): a survivor finds the standby store of any rank there when the store host is lost, and a
-    # replacement pod finds the group's current store (``standby_store_port``; dwdp_runtime.store_chain)
+    # replacement pod finds the group's current store (``standby_store_port``; dwdp_runtime.elastic.store_chain)
     POD_ADDR_TEMPLATE = "DWDP_POD_ADDR_TEMPLATE"
+
+
+#: ``ElasticEnv.POD_ADDR_TEMPLATE``'s stand-in for the pod index: the operator writes it, the worker fills it in
+#: (``str.format(pod=i)``: ``dwdp_runtime.elastic.store_chain.rank_host``)
+POD_PLACEHOLDER = "{pod}"
 
 
 def standby_store_port(store_port: int, rank: int) -> int:

@@ -37,8 +37,8 @@ import hashlib
 import json
 from typing import Any
 
-from dwdp_runtime.contract import (KV_TCP_PORTS, LLMD_ROLE_PREFILL, TOKEN_SECRET_KEY, Backend, ElasticEnv, KvEnv,
-                                   LayoutEnv, PortName)
+from dwdp_runtime.contract import (KV_TCP_PORTS, LLMD_ROLE_PREFILL, POD_PLACEHOLDER, TOKEN_SECRET_KEY, Backend,
+                                   ElasticEnv, KvEnv, LayoutEnv, PortName)
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
@@ -53,8 +53,6 @@ WORKER_HOME = "/home/dwdp"
 SCRATCH = (("dwdp-tmp", "/tmp"), ("dwdp-home", WORKER_HOME))
 STARTUP_FAILURE_THRESHOLD = 360  # x 10 s = 1 h for weight loading before liveness takes over
 POD_IP_FIELD = "status.podIP"    # downward API field of the pod's IP (KvEnv.POD_IP)
-# ElasticEnv.POD_ADDR_TEMPLATE's stand-in for the pod index (the worker fills it in: envcontract.POD_PLACEHOLDER)
-POD_PLACEHOLDER = "{pod}"
 
 
 def token_secret_name(name: str) -> str:

@@ -119,9 +119,10 @@ def test_kill_9_then_a_replacement_rejoins_and_the_group_is_full_again_bitwise()
         os.kill(first[1].pid, signal.SIGKILL)
         killed_at = time.time()
         replacement = g.start(1)
-        g.wait(lambda: len(g.replanned(1)) == 3, 30, "epoch 1 on the survivors")
         joined = g.wait(lambda: next((ev for ev in g.serving().get(1, []) if ev[3]), None), 120,
                         "the replacement serving")
+        # a survivor that applies epochs between forwards may go from 0 straight to 2 (rank 1's incarnation changed:
+        # it drops the dead process's memory and imports the replacement's in one re-plan)
         g.wait(lambda: len(g.replanned(2)) == 3, 30, "epoch 2 on the survivors")
         g.hold.set()
         want = expected_digests(EXPERTS)
@@ -133,13 +134,14 @@ def test_kill_9_then_a_replacement_rejoins_and_the_group_is_full_again_bitwise()
             assert res["imported"] == sorted({0, 1, 2, 3} - {r})
             assert 1 in res["sources"] or r == 1     # rank 1's experts come from rank 1 again (its primary range)
             if r != 1:
-                assert res["before"] == want and res["stats"]["rejoins"] == 1 and res["stats"]["replans"] == 2
+                assert res["before"] == want and res["stats"]["rejoins"] == 1 and res["stats"]["replans"] in (1, 2)
             else:
                 assert res["joined"] and res["before"] == want
-        assert g.replanned(1)[0][1] == [0, 2, 3] and g.replanned(2)[0][1] == [0, 1, 2, 3]
+        assert all(ev[1] == [0, 2, 3] for ev in g.replanned(1).values()), g.replanned(1)
+        assert all(ev[1] == [0, 1, 2, 3] for ev in g.replanned(2).values()), g.replanned(2)
         t_request, t_admitted = joined[4]
-        print(f"kill -9 at 0; epoch 1 (loss) learned at "
-              f"{max(ev[2] for ev in g.replanned(1).values()) - killed_at:.2f} s; the replacement asked to join "
+        loss = [ev[2] for ev in g.replanned(1).values()] or [t_request]
+        print(f"kill -9 at 0; epoch 1 (loss) learned at {min(loss) - killed_at:.2f} s; the replacement asked to join "
               f"{t_request - killed_at:.2f} s after the kill (spawn + import + load) and was admitted "
               f"{t_admitted - t_request:.2f} s later; the group full again at "
               f"{max(ev[3] for ev in g.replanned(2).values()) - killed_at:.2f} s")

@@ -1,10 +1,13 @@
 """Elastic group through the front (issue #30): ``dwdp-worker --local --dwdp-size 4 --expert-replicas 2``.
 
-32 concurrent clients; ``kill -9`` of one rank while they send. Every request ends exactly once: answered 200
-with the full group's answer (the same tokens, log-probabilities within the packing tolerance; re-run on a
-survivor when it was on the dead rank; a prompt sent alone after the loss: bitwise its answer before), or refused 503 with ``Retry-After`` and an OpenAI error body — **none
-lost** (no transport error, no timeout). The front keeps serving with 3 ranks; the survivors move to
-membership epoch 1. Figures are printed with ``-s`` (times belong to bench/, not to assertions).
+32 concurrent clients; a rank is lost while they send — ``kill -9`` of rank 1, or SIGSTOP of rank 0, the host of the
+group's store. Every request ends exactly once: answered 200 with the full group's answer (the same tokens,
+log-probabilities within the packing tolerance; re-run on a survivor when it was on the lost rank), or refused 503
+with ``Retry-After`` and an OpenAI error body — **none lost** (no transport error, no timeout). The survivors move to
+membership epoch 1 within the detection bound (after SIGSTOP of the store host: once they moved the store to rank
+1's standby) and keep serving; the front starts a replacement process for the lost rank, which loads its share,
+asks to join and is admitted at epoch 2: ``/readyz`` says ``ready`` again with every rank alive, and a prompt sent
+alone is bitwise its answer before. Figures are printed with ``-s`` (times belong to bench/, not to assertions).
 """
 
 from __future__ import annotations
@@ -23,8 +26,15 @@ from .serving_helpers import Server
 CLIENTS = 32
 PROMPTS = [[1 + i, 7, 3 + (i % 5), 11] for i in range(8)]
 MAX_TOKENS = 3
-#: how long the clients keep sending after the kill: the survivors re-plan within 4 s (3 s silence + 2 beats)
-AFTER_KILL_S = 8.0
+#: the worker's elastic detection bound: 3 s of silence + two 0.5 s beats (rank.timeouts); the issue's bound is 5 s
+DETECTION_BOUND_S = 4.0
+#: what the assertion allows above it on 2 loaded cores (4 ranks, 32 clients): one agent round, a failover's
+#: connects, a forward
+SLACK_S = 2.0
+#: a replacement rejoins after spawn + import + load + warm-up: seconds on a CPU, tens on a loaded CI machine
+REJOIN_WAIT_S = 150.0
+#: clients keep sending this long once the group is full again
+AFTER_REJOIN_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +63,24 @@ def _same(a: tuple, b: tuple, rtol: float = PACKED_RTOL) -> bool:
     return a[0] == b[0] and all(abs(x - y) <= rtol * abs(y) for x, y in zip(a[1], b[1]))
 
 
-def test_kill_9_of_one_rank_under_32_clients_loses_nothing_and_answers_stay_bitwise(ckpt):
+def _metric(text: str, name: str) -> float | None:
+    m = re.search(name.replace("{", r"\{").replace("}", r"\}") + r" (\S+)", text)
+    return float(m.group(1)) if m else None
+
+
+def test_kill_9_of_one_rank_under_32_clients_loses_nothing_rejoins_and_answers_stay_bitwise(ckpt):
     kill_under_clients(ckpt, backend="host")
 
 
-def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), rtol: float = PACKED_RTOL) -> None:
-    """The test above on ``backend`` (also run on one GPU by tests/gpu/test_elastic_gpu.py): 32 clients, kill -9
-    of rank 1 after 3 s; ``rtol`` is the tolerance of concurrent (packed) answers against the alone reference."""
+def test_sigstop_of_the_store_host_under_32_clients_moves_the_store_loses_nothing_and_rejoins(ckpt):
+    kill_under_clients(ckpt, backend="host", victim=0, sig=signal.SIGSTOP)
+
+
+def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), rtol: float = PACKED_RTOL,
+                       victim: int = 1, sig: int = signal.SIGKILL) -> dict[str, float]:
+    """The tests above on ``backend`` (also run on one GPU by tests/gpu/test_elastic_gpu.py): 32 clients, ``sig`` to
+    DWDP rank ``victim`` after 3 s; ``rtol`` is the tolerance of concurrent (packed) answers against the alone
+    reference. Returns the figures (seconds after the signal)."""
     srv = Server(["--local", "--model", str(ckpt), "--dwdp-size", "4", "--expert-replicas", "2",
                   "--backend", backend, "--max-queue", "256", *extra_args])
     try:
@@ -72,7 +93,7 @@ def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), 
         lock = threading.Lock()
         stop = threading.Event()
         killed_at: list[float] = []
-        after_kill_ok: list[float] = []
+        after_kill: list[tuple[float, float]] = []   # (answered at, latency) of 200s after the signal
 
         def client(c: int) -> None:
             with httpx.Client(base_url=srv.url, timeout=120.0) as http:
@@ -80,6 +101,7 @@ def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), 
                 while not stop.is_set():
                     i = (c + n) % len(PROMPTS)
                     n += 1
+                    t0 = time.time()
                     try:
                         r = http.post("/v1/completions", json=_body(PROMPTS[i]))
                     except httpx.TransportError as exc:
@@ -96,7 +118,7 @@ def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), 
                             if not _same(got, reference[i], rtol):
                                 bad.append(f"client {c}: prompt {i}: {_answer(r)} != {reference[i]}")
                             if killed_at:
-                                after_kill_ok.append(time.time() - killed_at[0])
+                                after_kill.append((time.time() - killed_at[0], time.time() - t0))
                         elif r.status_code == 503:
                             err = r.json().get("error", {})
                             if not (r.headers.get("retry-after") and err.get("message") and err.get("type")):
@@ -108,40 +130,56 @@ def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), 
         for t in threads:
             t.start()
         time.sleep(3.0)
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[victim], sig)
         killed_at.append(time.time())
-        epoch_seen = None  # when the front's metrics first show the survivors' epoch 1 (detection + agreement)
-        while time.time() - killed_at[0] < AFTER_KILL_S:
-            if epoch_seen is None and re.search(r'dwdp_membership_epoch\{group="0"\} 1\.0', srv.get("/metrics").text):
-                epoch_seen = time.time() - killed_at[0]
+        figures: dict[str, float] = {}
+        while time.time() - killed_at[0] < REJOIN_WAIT_S:
+            metrics = srv.get("/metrics").text
+            epoch = _metric(metrics, 'dwdp_membership_epoch{group="0"}') or 0
+            if "epoch1" not in figures and epoch >= 1:
+                figures["epoch1"] = time.time() - killed_at[0]
+            if "rejoined" not in figures and (_metric(metrics, 'dwdp_rank_rejoins_total{group="0"}') or 0) >= 1:
+                figures["rejoined"] = time.time() - killed_at[0]
+            if "rejoined" in figures and time.time() - killed_at[0] > figures["rejoined"] + AFTER_REJOIN_S:
+                break
             time.sleep(0.05)
         stop.set()
         for t in threads:
             t.join(150)
         assert not any(t.is_alive() for t in threads), "a client never got an answer"
-        print(f"outcomes: {outcomes}; first 200 after the kill at {min(after_kill_ok, default=-1):.2f} s, "
-              f"answers after the kill: {len(after_kill_ok)}, epoch 1 seen by the front at {epoch_seen} s; "
-              f"packed vs alone log-prob drift per position {[f'{d:.1e}' for d in drift]}")
+        figures["longest_request_after_signal"] = max((lat for _, lat in after_kill), default=-1.0)
+        print(f"{signal.Signals(sig).name} of DWDP rank {victim}: outcomes {outcomes}; answers after it "
+              f"{len(after_kill)}; epoch 1 on the front at {figures.get('epoch1')} s; rejoined (group full) at "
+              f"{figures.get('rejoined')} s; longest request across the loss "
+              f"{figures['longest_request_after_signal']:.2f} s; packed vs alone log-prob drift per position "
+              f"{[f'{d:.1e}' for d in drift]}")
         assert not bad, bad[:5]
         assert outcomes.get("lost", 0) == 0
-        assert len(after_kill_ok) > 0 and max(after_kill_ok) > 5.0  # still serving once the survivors re-planned
+        assert figures.get("epoch1", 1e9) <= DETECTION_BOUND_S + SLACK_S, figures
+        assert "rejoined" in figures, f"no rejoin within {REJOIN_WAIT_S} s: {srv.log()[-3000:]}"
+        # the survivors served through the loss: answers kept coming before the replacement was back
+        assert any(at < figures["rejoined"] for at, _ in after_kill), figures
         ready = srv.get("/readyz")
         assert ready.status_code == 200, ready.text
         body = ready.json()
-        assert body["status"] == "degraded" and "DWDP rank 1" in body["degraded"][0]
-        assert [(r["alive"], r["retired"]) for r in body["ranks"]] == [(True, False), (False, True), (True, False),
-                                                                       (True, False)]
+        assert body["status"] == "ready" and not body["degraded"], body
+        assert [(r["alive"], r["retired"], r["rejoining"]) for r in body["ranks"]] == [(True, False, False)] * 4
+        assert body["ranks"][victim]["respawns"] == 1 and body["ranks"][victim]["pid"] != pids[victim]
         metrics = srv.get("/metrics").text
-        assert re.search(r'dwdp_membership_epoch\{group="0"\} 1\.0', metrics), metrics[-2000:]
-        assert re.search(r'dwdp_members_ready\{group="0"\} 3\.0', metrics)
-        assert re.search(r'dwdp_coverage_margin\{group="0"\} 1\.0', metrics)  # r = 2, one holder lost
+        assert _metric(metrics, 'dwdp_membership_epoch{group="0"}') == 2.0, metrics[-2000:]
+        assert _metric(metrics, 'dwdp_members_ready{group="0"}') == 4.0
+        assert _metric(metrics, 'dwdp_rank_respawns_total{group="0"}') == 1.0
+        if victim == 0:  # the store host: the group's store moved to rank 1's standby
+            assert _metric(metrics, 'dwdp_store_failovers_total{group="0"}') == 1.0
+            assert _metric(metrics, 'dwdp_store_generation{group="0"}') == 1.0
         log = srv.log()
-        assert "its elastic group keeps serving" in log
+        assert "its elastic group keeps serving" in log and "rejoined its group: the group is full again" in log
         print("rank-loss outcomes:", re.findall(r'dwdp_rank_loss_requests_total\{outcome="(\w+)"\} (\S+)', metrics))
         # the loss is answered by re-runs, not refusals (one loss, budget 1)
         assert outcomes.get("503", 0) == 0, outcomes
-        for i, p in enumerate(PROMPTS):  # and after the loss, bitwise the full group's answers
+        for i, p in enumerate(PROMPTS):  # and with the replacement back, bitwise the full group's answers
             assert _answer(srv.post(_body(p))) == reference[i]
+        return figures
     finally:
         srv.close()
 

@@ -100,6 +100,14 @@ class Metrics:
                                         "checkpoint after a loss left them without a holder (summed over ranks)",
                                         ["group"], registry=r)
         self.members_ready = Gauge("dwdp_members_ready", "ranks of the group still serving", ["group"], registry=r)
+        self.rank_respawns = Counter("dwdp_rank_respawns", "processes this front started again for a rank its elastic "
+                                     "group lost (a replacement that rejoins)", ["group"], registry=r)
+        self.rank_rejoins = Counter("dwdp_rank_rejoins", "replacements of lost ranks admitted back into their elastic "
+                                    "group (the group full again)", ["group"], registry=r)
+        self.store_failovers = Counter("dwdp_store_failovers", "moves of the group's store to a survivor's standby "
+                                       "after its host was lost", ["group"], registry=r)
+        self.store_generation = Gauge("dwdp_store_generation", "failover generation of the group's store (0: the "
+                                      "primary, rank 0's)", ["group"], registry=r)
         r.register(_RankCollector(snapshot))
         r.register(KvCollector(snapshot))  # dwdp_kv_*: KV handoff, from the ranks' stats
 

@@ -11,9 +11,10 @@ done), the tokenizer loaded when the checkpoint has one, and not draining. It tu
 instant SIGTERM arrives.
 
 A rank *retired* by an elastic group (``retired: true``: it died and its group survives on its replicas,
-issue #30) does not count against either: the group serves degraded, and the body says so
-(``status: degraded``, ``degraded: [its description]``); a group whose survivors reloaded experts no one held
-from the checkpoint (``on_uncovered: reload``) adds one line naming them.
+issue #30), or the replacement process of one that is still loading (``rejoining: true``), does not count against
+either: the group serves degraded, and the body says so (``status: degraded``, ``degraded: [its description]``);
+a group whose survivors reloaded experts no one held from the checkpoint (``on_uncovered: reload``) adds one line
+naming them.
 
 Both answer the same JSON body; it always carries ``prefetch_restarts``, ``group_attempt``,
 ``forwards`` and ``last_forward_age_s`` (the operator reads ``prefetch_restarts``).
@@ -29,7 +30,8 @@ from ..kv.metrics import budget_summary
 def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool, bool, dict[str, Any]]:
     ranks = snap["ranks"]
     retired = [r for r in ranks if r.get("retired")]
-    serving = [r for r in ranks if not r.get("retired")]
+    rejoining = [r for r in ranks if r.get("rejoining") and r["alive"]]
+    serving = [r for r in ranks if not r.get("retired") and not (r.get("rejoining") and r["alive"])]
     reasons: list[str] = []
     if snap.get("failure"):
         reasons.append(snap["failure"])
@@ -55,7 +57,7 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
     elif snap.get("draining"):
         status = "draining"
     elif ready:
-        status = "degraded" if retired else "ready"
+        status = "degraded" if retired or rejoining else "ready"
     elif all_up and not live:
         status = "stale"     # every rank is up but a heartbeat is too old
     else:
@@ -71,7 +73,9 @@ def evaluate(snap: dict[str, Any], *, heartbeat_timeout_s: float) -> tuple[bool,
         "last_forward_age_s": round(min(ages), 3) if ages else None,
         "reasons": not_ready,
         "degraded": [f"rank {r['global_id']} (group {r['group']}, DWDP rank {r['rank']}) was lost; its group "
-                     f"serves on the other ranks' replicas" for r in retired] + _reloaded(serving),
+                     f"serves on the other ranks' replicas" for r in retired]
+                    + [f"rank {r['global_id']} (group {r['group']}, DWDP rank {r['rank']}) was lost; its replacement "
+                       f"is {r['phase']} and rejoins the group" for r in rejoining] + _reloaded(serving),
         "kv": budget_summary(ranks),   # KV handoff budget use over the ranks (None: off)
         "ranks": ranks,
     }

@@ -58,6 +58,8 @@ class RankHandle:
         self.exitcode: int | None = None
         self.dead = False
         self.retired = False  # dead, and its elastic group serves on without it (issue #30)
+        self.respawns = 0     # processes started before this one for the same rank (a replacement: > 0)
+        self.rejoining = False  # a replacement not ready yet: its group serves without its rank meanwhile
         self.reloaded: list[int] = []  # experts this rank reloaded from the checkpoint (on_uncovered=reload)
         self.stopping = False
 
@@ -77,6 +79,12 @@ class RankHandle:
         return f"rank {self.gid} (group {self.spec.group}, DWDP rank {self.spec.rank}, pid {pid})"
 
     # -- process ------------------------------------------------------------------------------------------
+    def replacement(self) -> "RankHandle":
+        """A handle for a new process of this rank (an elastic group's lost rank, restarted to rejoin)."""
+        h = RankHandle(self.spec)
+        h.respawns, h.rejoining = self.respawns + 1, True
+        return h
+
     def spawn(self, post: Callable[..., None], on_message: Callable, on_exit: Callable) -> None:
         """Start the process and its reader thread; messages and the exit arrive through ``post``."""
         ctx = mp.get_context("spawn")
@@ -120,6 +128,7 @@ class RankHandle:
             self.last_forward_end = now  # the warm-up forward just finished
             self.phase = p.RankPhase.READY
             self.progress = None
+            self.rejoining = False
         elif isinstance(msg, p.Heartbeat):
             self.stats = msg.stats
         elif isinstance(msg, p.LoadProgress):
@@ -151,6 +160,7 @@ class RankHandle:
             "global_id": self.gid, "group": self.spec.group, "rank": self.spec.rank,
             "pid": self.proc.pid if self.proc else None, "device": self.spec.device or "cpu",
             "phase": str(self.phase), "alive": not self.dead, "retired": self.retired, "exitcode": self.exitcode,
+            "rejoining": self.rejoining, "respawns": self.respawns,
             "reloaded_experts": list(self.reloaded),
             "busy": self.batch is not None,
             "busy_s": round(now - self.batch.sent_at, 3) if self.batch else None,

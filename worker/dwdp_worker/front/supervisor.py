@@ -91,6 +91,7 @@ class Supervisor:
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping_ranks = False
+        self._store_generations: dict[str, int] = {}   # group → the newest store generation its ranks reported
         self._text_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="dwdp-tokenize")
 
     @property
@@ -193,6 +194,9 @@ class Supervisor:
         elif isinstance(msg, p.Ready):
             log.info("%s ready (vocab %d, max positions %d)", h.describe(), msg.info.vocab_size,
                      msg.info.max_positions)
+            if h.respawns:
+                log.warning("%s rejoined its group: the group is full again", h.describe())
+                self.metrics.rank_rejoins.labels(group=str(h.spec.group)).inc()
             self.dispatch.kick()
         elif isinstance(msg, p.LoadProgress):
             log.info("%s load: %s: %s", h.describe(), msg.step, msg.detail)
@@ -203,6 +207,8 @@ class Supervisor:
                         "%s bytes read, %.2f s)", h.describe(), msg.epoch, list(msg.experts), msg.bytes_read,
                         msg.seconds)
             self.metrics.experts_reloaded.labels(group=str(h.spec.group)).inc(len(msg.experts))
+        elif isinstance(msg, p.StoreMoved):
+            self._on_store_moved(h, msg)
         elif isinstance(msg, p.PeerLost):
             if not (self._stopping_ranks or h.stopping):
                 self.fail(f"{h.describe()}: {msg.message}")
@@ -218,6 +224,7 @@ class Supervisor:
             counts = self.dispatch.on_rank_lost_elastic(h)
             log.warning("%s exited with code %s%s; its elastic group keeps serving (its requests: %s)", h.describe(),
                         code, f" ({h.fatal})" if h.fatal else "", counts or "none in flight")
+            self._respawn(h)
             return
         self.dispatch.on_rank_gone(h, Unavailable(
             f"{h.describe()} died (exit code {code}) while serving this request; the pod is restarting, "
@@ -229,10 +236,38 @@ class Supervisor:
             why += f": {h.fatal}"
         self.fail(why)
 
+    def _respawn(self, h: RankHandle) -> None:
+        """Start a replacement process for the lost rank ``h`` (it rejoins its running group: issue #30), within the
+        rank's respawn budget and unless the front is stopping."""
+        if self.draining or self.failure or self._stopping_ranks:
+            return
+        if h.respawns >= timeouts.MAX_RANK_RESPAWNS:
+            log.error("%s: not restarting it again (%d replacements already); its group serves degraded",
+                      h.describe(), h.respawns)
+            return
+        new = h.replacement()
+        self.ranks[self.ranks.index(h)] = new   # the dispatcher shares this list
+        new.spawn(self._post, self._on_message, self._on_exit)
+        self.metrics.rank_respawns.labels(group=str(h.spec.group)).inc()
+        log.warning("restarting DWDP rank %d of group %d as %s (replacement %d of at most %d): it rejoins the "
+                    "running group", h.spec.rank, h.spec.group, new.describe(), new.respawns,
+                    timeouts.MAX_RANK_RESPAWNS)
+
+    def _on_store_moved(self, h: RankHandle, msg: p.StoreMoved) -> None:
+        """Every rank of the group reports the same move: counted once per generation."""
+        group = str(h.spec.group)
+        if msg.generation > self._store_generations.get(group, 0):
+            self._store_generations[group] = msg.generation
+            self.metrics.store_failovers.labels(group=group).inc()
+            self.metrics.store_generation.labels(group=group).set(msg.generation)
+            log.warning("group %s: its store moved from DWDP rank %d to rank %d's standby (generation %d, %.2f s on "
+                        "%s)", group, msg.lost_host, msg.new_host, msg.generation, msg.seconds, h.describe())
+
     def _survives_elastically(self, h: RankHandle) -> bool:
-        """Whether ``h``'s group (expert replicas) still covers every expert without its dead ranks."""
+        """Whether ``h``'s group (expert replicas) still covers every expert without its dead ranks (a replacement
+        still loading serves nothing yet: its rank counts as lost)."""
         config = DwdpConfig(**h.spec.config)
-        lost = {g.spec.rank for g in self.ranks if g.spec.group == h.spec.group and g.dead}
+        lost = {g.spec.rank for g in self.ranks if g.spec.group == h.spec.group and (g.dead or g.rejoining)}
         self.metrics.coverage_margin.labels(group=str(h.spec.group)).set(coverage(config.holders(), lost))
         return group_survives(config, lost)
 
@@ -243,9 +278,12 @@ class Supervisor:
                     list(msg.alive), msg.replan_s)
         self.metrics.membership_epoch.labels(group=str(h.spec.group)).set(msg.epoch)
         self.metrics.members_ready.labels(group=str(h.spec.group)).set(len(msg.alive))
-        for g in self.ranks:
-            if g.spec.group == h.spec.group and g.spec.rank not in msg.alive and not g.dead:
+        for g in self.ranks:  # a replacement not admitted yet is outside the membership by design
+            if g.spec.group == h.spec.group and g.spec.rank not in msg.alive and not g.dead and not g.rejoining:
                 self._kill(g, f"was excluded from its group at membership epoch {msg.epoch}")
+        if msg.unreadable:
+            log.error("%s could not import the memory of rejoined rank(s) %s: it plans without them", h.describe(),
+                      list(msg.unreadable))
 
     def _kill(self, h: RankHandle, why: str) -> None:
         log.error("%s %s: killing it", h.describe(), why)

@@ -25,13 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from dwdp_runtime.config import DwdpConfig
 from dwdp_runtime.contract import POD_ENV, POD_ENV_ONE_OF, BackendName, ModelDtypeName, TransferMode
-from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, ElasticEnv, LayoutEnv
+from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, POD_PLACEHOLDER, ElasticEnv, LayoutEnv
 from dwdp_runtime.contract import PodEnvVar as E
 
 ENV_VARS: tuple[str, ...] = tuple(v.value for v in POD_ENV)
 OPTIONAL_EMPTY: tuple[str, ...] = tuple(v.value for v in POD_ENV_ONE_OF)  # exactly one of the two is set
-#: ElasticEnv.POD_ADDR_TEMPLATE's stand-in for the pod index (the operator writes it: ``manifests.POD_PLACEHOLDER``)
-POD_PLACEHOLDER = "{pod}"
 
 
 class EnvContractError(ValueError):

@@ -22,6 +22,7 @@ import pathlib
 import secrets
 
 from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
+from dwdp_runtime.elastic.store_chain import free_port_block
 from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, Backend, ModelDtype, Transfer
 
 from ..rank import timeouts
@@ -95,7 +96,9 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))
     specs = []
     for g in range(groups):
-        port, token = free_port(), secrets.token_hex(16)
+        # an elastic group also needs every rank's standby store port next to its store's (one host: distinct)
+        port = free_port_block(dwdp_size + 1) if config.elastic else free_port()
+        token = secrets.token_hex(16)
         for r in range(dwdp_size):
             gid = g * dwdp_size + r
             specs.append(RankSpec(model_dir=str(model_dir), config=config.to_dict(), rank=r, group=g, global_id=gid,

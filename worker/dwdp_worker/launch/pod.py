@@ -42,7 +42,8 @@ def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float, cuda_gr
                      job=f"{env.namespace}/{env.job}", attempt=env.attempt, token=env.token,
                      backend=env.backend if devices[i] else "host", device=devices[i],
                      dtype=env.dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s,
-                     cuda_graphs=cuda_graphs if devices[i] else 0, batch_invariant=batch_invariant)
+                     cuda_graphs=cuda_graphs if devices[i] else 0, batch_invariant=batch_invariant,
+                     pod_addr_template=env.pod_addr_template, gpus_per_pod=env.gpus_per_pod)
             for i in range(env.gpus_per_pod)]
 
 

@@ -101,11 +101,14 @@ class Engine:
     def build(cls, *, model_dir, config, rank: int, rendezvous, backend: str = "auto", device=None,
               token: str = "", dtype: str | None = None, progress: bool = True,
               copy_delay_s: float = 0.0, experts: str = "auto", kv=None, identity=None,
-              cuda_graphs: int = 0, batch_invariant: bool = False, fused_router: bool = False) -> "Engine":
+              cuda_graphs: int = 0, batch_invariant: bool = False, fused_router: bool = False,
+              incarnation: str | None = None, join=None) -> "Engine":
         """``kv``: ``kv.service.KvSettings`` (a budget > 0 starts the KV service); ``identity``: its ``RankIdentity``;
         ``cuda_graphs``: how many prefill batch shapes may be captured in CUDA graphs (0: none; a CUDA device only);
         ``batch_invariant``: dense GEMMs through ``kernels.batch_invariant`` (a CUDA device only; process-wide,
-        undone by ``close``); ``fused_router``: the router modules run ``kernels.router`` (``model.router_impl``)."""
+        undone by ``close``); ``fused_router``: the router modules run ``kernels.router`` (``model.router_impl``);
+        ``incarnation``: this process's id in an elastic group's membership; ``join``: the running group a replacement
+        joins (``dwdp_runtime.elastic.entry.JoinPoint``: the members' memory is imported from their records)."""
         from dwdp_runtime.manager import DwdpManager
 
         check_max_graphs(cuda_graphs, "cuda_graphs")  # before minutes of loading
@@ -117,8 +120,11 @@ class Engine:
                              f"routed experts per layer; set num_experts={n} (and experts-per-worker/stride to match)")
         t0 = time.monotonic()
         manager = DwdpManager.create(config=config, rank=rank, rendezvous=rendezvous, backend=backend,
-                                     device=device, token=token, progress=progress, copy_delay_s=copy_delay_s)
+                                     device=device, token=token, progress=progress, copy_delay_s=copy_delay_s,
+                                     incarnation=incarnation)
         try:
+            if join is not None:
+                manager.prepare_join(join)
             _set_cuda_device(manager.device)
             t1 = time.monotonic()
             loaded = load_sharded(model_dir, manager, dtype=dtype, progress=progress, config=hf_config)

@@ -1,4 +1,9 @@
-"""One DWDP rank as an OS process: rendezvous → Engine.build → warm-up → serve packed steps.
+"""One DWDP rank as an OS process: rendezvous → Engine.build → warm-up → (join) → serve packed steps.
+
+An elastic group's rank (issue #30) enters through ``dwdp_runtime.elastic.entry.open_group``: it forms the group
+with the others, or — the group already runs, this process replaces a lost rank — it loads its share, warms up,
+asks to join and serves once the members admitted it (phase ``joining``). Between forwards it applies every
+membership epoch (losses and joins) and reports each store move (``StoreMoved``).
 
 Started by the front (``rank_handle``) with ``multiprocessing`` ``spawn``; talks to it over one duplex
 ``Connection`` in the typed messages of ``protocol`` (the one definition both sides import).
@@ -33,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 
 from dwdp_runtime import compile_cache
 from dwdp_runtime.contract import TuningEnv
@@ -72,6 +78,7 @@ class RankLink:
         self.stats = p.RankStats()
         self.kv_stats = None  # the engine's KV store stats (thread-safe): fresh in every heartbeat, TTL frees show
         self.busy = False
+        self.failovers_reported = 0  # store moves already sent to the front (StoreMoved)
         self._stop = threading.Event()
 
     def send(self, msg) -> None:
@@ -139,10 +146,10 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
     import torch
 
     from dwdp_runtime.config import DwdpConfig
-    from dwdp_runtime.membership import MembershipAgent
+    from dwdp_runtime.elastic.entry import claim_fingerprint, open_group
     from dwdp_runtime.monitor import PeerMonitor
-    from dwdp_runtime.rendezvous import StoreRendezvous
 
+    from ..checkpoint.identity import checkpoint_digest
     from .engine import Engine
 
     torch.set_num_threads(max(1, spec.threads))
@@ -157,11 +164,24 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
     import_s = time.monotonic() - t_import
     link.send(p.PhaseChanged(p.RankPhase.RENDEZVOUS))
     t0 = time.monotonic()
-    with StoreRendezvous(host=spec.store_host, port=spec.store_port, rank=spec.rank,
-                         world_size=config.dwdp_size, job=spec.job, group=spec.group, attempt=spec.attempt,
-                         token=spec.token, timeout_s=spec.rendezvous_timeout_s) as rdzv:
+    incarnation = f"{spec.global_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    fingerprint = group_fingerprint(config, spec, checkpoint_digest(spec.model_dir))
+    entry = open_group(host=spec.store_host, port=spec.store_port, rank=spec.rank, world_size=config.dwdp_size,
+                       job=spec.job, group=spec.group, attempt=spec.attempt, token=spec.token,
+                       timeout_s=spec.rendezvous_timeout_s, elastic=config.elastic, fingerprint=fingerprint,
+                       incarnation=incarnation, pod_addr_template=spec.pod_addr_template,
+                       gpus_per_pod=spec.gpus_per_pod)
+    with entry.rendezvous as rdzv:
         rendezvous_s = time.monotonic() - t0
-        link.send(p.LoadProgress("rendezvous", f"group of {config.dwdp_size} ranks formed in {rendezvous_s:.1f} s"))
+        if entry.join is None:
+            if config.elastic:
+                claim_fingerprint(rdzv, fingerprint)  # before minutes of loading: every rank must serve the same
+            link.send(p.LoadProgress("rendezvous", f"group of {config.dwdp_size} ranks formed in {rendezvous_s:.1f} s"))
+        else:
+            m = entry.join.membership
+            link.send(p.LoadProgress("rendezvous", (
+                f"the group runs (members {sorted(m.alive)} at epoch {m.epoch}, store generation {rdzv.generation}): "
+                f"this process replaces DWDP rank {spec.rank} and joins it")))
         link.send(p.PhaseChanged(p.RankPhase.LOADING))
         t0 = time.monotonic()
         with report_bars_to(lambda step, detail: link.send(p.LoadProgress(step, detail))):
@@ -169,7 +189,7 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
                                   backend=spec.backend, device=spec.device, token=spec.token, dtype=dtype,
                                   progress=True, copy_delay_s=_test_copy_delay(), kv=spec.kv,
                                   identity=_kv_identity(spec), cuda_graphs=spec.cuda_graphs,
-                                  batch_invariant=spec.batch_invariant)
+                                  batch_invariant=spec.batch_invariant, incarnation=incarnation, join=entry.join)
         rep = engine.load_report
         link.send(p.LoadProgress("weights", (
             f"{len(rep.layers)} MoE layers, dense {rep.dense_bytes / 2**20:.1f} MiB, local experts "
@@ -180,8 +200,11 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
         elastic = config.elastic
         interval_s, dead_after_s = _peer_timing(spec, elastic)
         monitor = PeerMonitor(rdzv, interval_s=interval_s, dead_after_s=dead_after_s, elastic=elastic,
-                              on_lost=lambda why: _report_lost(link, why)).start()
-        agent = MembershipAgent(rdzv, monitor).start() if elastic else None
+                              beat_tag=incarnation, on_lost=lambda why: _report_lost(link, why))
+        agent = _membership_agent(engine, rdzv, monitor, entry, incarnation) if elastic else None
+        monitor.start()
+        if agent is not None:
+            agent.start()
         try:
             link.send(p.PhaseChanged(p.RankPhase.WARMUP))
             warm = [t % engine.vocab_size for t in spec.warmup_tokens][: max(1, engine.max_positions)]
@@ -191,6 +214,8 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
                                           warmup_s=time.monotonic() - t_warm, cache_files_before=cache_files,
                                           cache_files_after=caches.entries())
             link.send(p.LoadProgress(STARTUP_STEP, startup.describe()))
+            if entry.join is not None:
+                _join(engine, link, agent)
             link.stats = _stats(engine)
             if engine.kv is not None:
                 link.kv_stats = engine.kv.stats
@@ -204,11 +229,47 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
             _stop_watchers(monitor, agent)
             raise
         _stop_watchers(monitor, agent)
-        if monitor.lost is None and engine.manager.replans == 0:
+        if monitor.lost is None and engine.manager.replans == 0 and engine.manager.join is None:
             # importers unmap before owners release: a barrier with the live peers (after a loss the
             # dead rank would never reach it: the process exit frees this rank's memory instead)
             engine.close()
         return code
+
+
+def group_fingerprint(config, spec: p.RankSpec, checkpoint: str):
+    """What every rank of a group must serve alike (a replacement that differs is refused by name)."""
+    from dwdp_runtime.elastic.records import GroupFingerprint
+
+    return GroupFingerprint.of(layout=config.to_dict(), checkpoint=checkpoint, dtype=spec.dtype or "checkpoint",
+                               backend=spec.backend)
+
+
+def _membership_agent(engine, rdzv, monitor, entry, incarnation: str):
+    """The elastic group's agent: at formation, epoch 0 is gathered first (every rank names its process)."""
+    from dwdp_runtime.elastic.agent import MembershipAgent
+    from dwdp_runtime.elastic.entry import complete_formation
+
+    record = engine.manager.member_record()
+    if entry.join is None:
+        membership, records = complete_formation(rdzv, record)
+        engine.manager.name_members(membership)
+        return MembershipAgent(rdzv, monitor, incarnation=incarnation, membership=membership, record=record,
+                               standbys=entry.standbys, records=records)
+    return MembershipAgent(rdzv, monitor, incarnation=incarnation, membership=entry.join.membership, record=record,
+                           standbys=entry.standbys, candidate=True, records=entry.join.records)
+
+
+def _join(engine, link: RankLink, agent) -> None:
+    """A replacement, loaded and warm: ask to join, wait for the epoch that names it, apply it (issue #30)."""
+    link.send(p.PhaseChanged(p.RankPhase.JOINING))
+    t0 = time.perf_counter()
+    agent.request_join()
+    m = agent.wait_admitted(timeouts.JOIN_ADMISSION_S)
+    unreadable = engine.manager.set_membership(m, agent.records)
+    link.send(p.LoadProgress("joined", f"admitted at membership epoch {m.epoch} (members {sorted(m.alive)}) "
+                                       f"{time.perf_counter() - t0:.2f} s after asking"))
+    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t0, joined=(agent.rank,),
+                                  unreadable=tuple(sorted(unreadable))))
 
 
 def _peer_timing(spec: p.RankSpec, elastic: bool) -> tuple[float, float]:
@@ -234,19 +295,30 @@ def _apply_membership(engine, link: RankLink, agent) -> None:
     ``ReloadRefused`` is reported as ``PeerLost`` (the front fails the group). ``Fenced`` (the others excluded
     this rank) and ``NoSurvivingHolder`` (an expert lost every copy)
     propagate: the rank exits non-zero with the reason."""
+    _report_failovers(link, agent)
     m = agent.poll()
     if m is None:
         return
     t0 = time.perf_counter()
     reloads = len(engine.manager.reloads)
+    before = dict(engine.manager.incarnations)
     try:
-        engine.manager.set_membership(m.alive)
+        unreadable = engine.manager.set_membership(m, agent.records)
     except ReloadRefused as exc:  # the group cannot serve on: the front fails it at once (a group restart)
         _report_lost(link, f"membership epoch {m.epoch}: {exc}")
         raise
     for rep in engine.manager.reloads[reloads:]:
         link.send(p.ExpertsReloaded(m.epoch, rep.experts, rep.bytes_read, rep.allocated_bytes, rep.seconds))
-    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t0))
+    joined = tuple(sorted(r for r, inc in m.members if before.get(r) != inc and r != agent.rank))
+    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t0, joined=joined,
+                                  unreadable=tuple(sorted(unreadable))))
+
+
+def _report_failovers(link: RankLink, agent) -> None:
+    """Each store move this rank made, once (``StoreMoved``)."""
+    for f in agent.failovers[link.failovers_reported:]:
+        link.send(p.StoreMoved(f.generation, f.lost_host, f.new_host, f.seconds))
+    link.failovers_reported = len(agent.failovers)
 
 
 def _report_lost(link: RankLink, why: str) -> None:

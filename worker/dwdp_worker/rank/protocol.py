@@ -17,6 +17,8 @@ module in the child, so both sides decode the same types)::
                                                          continuations, KV transfer params)
                    StepFailed(batch_id, message)         the forward raised; the rank keeps serving
                    PeerLost(message)                     the group is broken; the rank exits 1 next
+                   MembershipChanged(epoch, alive, …)    an elastic group's new epoch, applied (issue #30)
+                   ExpertsReloaded(…) / StoreMoved(…)    experts read back / the store moved to a standby
                    Fatal(message)                        start-up or serving failed; the process exits 1
 
 Invariants:
@@ -64,6 +66,9 @@ class RankSpec:
     kv: KvSettings = field(default_factory=KvSettings)  # KV handoff (docs/KV_TRANSFER.md); budget 0 = off
     cuda_graphs: int = 0             # prefill batch shapes replayed from CUDA graphs (prefill_graphs); 0 = off
     batch_invariant: bool = False    # dense GEMMs through kernels.batch_invariant (CUDA ranks only)
+    # an elastic group's store chain (dwdp_runtime.elastic.store_chain): where every rank's standby store answers
+    pod_addr_template: str | None = None   # None: every rank at store_host (local launcher, one pod per group)
+    gpus_per_pod: int = 1
     env: dict = field(default_factory=dict)
 
 
@@ -75,6 +80,7 @@ class RankPhase(StrEnum):
     RENDEZVOUS = "rendezvous"    # waiting for the group's other ranks
     LOADING = "loading"          # weights: dense, local experts, handle exchange, composites
     WARMUP = "warmup"            # the first forward
+    JOINING = "joining"          # a replacement, loaded and warm, waiting for the running group to admit it
     READY = "ready"              # serving
     UNREACHABLE = "unreachable"  # the front could not write to its pipe
 
@@ -204,6 +210,18 @@ class MembershipChanged:
     epoch: int
     alive: tuple[int, ...]   # DWDP ranks of the group still serving
     replan_s: float          # seconds the re-plan took on this rank (between two forwards)
+    joined: tuple[int, ...] = ()     # ranks whose replacement this rank admitted into its plan at this epoch
+    unreadable: tuple[int, ...] = ()  # joined ranks whose memory this rank could not import (planned without)
+
+
+@dataclass(frozen=True)
+class StoreMoved:
+    """The group's store host was lost and the survivors moved its store to a standby (issue #30)."""
+
+    generation: int
+    lost_host: int           # the DWDP rank that hosted the lost store
+    new_host: int            # the DWDP rank whose standby store the group uses now
+    seconds: float           # from the verdict to the new store in use, on this rank
 
 
 @dataclass(frozen=True)
@@ -218,4 +236,4 @@ class ExpertsReloaded:
 
 
 RankMessage = (PhaseChanged | LoadProgress | Ready | Heartbeat | StepResult | StepFailed | PeerLost | Fatal
-               | MembershipChanged | ExpertsReloaded)
+               | MembershipChanged | ExpertsReloaded | StoreMoved)
