@@ -150,8 +150,11 @@ class MembershipAgent:
                                   f"{self._rdzv.where} within {timeout_s:g} s (members {sorted(self._latest.alive)} "
                                   f"at epoch {self._latest.epoch}): no member took its join request")
             time.sleep(min(self.interval_s, 0.1))
-        self._applied = self._latest.epoch  # the caller applies it (set_membership); poll() returns only newer ones
-        return self._latest
+        m = self._latest
+        if not m.serves(self.rank, self.incarnation):  # admitted, then excluded again before this read
+            raise Fenced(self._fenced or f"rank {self.rank} was excluded again at membership epoch {m.epoch}")
+        self._applied = m.epoch  # the caller applies it (set_membership); poll() returns only newer ones
+        return m
 
     # -- the agent's thread: all store I/O ----------------------------------------------------------------
     def _adopt(self, m: Membership) -> None:
@@ -167,6 +170,8 @@ class MembershipAgent:
                     self.records[r] = rec
         for r in came:
             self._monitor.readmit(r)
+        # _latest first: a reader that sees _admitted (wait_admitted) or _fenced must find the epoch that set it
+        self._latest = m
         if not self._admitted and m.serves(self.rank, self.incarnation):
             self._admitted = True
             log.warning("%s: rank %d joined at membership epoch %d, members %s", self._rdzv.where, self.rank,
@@ -174,7 +179,6 @@ class MembershipAgent:
         elif self._admitted and not m.serves(self.rank, self.incarnation):
             self._fenced = (f"rank {self.rank} was excluded from {self._rdzv.where} at membership epoch {m.epoch} "
                             f"(members {sorted(m.alive)}): the others declared it dead; it must stop serving")
-        self._latest = m
         self._rdzv.members = m.alive  # the store's host waits only for these at close
         self.detected_at[m.epoch] = time.time()
         if self._admitted:
@@ -215,8 +219,10 @@ class MembershipAgent:
         """This rank hosts the store and sees members silent: did they fail over without it (module docstring, 5)?"""
         if self.standbys is None:
             return False
-        lost = sorted(self._monitor.lost_ranks & self._latest.alive)
-        newer = find_active([self.standbys[r] for r in lost], self._rdzv.keys, newer_than=self._rdzv.generation)
+        # every other rank's standby, not only the silent ones': the store may have moved to a rank whose last beat
+        # here came late (a thread of it blocked on this store while this process was frozen, written on waking)
+        others = [e for e in self.standbys if e.rank != self.rank]
+        newer = find_active(others, self._rdzv.keys, newer_than=self._rdzv.generation)
         if newer is None:
             return False
         self._fenced = (f"rank {self.rank} hosted the store of {self._rdzv.where} but the group moved to "

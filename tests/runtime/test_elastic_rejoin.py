@@ -110,14 +110,19 @@ def _all_serving(g: Group, ranks) -> bool:
     return all(r in s for r in ranks)
 
 
+def _serve_then_signal(g: Group, victim: int, sig: int) -> tuple[list, float]:
+    """Start the group, let it serve a moment, send ``sig`` to ``victim``: (the first processes, when)."""
+    first = [g.start(r) for r in range(WORLD)]
+    g.wait(lambda: _all_serving(g, range(WORLD)), 120, "the group serving")
+    time.sleep(0.5)
+    os.kill(first[victim].pid, sig)
+    return first, time.time()
+
+
 def test_kill_9_then_a_replacement_rejoins_and_the_group_is_full_again_bitwise():
     g = Group(settle_epoch=2)
     try:
-        first = [g.start(r) for r in range(WORLD)]
-        g.wait(lambda: _all_serving(g, range(WORLD)), 120, "the group serving")
-        time.sleep(0.5)
-        os.kill(first[1].pid, signal.SIGKILL)
-        killed_at = time.time()
+        first, killed_at = _serve_then_signal(g, 1, signal.SIGKILL)
         replacement = g.start(1)
         joined = g.wait(lambda: next((ev for ev in g.serving().get(1, []) if ev[3]), None), 120,
                         "the replacement serving")
@@ -152,11 +157,7 @@ def test_kill_9_then_a_replacement_rejoins_and_the_group_is_full_again_bitwise()
 def test_sigstop_of_the_store_host_moves_the_store_fences_it_and_its_replacement_rejoins():
     g = Group(settle_epoch=2)
     try:
-        first = [g.start(r) for r in range(WORLD)]
-        g.wait(lambda: _all_serving(g, range(WORLD)), 120, "the group serving")
-        time.sleep(0.5)
-        os.kill(first[0].pid, signal.SIGSTOP)
-        stopped_at = time.time()
+        first, stopped_at = _serve_then_signal(g, 0, signal.SIGSTOP)
         epoch1 = g.wait(lambda: (e := g.replanned(1)) and len(e) == 3 and e, 30, "epoch 1 after the failover")
         for r, (_, alive, detected, replanned) in epoch1.items():
             assert alive == [1, 2, 3]
