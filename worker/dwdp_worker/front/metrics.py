@@ -100,6 +100,11 @@ class Metrics:
                                         "checkpoint after a loss left them without a holder (summed over ranks)",
                                         ["group"], registry=r)
         self.members_ready = Gauge("dwdp_members_ready", "ranks of the group still serving", ["group"], registry=r)
+        self.replans = Counter("dwdp_replans", "membership epochs applied by this front's ranks (each a re-plan of "
+                               "every layer's copies between two forwards), by group", ["group"], registry=r)
+        self.replan_seconds = Histogram("dwdp_replan_seconds", "time one rank spent applying a membership epoch "
+                                        "(drop, import, re-plan), between two forwards", ["group"],
+                                        buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0), registry=r)
         self.rank_respawns = Counter("dwdp_rank_respawns", "processes this front started again for a rank its elastic "
                                      "group lost (a replacement that rejoins)", ["group"], registry=r)
         self.rank_rejoins = Counter("dwdp_rank_rejoins", "replacements of lost ranks admitted back into their elastic "

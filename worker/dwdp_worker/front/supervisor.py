@@ -277,6 +277,8 @@ class Supervisor:
         log.warning("%s: membership epoch %d, members %s (re-plan %.3f s)", h.describe(), msg.epoch,
                     list(msg.alive), msg.replan_s)
         self.metrics.membership_epoch.labels(group=str(h.spec.group)).set(msg.epoch)
+        self.metrics.replans.labels(group=str(h.spec.group)).inc()
+        self.metrics.replan_seconds.labels(group=str(h.spec.group)).observe(msg.replan_s)
         self.metrics.members_ready.labels(group=str(h.spec.group)).set(len(msg.alive))
         for g in self.ranks:  # a replacement not admitted yet is outside the membership by design
             if g.spec.group == h.spec.group and g.spec.rank not in msg.alive and not g.dead and not g.rejoining:

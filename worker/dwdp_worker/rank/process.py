@@ -265,10 +265,11 @@ def _join(engine, link: RankLink, agent) -> None:
     t0 = time.perf_counter()
     agent.request_join()
     m = agent.wait_admitted(timeouts.JOIN_ADMISSION_S)
+    t1 = time.perf_counter()
     unreadable = engine.manager.set_membership(m, agent.records)
     link.send(p.LoadProgress("joined", f"admitted at membership epoch {m.epoch} (members {sorted(m.alive)}) "
-                                       f"{time.perf_counter() - t0:.2f} s after asking"))
-    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t0, joined=(agent.rank,),
+                                       f"{t1 - t0:.2f} s after asking"))
+    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t1, joined=(agent.rank,),
                                   unreadable=tuple(sorted(unreadable))))
 
 
