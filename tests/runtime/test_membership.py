@@ -46,3 +46,23 @@ def test_one_claim_wins_per_epoch_and_a_forged_entry_is_refused():
     finally:
         peer.close(linger_s=0.1)
         host.close(linger_s=0.1)
+
+
+def test_ranks_that_loaded_different_checkpoints_fail_the_formation_naming_the_part():
+    from dwdp_runtime.elastic.entry import claim_fingerprint
+    from dwdp_runtime.elastic.records import GroupFingerprint
+
+    port = free_port()
+    host = StoreRendezvous(host="127.0.0.1", port=port, rank=0, world_size=2, job="f", token="t", timeout_s=10)
+    peer = StoreRendezvous(host="127.0.0.1", port=port, rank=1, world_size=2, job="f", token="t", timeout_s=10)
+    try:
+        mine = GroupFingerprint.of(layout={"d": 2}, checkpoint="abc", dtype="bfloat16")
+        claim_fingerprint(host, mine)
+        claim_fingerprint(peer, GroupFingerprint.of(layout={"d": 2}, checkpoint="abc", dtype="bfloat16"))  # equal
+        other = GroupFingerprint.of(layout={"d": 2}, checkpoint="xyz", dtype="float32")
+        with pytest.raises(RendezvousError, match=r"differs from the group's other ranks in checkpoint, dtype"):
+            claim_fingerprint(peer, other)
+        assert GroupFingerprint.decode(mine.encode()) == mine and mine.differences(mine) == []
+    finally:
+        peer.close(linger_s=0.1)
+        host.close(linger_s=0.1)
