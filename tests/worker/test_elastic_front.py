@@ -239,3 +239,26 @@ def test_reload_policy_makes_r1_survivable_and_readyz_names_the_reloaded_experts
     live, ready, body = probes.evaluate(snap, heartbeat_timeout_s=10)
     assert ready and body["status"] == "degraded"
     assert "group 0 reloaded experts [2, 3] from the checkpoint (no surviving holder)" in body["degraded"]
+
+
+def test_without_respawns_the_group_serves_degraded_and_alone_answers_stay_bitwise(ckpt):
+    """``--max-rank-respawns 0``: no replacement; the survivors serve on (``/readyz`` degraded naming the lost rank)
+    and a prompt sent alone during the degraded service is bitwise its answer before the loss."""
+    srv = Server(["--local", "--model", str(ckpt), "--dwdp-size", "4", "--expert-replicas", "2",
+                  "--backend", "host", "--max-rank-respawns", "0"])
+    try:
+        srv.wait_for("/readyz", timeout_s=240)
+        reference = {i: _answer(srv.post(_body(p))) for i, p in enumerate(PROMPTS)}
+        os.kill(srv.rank_pids()[2], signal.SIGKILL)
+        deadline = time.time() + DETECTION_BOUND_S + SLACK_S + 5
+        while (_metric(srv.get("/metrics").text, 'dwdp_membership_epoch{group="0"}') or 0) < 1:
+            assert time.time() < deadline, "no epoch 1"
+            time.sleep(0.05)
+        for i, p in enumerate(PROMPTS):
+            assert _answer(srv.post(_body(p))) == reference[i]
+        body = srv.get("/readyz").json()
+        assert body["status"] == "degraded" and "DWDP rank 2" in body["degraded"][0]
+        assert [(r["alive"], r["retired"]) for r in body["ranks"]] == [(True, False)] * 2 + [(False, True), (True, False)]
+        assert "not restarting it (0 replacement(s) already, --max-rank-respawns 0)" in srv.log()
+    finally:
+        srv.close()

@@ -77,6 +77,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--backend", "host", "--cuda-graphs", "2"], "CUDA graphs need the ranks on GPUs"),
     (["--cuda-graphs", "-1"], "--cuda-graphs=-1: must be an integer >= 0"),
     (["--max-queue", "0"], "--max-queue=0: must be an integer >= 1"),
+    (["--max-rank-respawns", "-1"], "--max-rank-respawns=-1: must be >= 0"),
 ])
 def test_bad_sharding_is_refused_before_any_rank_starts(model_dir, args, needle):
     p = _cli("--local", "--model", str(model_dir), "--port", str(free_port()), *args)

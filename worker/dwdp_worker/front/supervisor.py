@@ -63,7 +63,7 @@ class Supervisor:
                  batch_wait_s: float = 0.0, heartbeat_timeout_s: float = timeouts.HEARTBEAT_TIMEOUT_S,
                  forward_timeout_s: float = timeouts.FORWARD_TIMEOUT_S,
                  drain_timeout_s: float = timeouts.DRAIN_TIMEOUT_S, stop_timeout_s: float = timeouts.STOP_TIMEOUT_S,
-                 kv_advertise_host: str | None = None):
+                 kv_advertise_host: str | None = None, max_rank_respawns: int = timeouts.MAX_RANK_RESPAWNS):
         if not specs:
             raise ValueError("a front needs at least one rank")
         self.ranks = [RankHandle(s) for s in specs]
@@ -74,6 +74,7 @@ class Supervisor:
         self.http_port: int | None = None            # the bound port, set by serve() once it listens
         self.heartbeat_timeout_s, self.forward_timeout_s = heartbeat_timeout_s, forward_timeout_s
         self.drain_timeout_s, self.stop_timeout_s = drain_timeout_s, stop_timeout_s
+        self.max_rank_respawns = max_rank_respawns  # replacements of one lost rank of an elastic group (0: none)
         self.draining = False
         self.failure: str | None = None
         self.exit_code = 0
@@ -241,17 +242,16 @@ class Supervisor:
         rank's respawn budget and unless the front is stopping."""
         if self.draining or self.failure or self._stopping_ranks:
             return
-        if h.respawns >= timeouts.MAX_RANK_RESPAWNS:
-            log.error("%s: not restarting it again (%d replacements already); its group serves degraded",
-                      h.describe(), h.respawns)
+        if h.respawns >= self.max_rank_respawns:
+            log.error("%s: not restarting it (%d replacement(s) already, --max-rank-respawns %d); its group serves "
+                      "degraded", h.describe(), h.respawns, self.max_rank_respawns)
             return
         new = h.replacement()
         self.ranks[self.ranks.index(h)] = new   # the dispatcher shares this list
         new.spawn(self._post, self._on_message, self._on_exit)
         self.metrics.rank_respawns.labels(group=str(h.spec.group)).inc()
         log.warning("restarting DWDP rank %d of group %d as %s (replacement %d of at most %d): it rejoins the "
-                    "running group", h.spec.rank, h.spec.group, new.describe(), new.respawns,
-                    timeouts.MAX_RANK_RESPAWNS)
+                    "running group", h.spec.rank, h.spec.group, new.describe(), new.respawns, self.max_rank_respawns)
 
     def _on_store_moved(self, h: RankHandle, msg: p.StoreMoved) -> None:
         """Every rank of the group reports the same move: counted once per generation."""

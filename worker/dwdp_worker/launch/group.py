@@ -119,6 +119,10 @@ def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = DEF
                    help="a rank busy in one forward longer than this is killed (the front then exits 1)")
     g.add_argument("--drain-timeout-s", type=float, default=timeouts.DRAIN_TIMEOUT_S,
                    help="SIGTERM: max wait for admitted requests")
+    g.add_argument("--max-rank-respawns", type=int, default=timeouts.MAX_RANK_RESPAWNS, metavar="N",
+                   help=f"an elastic group (--expert-replicas >= 2): restart a lost rank's process at most N times "
+                        f"(it rejoins the running group); 0 = never, the group serves degraded "
+                        f"(default {timeouts.MAX_RANK_RESPAWNS})")
     g.add_argument("--rendezvous-timeout-s", type=float, default=default_rendezvous_s,
                    help=f"wait this long for the group's other ranks (default {default_rendezvous_s:g})")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -148,6 +152,8 @@ def run_front(prog: str, args: argparse.Namespace, build: Callable[[contextlib.E
             plan = build(stack)
             if options.served_model_name is None:
                 options = options.model_copy(update={"served_model_name": plan.model_name})
+            if args.max_rank_respawns < 0:
+                raise ValueError(f"--max-rank-respawns={args.max_rank_respawns}: must be >= 0 (0: never restart)")
         except ValueError as exc:  # EnvContractError, bad sharding, missing checkpoint
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
@@ -155,7 +161,7 @@ def run_front(prog: str, args: argparse.Namespace, build: Callable[[contextlib.E
         sup = Supervisor(specs, model_dir=plan.model_dir, options=options, group_attempt=plan.group_attempt,
                          batch_wait_s=args.batch_wait_ms / 1000.0, heartbeat_timeout_s=args.heartbeat_timeout_s,
                          forward_timeout_s=args.forward_timeout_s, drain_timeout_s=args.drain_timeout_s,
-                         kv_advertise_host=plan.kv_advertise_host)
+                         kv_advertise_host=plan.kv_advertise_host, max_rank_respawns=args.max_rank_respawns)
         kv = f", KV responses name {plan.kv_advertise_host}" if plan.kv_advertise_host else ""
         print(f"{prog}: {plan.banner}, http {args.host}:{plan.port}{kv}", file=sys.stderr, flush=True)
         bounds = HttpBounds(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,

@@ -46,9 +46,9 @@ ELASTIC_PEER_DEAD_AFTER_S = 3.0
 #: a replacement of a lost rank (issue #30), loaded and warm, asked to join: a member admits it within one agent
 #: round (0.5 s) once its beats are seen moving; far longer means no member is serving, and the replacement gives up.
 JOIN_ADMISSION_S = 60.0
-#: an elastic group's front restarts a lost rank's process in place (a replacement that rejoins) at most this many
-#: times per DWDP rank: a rank that keeps dying (a bad GPU, a poison input) must not loop; past it the group serves
-#: degraded and the pod's restart policy or the operator takes over.
+#: ``--max-rank-respawns``: an elastic group's front restarts a lost rank's process in place (a replacement that
+#: rejoins) at most this many times per DWDP rank: a rank that keeps dying (a bad GPU, a poison input) must not loop;
+#: past it the group serves degraded and the pod's restart policy or the operator takes over.
 MAX_RANK_RESPAWNS = 3
 # -- stopping ---------------------------------------------------------------------------------------
 #: ``--drain-timeout-s`` (SIGTERM): admitted requests finish; inside the pod's terminationGracePeriod.
