@@ -41,17 +41,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .refusal import SUPPORTED, UnsupportedQuantizationError, refuse as _refuse
 from .scheme import (FP4_UE8M0_SCHEME, FP8_BLOCK, FP8_BLOCK_SCHEME, MXFP4_SCHEME, NVFP4_GROUP, NVFP4_SCHEME,
                      UNQUANTIZED, QuantScheme)
-
-SUPPORTED = ("fp8 block-scaled (quant_method='fp8', fmt='e4m3', activation_scheme='dynamic', "
-             "weight_block_size=[128, 128], fp32 weight_scale_inv; or with expert_dtype='fp4', scale_fmt='ue8m0' "
-             "as DeepSeek-V4), mxfp4 (quant_method='mxfp4', gpt-oss *_blocks/*_scales experts) and nvfp4 "
-             "(quant_method='modelopt', quant_algo='NVFP4', group_size=16)")
-
-
-class UnsupportedQuantizationError(ValueError):
-    """The checkpoint's quantization is not one DWDP can serve faithfully."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +75,6 @@ def as_dict(qc: Any) -> dict:
 def _text(value: Any) -> str:
     """A config value as lower-case text (transformers stores ``quant_method`` as a str-valued enum)."""
     return str(getattr(value, "value", value)).lower()
-
-
-def _refuse(what: str) -> UnsupportedQuantizationError:
-    return UnsupportedQuantizationError(f"{what}; DWDP supports unquantized (bf16/fp16/fp32) checkpoints and "
-                                        f"{SUPPORTED}")
 
 
 def _module_list(raw: dict, *keys: str) -> tuple[str, ...]:
