@@ -26,12 +26,26 @@ Accepted:
   Each quantized linear stores ``weight`` uint8 ``[N, K/2]``, ``weight_scale`` e4m3 ``[N, K/16]``,
   ``weight_scale_2`` fp32 and ``input_scale`` fp32. ``input_scale`` is the calibrated activation scale of
   Blackwell's FP4×FP4 GEMM; on Hopper the activations stay bf16 (weight-only), so it is not read.
+* NVFP4 as compressed-tensors writes it (llm-compressor's ``NVFP4A16`` / ``NVFP4`` presets; parsed and
+  refused in ``compressed_tensors``)::
 
-Everything else is refused with ``UnsupportedQuantizationError`` naming what is supported: other methods (gptq,
-awq, compressed-tensors, …), static activation scales (they need a calibrated per-tensor input scale our
+    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head", "re:…"]?,
+     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float",
+                       "strategy": "tensor_group", "group_size": 16, …}, "input_activations": null | {…}}}}
+
+  The same numbers as ModelOpt's under other names — ``weight_packed``, ``weight_scale`` and
+  ``weight_global_scale``, the INVERSE of ModelOpt's ``weight_scale_2`` — so it is the same
+  ``NVFP4_SCHEME`` (the same sharded bytes, the planner's ``nvfp4``), with ``QuantConfig.nvfp4`` saying how
+  the checkpoint names and scales its tensors (``nvfp4_checkpoint``; the loader reads it under ModelOpt's
+  names with ``weight_scale_2 = 1 / weight_global_scale``, as vLLM does). W4A4 (``input_activations``) is
+  served weight-only, its activation scales not read, exactly as ModelOpt's ``input_scale``.
+
+Everything else is refused with ``UnsupportedQuantizationError`` naming what is supported (``SUPPORTED``):
+other methods (gptq, awq, …), static activation scales (they need a calibrated per-tensor input scale our
 kernels do not apply), FP8 block sizes other than 128×128 (the kernels tile by 128), e5m2 weights, ue8m0
-scales on FP8 experts, fp4 experts with float scales, ModelOpt algorithms other than NVFP4 and NVFP4
-groups other than 16.
+scales on FP8 experts, fp4 experts with float scales, ModelOpt algorithms other than NVFP4, NVFP4 groups other
+than 16, and compressed-tensors formats and schemes other than NVFP4 (int4 ``pack-quantized``, fp8
+``float-quantized``, sparsity, transforms, …).
 
 Pure: no torch.
 """
@@ -41,6 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from . import compressed_tensors
+from .nvfp4_checkpoint import MODELOPT_NVFP4, Nvfp4Checkpoint
 from .refusal import SUPPORTED, UnsupportedQuantizationError, refuse as _refuse
 from .scheme import (FP4_UE8M0_SCHEME, FP8_BLOCK, FP8_BLOCK_SCHEME, MXFP4_SCHEME, NVFP4_GROUP, NVFP4_SCHEME,
                      UNQUANTIZED, QuantScheme)
@@ -52,6 +68,8 @@ class QuantConfig:
 
     scheme: QuantScheme
     modules_to_not_convert: tuple[str, ...] = ()
+    #: NVFP4 only: how the checkpoint names and scales each linear's tensors (ModelOpt's or compressed-tensors')
+    nvfp4: Nvfp4Checkpoint | None = None
 
     @property
     def quantized(self) -> bool:
@@ -97,6 +115,9 @@ def parse_quantization_config(qc: Any) -> QuantConfig:
         return _parse_mxfp4(raw)
     if method == "modelopt":
         return _parse_modelopt(raw)
+    if method == compressed_tensors.METHOD:
+        ct = compressed_tensors.parse_compressed_tensors(raw)
+        return QuantConfig(NVFP4_SCHEME, ct.ignore.entries, ct)
     if method != "fp8":
         raise _refuse(f"quantization method {_text(raw.get('quant_method'))!r} is not supported")
     fmt = str(raw.get("fmt", "e4m3")).lower()
@@ -153,7 +174,8 @@ def _parse_modelopt(raw: dict) -> QuantConfig:
     group = _modelopt_group(raw)
     if group != NVFP4_GROUP:
         raise _refuse(f"NVFP4 group_size {group!r} is not supported")
-    return QuantConfig(NVFP4_SCHEME, _module_list(raw, "exclude_modules", "ignore", "modules_to_not_convert"))
+    return QuantConfig(NVFP4_SCHEME, _module_list(raw, "exclude_modules", "ignore", "modules_to_not_convert"),
+                       Nvfp4Checkpoint(MODELOPT_NVFP4))
 
 
 def modelopt_config_from_hf_quant(hf_quant: Mapping) -> dict:

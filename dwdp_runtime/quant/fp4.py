@@ -18,6 +18,10 @@ Quantizers (``mxfp4_quantize``, ``nvfp4_quantize``) write synthetic checkpoints 
   * MXFP4 scale exponent ``⌈log2(amax / 6)⌉`` (``triton_kernels``' ``downcast_to_mxfp`` default, the one
     gpt-oss was quantized with: the group's largest element never saturates);
   * NVFP4 as ModelOpt: ``s2 = amax(W) / (6 · 448)``, ``s = e4m3(amax(group) / 6 / s2)``.
+
+compressed-tensors stores NVFP4's global scale inverted (``weight_global_scale`` ``g = 1 / s2``);
+``nvfp4_inverse_global`` turns it into ``s2 = fl32(1 / g)``, vLLM's conversion, after which the math above
+applies unchanged (``nvfp4_checkpoint``).
 Torch is imported lazily (the package imports without it).
 """
 
@@ -135,6 +139,19 @@ def nvfp4_dequantize(q, s, s2, dtype, *, row_segments: Sequence[int] | None = No
         out[..., row:row + n, :].mul_(s2[..., i, None, None])
         row += n
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def nvfp4_inverse_global(g):
+    """compressed-tensors' ``weight_global_scale`` ``g`` (any shape) → ModelOpt's ``weight_scale_2``: ``1 / g``
+    in float32, correctly rounded — what vLLM computes (``1.0 / weight_global_scale``) before running the
+    ModelOpt-format kernels. A zero or non-finite ``g`` has no such inverse (``ValueError``)."""
+    import torch
+
+    g = g.to(torch.float32)
+    bad = ~torch.isfinite(g) | (g == 0)
+    if bool(bad.any()):
+        raise ValueError(f"global scale {g[bad].flatten()[0].item()!r} has no finite inverse")
+    return torch.reciprocal(g)
 
 
 def nvfp4_quantize(w, *, row_segments: Sequence[int] | None = None):

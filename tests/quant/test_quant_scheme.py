@@ -55,7 +55,8 @@ def test_accepts_transformers_config_object():
 
 @pytest.mark.parametrize("bad, says", [
     ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
-    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "'compressed-tensors'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "compressed-tensors config_groups None"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized' is not supported"),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo 'FP8'"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "NVFP4 group_size 32"),
     ({"quant_method": "mxfp4", "activation_scheme": "static"}, "static activation scales"),
