@@ -155,6 +155,7 @@ def bind_quantized_experts(model, quant_dir, device, compute_dtype):
     from . import quant_loading as quant
     from .names import CheckpointMap
     from .loader import _expert_reader, load_config
+    from .nvfp4_view import modelopt_view
     from ..model.registry import model_layout
     from .safetensors_index import SafetensorsIndex
 
@@ -162,9 +163,11 @@ def bind_quantized_experts(model, quant_dir, device, compute_dtype):
         def update(self, n: int) -> None:
             pass
 
-    with SafetensorsIndex(quant_dir) as ckpt:
-        layout, quantized = quant.resolve_layout(model_layout(model), quant.quant_config_of(load_config(quant_dir)),
-                                                 CheckpointMap.build(model, ckpt.entries), ckpt)
+    qc = quant.quant_config_of(load_config(quant_dir))
+    with SafetensorsIndex(quant_dir) as index:
+        ckpt = modelopt_view(index, qc)
+        layout, quantized = quant.resolve_layout(model_layout(model), qc, CheckpointMap.build(model, ckpt.entries),
+                                                 ckpt)
         for experts in layout.experts:
             module = model.get_submodule(experts.path)
             for p in experts.params:

@@ -5,7 +5,8 @@ Pipeline (``load_sharded``):
   2. build the model on the **meta** device (no memory), with the dtype and the attention/experts
      implementations `from_pretrained` would pick — so the kernels match the unsharded oracle;
   3. discover its experts layout (``models.model_layout``) and map every checkpoint key to the model tensor
-     it loads into by `transformers`' own conversion rules (``checkpoint_names``);
+     it loads into by `transformers`' own conversion rules (``checkpoint_names``) — a compressed-tensors NVFP4
+     checkpoint read under ModelOpt's names (``nvfp4_view``);
   4. load every dense tensor (attention, norms, embeddings, routers, shared experts, dense MLPs) fully
      onto ``manager.device`` from the safetensors files, in the dtype of the meta parameter;
   5. rebuild non-persistent buffers (rotary ``inv_freq``) with the owning (sub-)model's ``_init_weights``
@@ -37,6 +38,7 @@ from ..model import registry as arch
 from ..model.meta_model import build_meta_model  # re-exported: callers import it from the loader
 from . import quant_loading as quant
 from .names import CheckpointMap, apply_slice_ops, dense_tensors
+from .nvfp4_view import modelopt_view
 from ..model.experts_layout import ExpertParam, ExpertsLayout, ModelLayout, ParamRole, SourceKind
 from .safetensors_index import CheckpointError, SafetensorsIndex
 
@@ -278,9 +280,11 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     layout = arch.model_layout(model)
     a, b = manager.local_range
     t_read = time.monotonic()
-    with SafetensorsIndex(model_dir) as ckpt:
+    qc = quant.quant_config_of(config)
+    with SafetensorsIndex(model_dir) as index:
+        ckpt = modelopt_view(index, qc)   # compressed-tensors NVFP4 under ModelOpt's names; else the index
         cmap = CheckpointMap.build(model, ckpt.entries)
-        layout, quantized = quant.resolve_layout(layout, quant.quant_config_of(config), cmap, ckpt)
+        layout, quantized = quant.resolve_layout(layout, qc, cmap, ckpt)
         dense = load_dense(model, layout, cmap, ckpt, device, progress=progress, dtype=dtype)
         plan = dtype_plan(model, dtype)
         from tqdm.auto import tqdm
