@@ -185,18 +185,27 @@ class MembershipAgent:
             self._rdzv.store_set_verified(HEAD_KEY, str(m.epoch).encode())
         log.warning("%s: membership epoch %d, members %s", self._rdzv.where, m.epoch, sorted(m.alive))
 
-    def step(self) -> None:
-        """One round: follow the store's next epochs, then propose one if a member was lost or a replacement waits."""
+    def step(self, token: int | None = None) -> None:
+        """One round: follow the store's next epochs, then propose one if a member was lost or a replacement waits.
+        ``token``: the loop's generation; a round of a loop a failover replaced (it was blocked on the lost store)
+        stops at its next store answer instead of acting on what it read there."""
+        def current() -> bool:
+            return token is None or token == self._token
+
         while (raw := self._rdzv.store_get_verified_nowait(epoch_key(self._latest.epoch + 1))) is not None:
+            if not current():
+                return
             self._adopt(Membership.decode(raw))
-        if not self._admitted or self._fenced is not None:
+        if not self._admitted or self._fenced is not None or not current():
             return
         lost = self._monitor.lost_ranks & self._latest.alive
         if lost and self._rdzv.host_rank == self.rank and self._superseded():
             return
         proposal = next_membership(self._latest, lost, self._ready_joins())
-        if proposal is not None:
-            self._adopt(Membership.decode(self._rdzv.store_claim(epoch_key(proposal.epoch), proposal.encode())))
+        if proposal is not None and current():
+            won = Membership.decode(self._rdzv.store_claim(epoch_key(proposal.epoch), proposal.encode()))
+            if current():
+                self._adopt(won)
 
     def _ready_joins(self) -> dict[int, str]:
         """Replacements ready to be admitted: a join request whose incarnation the rank's record and beats carry."""
@@ -233,7 +242,7 @@ class MembershipAgent:
     def _loop(self, token: int) -> None:
         while not self._stop.is_set() and token == self._token:
             try:
-                self.step()
+                self.step(token)
             except Exception as exc:  # noqa: BLE001 - the store failed: the monitor judges it (failover or fatal)
                 if token == self._token:
                     log.warning("membership round failed: %s", exc)

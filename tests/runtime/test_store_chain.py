@@ -1,0 +1,77 @@
+"""The store chain of an elastic group over real TCPStores: standby endpoints, promotion by compare-and-set, the
+search for the group's current store, and the refusal of a store a stranger filled."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dwdp_runtime.contract import POD_PLACEHOLDER, standby_store_port
+from dwdp_runtime.elastic.store_chain import (ActiveStore, Endpoint, StandbyStore, StoreUnreachable, find_active,
+                                               free_port_block, mark_formed, promote_successor, rank_host,
+                                               standby_endpoints, successors)
+from dwdp_runtime.rendezvous import GroupKeys
+
+
+def test_endpoints_and_successors_are_the_same_pure_answer_on_every_rank():
+    template = f"r1-g0-p{POD_PLACEHOLDER}.r1-ranks.ns.svc"
+    eps = standby_endpoints(world_size=4, store_host="r1-g0-p0.r1-ranks.ns.svc", store_port=29500,
+                            pod_addr_template=template, gpus_per_pod=2)
+    assert [(e.host, e.port, e.rank) for e in eps] == [
+        ("r1-g0-p0.r1-ranks.ns.svc", 29501, 0), ("r1-g0-p0.r1-ranks.ns.svc", 29502, 1),
+        ("r1-g0-p1.r1-ranks.ns.svc", 29503, 2), ("r1-g0-p1.r1-ranks.ns.svc", 29504, 3)]
+    assert all(e.port == standby_store_port(29500, e.rank) for e in eps)
+    assert rank_host(3, store_host="h", pod_addr_template=None, gpus_per_pod=1) == "h"   # one host: the store's
+    assert [e.rank for e in successors(eps, lost_host=0, members={0, 2, 3})] == [2, 3]
+    assert [e.rank for e in successors(eps, lost_host=2, members={3, 1, 2})] == [1, 3]
+
+
+def test_promotion_skips_a_dead_candidate_first_arrival_wins_and_the_search_finds_the_newest():
+    base = free_port_block(4)
+    keys = GroupKeys(job="c", group=0, attempt=0, token="t")
+    eps = [Endpoint("127.0.0.1", base + 1 + r, r) for r in range(3)]
+    standbys = [None, StandbyStore(eps[1].port), StandbyStore(eps[2].port)]  # rank 0's is gone (a dead process)
+    try:
+        assert find_active(eps, keys) is None                     # nothing formed yet: a formation
+        t0 = time.monotonic()
+        first = promote_successor(eps, keys, generation=1)        # rank 0 refuses the connect at once
+        assert time.monotonic() - t0 < 2.0
+        assert (first.endpoint.rank, first.active) == (1, ActiveStore(1, 1))
+        again = promote_successor(eps[1:], keys, generation=1)    # a slower survivor finds it promoted
+        assert again.active == ActiveStore(1, 1) and again.endpoint.rank == 1
+        later = promote_successor([eps[2]], keys, generation=2)   # a later failover, to rank 2
+        found = find_active(eps, keys)
+        assert found.active == ActiveStore(2, 2) and found.endpoint.rank == 2
+        assert find_active(eps, keys, newer_than=2) is None
+        assert later.active.generation == 2
+        # a standby is promoted once: a generation-3 failover never reuses the stores of generations 1 and 2
+        with pytest.raises(StoreUnreachable, match="older generation 1.*older generation 2"):
+            promote_successor([eps[1], eps[2]], keys, generation=3)
+    finally:
+        for s in standbys:
+            if s is not None:
+                s.close()
+
+
+def test_a_store_a_stranger_filled_is_never_taken_and_no_answer_is_named():
+    base = free_port_block(3)
+    keys = GroupKeys(job="c", group=0, attempt=0, token="t")
+    stranger = GroupKeys(job="c", group=0, attempt=0, token="not-the-token")
+    eps = [Endpoint("127.0.0.1", base + 1 + r, r) for r in range(2)]
+    standbys = [StandbyStore(e.port) for e in eps]
+    try:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        client = TCPStore("127.0.0.1", eps[0].port, None, is_master=False, timeout=timedelta(seconds=5))
+        mark_formed(client, stranger, ActiveStore(7, 0))          # sealed with another token
+        assert find_active(eps, keys) is None                     # its entries fail the token check: skipped
+        won = promote_successor(eps, keys, generation=1)          # rank 0's standby is spoiled: rank 1's is taken
+        assert won.endpoint.rank == 1
+    finally:
+        for s in standbys:
+            s.close()
+    with pytest.raises(StoreUnreachable, match="no standby store answered for generation 1"):
+        promote_successor([Endpoint("127.0.0.1", free_port_block(1), 0)], keys, generation=1)
