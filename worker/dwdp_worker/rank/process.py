@@ -42,10 +42,11 @@ import uuid
 
 from dwdp_runtime import compile_cache
 from dwdp_runtime.contract import TuningEnv
-from dwdp_runtime.holders_reload import ReloadRefused
 
 from . import protocol as p
 from . import timeouts
+from .membership import (apply_membership, group_fingerprint, join, membership_agent, peer_timing,
+                         report_lost)
 from .load_progress import report_bars_to
 from .scoring import PromptScores, next_tokens, prompt_scores
 from .startup import STEP as STARTUP_STEP
@@ -198,10 +199,10 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
         # Peers in other pods can die without this front noticing: the monitor heart-beats through
         # the group's store (side threads, off the forward path) and names a lost peer at once.
         elastic = config.elastic
-        interval_s, dead_after_s = _peer_timing(spec, elastic)
+        interval_s, dead_after_s = peer_timing(spec, elastic)
         monitor = PeerMonitor(rdzv, interval_s=interval_s, dead_after_s=dead_after_s, elastic=elastic,
-                              beat_tag=incarnation, on_lost=lambda why: _report_lost(link, why))
-        agent = _membership_agent(engine, rdzv, monitor, entry, incarnation) if elastic else None
+                              beat_tag=incarnation, on_lost=lambda why: report_lost(link, why))
+        agent = membership_agent(engine, rdzv, monitor, entry, incarnation) if elastic else None
         monitor.start()
         if agent is not None:
             agent.start()
@@ -215,7 +216,7 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
                                           cache_files_after=caches.entries())
             link.send(p.LoadProgress(STARTUP_STEP, startup.describe()))
             if entry.join is not None:
-                _join(engine, link, agent)
+                join(engine, link, agent)
             link.stats = _stats(engine)
             if engine.kv is not None:
                 link.kv_stats = engine.kv.stats
@@ -236,97 +237,10 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
         return code
 
 
-def group_fingerprint(config, spec: p.RankSpec, checkpoint: str):
-    """What every rank of a group must serve alike (a replacement that differs is refused by name)."""
-    from dwdp_runtime.elastic.records import GroupFingerprint
-
-    return GroupFingerprint.of(layout=config.to_dict(), checkpoint=checkpoint, dtype=spec.dtype or "checkpoint",
-                               backend=spec.backend)
-
-
-def _membership_agent(engine, rdzv, monitor, entry, incarnation: str):
-    """The elastic group's agent: at formation, epoch 0 is gathered first (every rank names its process)."""
-    from dwdp_runtime.elastic.agent import MembershipAgent
-    from dwdp_runtime.elastic.entry import complete_formation
-
-    record = engine.manager.member_record()
-    if entry.join is None:
-        membership, records = complete_formation(rdzv, record)
-        engine.manager.name_members(membership)
-        return MembershipAgent(rdzv, monitor, incarnation=incarnation, membership=membership, record=record,
-                               standbys=entry.standbys, records=records)
-    return MembershipAgent(rdzv, monitor, incarnation=incarnation, membership=entry.join.membership, record=record,
-                           standbys=entry.standbys, candidate=True, records=entry.join.records)
-
-
-def _join(engine, link: RankLink, agent) -> None:
-    """A replacement, loaded and warm: ask to join, wait for the epoch that names it, apply it (issue #30)."""
-    link.send(p.PhaseChanged(p.RankPhase.JOINING))
-    t0 = time.perf_counter()
-    agent.request_join()
-    m = agent.wait_admitted(timeouts.JOIN_ADMISSION_S)
-    t1 = time.perf_counter()
-    unreadable = engine.manager.set_membership(m, agent.records)
-    link.send(p.LoadProgress("joined", f"admitted at membership epoch {m.epoch} (members {sorted(m.alive)}) "
-                                       f"{t1 - t0:.2f} s after asking"))
-    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t1, joined=(agent.rank,),
-                                  unreadable=tuple(sorted(unreadable))))
-
-
-def _peer_timing(spec: p.RankSpec, elastic: bool) -> tuple[float, float]:
-    """(heartbeat interval, silence bound): an elastic group's shorter defaults unless the spec set its own."""
-    if not elastic:
-        return spec.peer_interval_s, spec.peer_dead_after_s
-    interval = (timeouts.ELASTIC_PEER_HEARTBEAT_S if spec.peer_interval_s == timeouts.PEER_HEARTBEAT_S
-                else spec.peer_interval_s)
-    dead = (timeouts.ELASTIC_PEER_DEAD_AFTER_S if spec.peer_dead_after_s == timeouts.PEER_DEAD_AFTER_S
-            else spec.peer_dead_after_s)
-    return interval, dead
-
-
 def _stop_watchers(monitor, agent) -> None:
     if agent is not None:
         agent.stop()
     monitor.stop()
-
-
-def _apply_membership(engine, link: RankLink, agent) -> None:
-    """Between forwards: a new membership epoch → re-plan the copies over surviving holders, tell the front.
-    With on_uncovered=reload the experts no survivor holds are read from the checkpoint first (``ExpertsReloaded``);
-    ``ReloadRefused`` is reported as ``PeerLost`` (the front fails the group). ``Fenced`` (the others excluded
-    this rank) and ``NoSurvivingHolder`` (an expert lost every copy)
-    propagate: the rank exits non-zero with the reason."""
-    _report_failovers(link, agent)
-    m = agent.poll()
-    if m is None:
-        return
-    t0 = time.perf_counter()
-    reloads = len(engine.manager.reloads)
-    before = dict(engine.manager.incarnations)
-    try:
-        unreadable = engine.manager.set_membership(m, agent.records)
-    except ReloadRefused as exc:  # the group cannot serve on: the front fails it at once (a group restart)
-        _report_lost(link, f"membership epoch {m.epoch}: {exc}")
-        raise
-    for rep in engine.manager.reloads[reloads:]:
-        link.send(p.ExpertsReloaded(m.epoch, rep.experts, rep.bytes_read, rep.allocated_bytes, rep.seconds))
-    joined = tuple(sorted(r for r, inc in m.members if before.get(r) != inc and r != agent.rank))
-    link.send(p.MembershipChanged(m.epoch, tuple(sorted(m.alive)), time.perf_counter() - t0, joined=joined,
-                                  unreadable=tuple(sorted(unreadable))))
-
-
-def _report_failovers(link: RankLink, agent) -> None:
-    """Each store move this rank made, once (``StoreMoved``)."""
-    for f in agent.failovers[link.failovers_reported:]:
-        link.send(p.StoreMoved(f.generation, f.lost_host, f.new_host, f.seconds))
-    link.failovers_reported = len(agent.failovers)
-
-
-def _report_lost(link: RankLink, why: str) -> None:
-    try:
-        link.send(p.PeerLost(why))
-    except (OSError, ValueError):
-        pass
 
 
 def _test_copy_delay() -> float:
@@ -388,7 +302,7 @@ def _loop(engine, link: RankLink, monitor, agent=None) -> int:
     while True:
         monitor.check()  # PeerLost: the group is broken; exit non-zero so the group restarts
         if agent is not None:
-            _apply_membership(engine, link, agent)
+            apply_membership(engine, link, agent)
         if not conn.poll(agent.interval_s if agent is not None else timeouts.RANK_HEARTBEAT_S):
             continue
         msg = conn.recv()
@@ -398,7 +312,7 @@ def _loop(engine, link: RankLink, monitor, agent=None) -> int:
             log.error("unknown message %r from the front (ignored)", type(msg).__name__)
             continue
         if agent is not None:
-            _apply_membership(engine, link, agent)  # a forward never starts on a stale plan once an epoch is known
+            apply_membership(engine, link, agent)  # a forward never starts on a stale plan once an epoch is known
         t0 = time.perf_counter()
         link.busy = True
         conts = kept = None
