@@ -7,9 +7,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD:$PWD/worker:$PWD/operator
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 OUT=${OUT:-/tmp}
-timeout 420 python3 -m pytest -p no:cacheprovider tests/gpu/test_elastic_gpu.py -x -q -s 2>&1 \
+timeout 300 python3 -m pytest -p no:cacheprovider tests/gpu/test_elastic_gpu.py -x -q -s 2>&1 \
   | grep -v "Writing model\|^frame\|^\[W\|^\[E\|Exception raised\|omitting" | tail -25 | tee $OUT/elastic-gpu-test.log
 for sig in "--signal kill --victim 1" "--signal stop --victim 0"; do
-  timeout 150 python3 bench/elastic.py --dwdp-size 4 --expert-replicas 2 --backend cuda --clients 16 --window-s 6 $sig \
+  timeout 120 python3 bench/elastic.py --dwdp-size 4 --expert-replicas 2 --backend cuda --clients 16 --window-s 5 $sig \
     2>&1 | tail -2 | tee -a $OUT/elastic-gpu-bench.log
 done
