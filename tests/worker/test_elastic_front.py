@@ -76,11 +76,20 @@ def test_sigstop_of_the_store_host_under_32_clients_moves_the_store_loses_nothin
     kill_under_clients(ckpt, backend="host", victim=0, sig=signal.SIGSTOP)
 
 
+def _alone_equal(got: tuple, want: tuple, decode_rtol: float) -> bool:
+    """A prompt sent alone: the same tokens, the prefill's log-probability bitwise, the decoded ones within
+    ``decode_rtol`` (0: bitwise)."""
+    return got[0] == want[0] and got[1][0] == want[1][0] and all(
+        abs(x - y) <= decode_rtol * abs(y) for x, y in zip(got[1][1:], want[1][1:]))
+
+
 def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), rtol: float = PACKED_RTOL,
-                       victim: int = 1, sig: int = signal.SIGKILL) -> dict[str, float]:
+                       victim: int = 1, sig: int = signal.SIGKILL, decode_rtol: float = 0.0) -> dict[str, float]:
     """The tests above on ``backend`` (also run on one GPU by tests/gpu/test_elastic_gpu.py): 32 clients, ``sig`` to
     DWDP rank ``victim`` after 3 s; ``rtol`` is the tolerance of concurrent (packed) answers against the alone
-    reference. Returns the figures (seconds after the signal)."""
+    reference, ``decode_rtol`` that of the decoded tokens' log-probabilities of a prompt sent alone after the
+    rejoin (it may be served by another rank process than the reference was). Returns the figures (seconds after
+    the signal)."""
     srv = Server(["--local", "--model", str(ckpt), "--dwdp-size", "4", "--expert-replicas", "2",
                   "--backend", backend, "--max-queue", "256", *extra_args])
     try:
@@ -177,8 +186,9 @@ def kill_under_clients(ckpt, *, backend: str, extra_args: tuple[str, ...] = (), 
         print("rank-loss outcomes:", re.findall(r'dwdp_rank_loss_requests_total\{outcome="(\w+)"\} (\S+)', metrics))
         # the loss is answered by re-runs, not refusals (one loss, budget 1)
         assert outcomes.get("503", 0) == 0, outcomes
-        for i, p in enumerate(PROMPTS):  # and with the replacement back, bitwise the full group's answers
-            assert _answer(srv.post(_body(p))) == reference[i]
+        for i, p in enumerate(PROMPTS):  # and with the replacement back, the full group's answers
+            got = _answer(srv.post(_body(p)))
+            assert _alone_equal(got, reference[i], decode_rtol), (got, reference[i])
         return figures
     finally:
         srv.close()
