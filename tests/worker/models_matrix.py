@@ -13,6 +13,7 @@ import pathlib
 from dataclasses import dataclass
 
 from tests.runtime.group import free_port, run_group
+from tests.worker.oracle_group import one_torch_thread
 from tests.worker.programs import matrix_program
 
 #: two forwards: one sequence, then a packed batch of three (1-, 37- and 1-token sequences)
@@ -40,17 +41,11 @@ class Row:
 
 
 def _reference(path, batches):
-    import torch
-
     from dwdp_worker.launch.oracle import Reference
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         ref = Reference(path)
         return [ref.logits(b) for b in batches]
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _precheck(path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from tests.runtime.group import free_port, run_group
 from tests.worker.programs import oracle_program
 
@@ -14,3 +16,17 @@ def run_oracle_group(world: int, runs, batches, *, harness_timeout_s: float = 24
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     return {rank: value for rank, (_, value) in sorted(res.items())}
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Compute references with one torch thread (restored after): the rank processes run one each, and CPU
+    reductions then match theirs; the test process must not take both cores from the ranks either."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

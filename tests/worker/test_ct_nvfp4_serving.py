@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.worker.ct_nvfp4_reference import write_ct_nvfp4
-from tests.worker.oracle_group import run_oracle_group
+from tests.worker.oracle_group import one_torch_thread, run_oracle_group
 
 from dwdp_runtime import quant
 from dwdp_runtime.layout import peer_ranges
@@ -68,9 +68,7 @@ def ct_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(ct_models):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         out, twins = {}, {}
         for name in CT + AT_D2:
             _, twin, orig = ct_models[name]
@@ -80,8 +78,6 @@ def references(ct_models):
                 assert not torch.equal(Reference(orig).logits(BATCHES[0]), twins[twin][0])
             out[name] = twins[twin]
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _resolve(model_dir):

@@ -22,7 +22,7 @@ import torch
 
 from tests.runtime.group import run_group
 from tests.worker.fp4_reference import write_mxfp4, write_nvfp4, write_ue8m0
-from tests.worker.oracle_group import run_oracle_group
+from tests.worker.oracle_group import one_torch_thread, run_oracle_group
 from tests.worker.programs import memory_program
 
 from dwdp_runtime import quant
@@ -84,9 +84,7 @@ def fp4_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(fp4_models):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         out = {}
         for name, (_, twin, orig) in fp4_models.items():
             out[name] = [Reference(twin).logits(b) for b in BATCHES]
@@ -95,8 +93,6 @@ def references(fp4_models):
         out["deepseek_v3-synth@bfloat16"] = [Reference(fp4_models["deepseek_v3-synth"][1], dtype="bfloat16").logits(b)
                                              for b in BATCHES]
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_independent_mxfp4_twin_is_what_transformers_dequantizes(fp4_models, references):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.runtime.group import run_group
-from tests.worker.oracle_group import run_oracle_group
+from tests.worker.oracle_group import one_torch_thread, run_oracle_group
 from tests.worker.programs import memory_program
 
 from dwdp_runtime import quant
@@ -48,9 +48,7 @@ def fp8_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(fp8_models):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         out = {}
         for name, (_, ref, orig) in fp8_models.items():
             out[name] = [Reference(ref).logits(b) for b in BATCHES]
@@ -60,8 +58,6 @@ def references(fp8_models):
         out["deepseek_v3@bfloat16"] = [Reference(fp8_models["deepseek_v3"][1], dtype="bfloat16").logits(b)
                                        for b in BATCHES]
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_fp8_checkpoint_format(fp8_models):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker.oracle_group import run_oracle_group
+from tests.worker.oracle_group import one_torch_thread, run_oracle_group
 
 from dwdp_runtime.layout import peer_ranges
 from dwdp_worker.model.registry import experts_sites
@@ -35,9 +35,7 @@ ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 @pytest.fixture(scope="module")
 def references(checkpoints):
     """Reference logits per checkpoint per batch, and the experts each MoE layer routed to."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         out = {}
         for name, path, dtype in [(n, p, None) for n, p in checkpoints.items()] + [
                 ("qwen3_moe@bfloat16", checkpoints["qwen3_moe"], "bfloat16"),
@@ -51,8 +49,6 @@ def references(checkpoints):
             for h in handles:
                 h.remove()
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("d", sorted(SHARDING))
