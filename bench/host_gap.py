@@ -11,6 +11,9 @@ replay can remove) and the launches per forward. Goal for keeping graphs off: ga
 context server sees (1K–16K). The sharded engine adds the DWDP hooks' host work on top (their binds, events:
 ``bench/fp8_prefill.py --cuda-graphs`` measures that path with and without graphs). ``--fused-router`` adds the
 same rows for the model with the fused router (``attach(fused_router=True)``): its effect on a whole prefill.
+``--graphs`` adds, per row, the wall time of the same forward through ``PrefillGraphs`` (the worker's default:
+padded to its ``graph_buckets`` shape, captured at its second forward, replayed after) and its speed-up over the
+eager wall; an ISL off the ladder (``--isl 3000``) shows what the padding costs against the kernels it saves.
 
 Run on a GPU:   python bench/host_gap.py [--isl 1024 4096 16384]
 CPU smoke test: python bench/host_gap.py --device cpu --isl 64 --num-layers 2 --hidden-size 64 --num-experts 8
@@ -48,6 +51,35 @@ def _kernel_us(prof, device_type: str) -> tuple[float, int]:
     return total, count
 
 
+def _timed(call, sync, iters: int) -> float:
+    walls = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
+def graphs_wall(ref, seq, device, iters: int) -> dict:
+    """Wall time of the forward replayed from its bucket's CUDA graph (warm-up and capture first)."""
+    import torch
+
+    from dwdp_runtime.graph_buckets import token_bucket
+    from dwdp_worker.rank.prefill_graphs import PrefillGraphs
+
+    graphs = PrefillGraphs(ref.model, device, max_graphs=1)
+    try:
+        for _ in range(3):
+            graphs.logits([seq])
+        wall = _timed(lambda: graphs.logits([seq]), lambda: torch.cuda.synchronize(device), iters)
+        assert graphs.counters.captured == 1 and graphs.counters.failed == 0, graphs.counters
+    finally:
+        graphs.close()
+    return dict(graphs_wall_ms=round(wall * 1e3, 3), bucket_tokens=token_bucket(len(seq)))
+
+
 def measure(ref, seq, device, iters: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -58,13 +90,7 @@ def measure(ref, seq, device, iters: int) -> dict:
 
     for _ in range(2):
         ref.logits([seq])
-    walls = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        ref.logits([seq])
-        sync()
-        walls.append(time.perf_counter() - t0)
+    wall = _timed(lambda: ref.logits([seq]), sync, iters)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     kernels = []
     launches = 0
@@ -74,7 +100,7 @@ def measure(ref, seq, device, iters: int) -> dict:
             sync()
         us, launches = _kernel_us(prof, device.type)
         kernels.append(us / 1e6)
-    wall, busy = statistics.median(walls), statistics.median(kernels)
+    busy = statistics.median(kernels)
     return dict(wall_ms=round(wall * 1e3, 3), kernels_ms=round(busy * 1e3, 3), gap=round(1.0 - busy / wall, 4),
                 launches=launches)
 
@@ -92,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--fused-router", action="store_true",
                    help="also the same model with attach(fused_router=True): the router fusion's whole-prefill effect")
+    p.add_argument("--graphs", action="store_true", help="also the forward replayed from its CUDA graph (CUDA only)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     import torch
@@ -113,9 +140,14 @@ def main(argv=None) -> int:
         seq = torch.randint(0, model.vocab_size, (isl,), generator=gen).tolist()
         for name, ref in refs.items():
             r = dict(isl=isl, router=name, **measure(ref, seq, device, args.iters))
+            if args.graphs and device.type == "cuda":
+                r.update(graphs_wall(ref, seq, device, args.iters))
+                r["graphs_speedup"] = round(r["wall_ms"] / r["graphs_wall_ms"], 3)
             rows.append(r)
+            graphs = (f"; graph replay ({r['bucket_tokens']} tokens) {r['graphs_wall_ms']:.3f} ms = "
+                      f"{r['graphs_speedup']:.2f}x eager" if "graphs_wall_ms" in r else "")
             print(f"ISL {isl:6d} {name}: wall {r['wall_ms']:9.3f} ms, kernels {r['kernels_ms']:9.3f} ms, host gap "
-                  f"{r['gap']:+.1%} (graphs stay off if ≤ {GAP_GOAL:.0%}), {r['launches']} launches", flush=True)
+                  f"{r['gap']:+.1%} (graphs stay off if ≤ {GAP_GOAL:.0%}), {r['launches']} launches{graphs}", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -98,6 +98,9 @@ def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
                         "what the engine runs; norms: RMSNorm only; none: transformers' own)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for MFU (measured H200)")
     p.add_argument("--timeout", type=float, default=1800.0, help="rendezvous timeout (s)")
+    p.add_argument("--cuda-graphs", type=int, default=0, metavar="N",
+                   help="both models replayed from CUDA graphs as the worker does (padded buckets, "
+                        "rank/prefill_graphs.py; the sharded engine with cuda_graphs=N); 0: eager (default)")
     p.add_argument("--quant", choices=("fp8",), default=None,
                    help="fp8: an FP8 block-scaled checkpoint (bench/fp8_prefill.py: sharded vs unsharded FP8, "
                         "agreement with the dequantized bf16 model)")
@@ -167,7 +170,7 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
                          token="bench", timeout_s=args.timeout) as rdzv:
         engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
                               device=device if args.device == "cuda" else None, token="bench",
-                              progress=(rank == 0), experts=args.experts_impl)
+                              progress=(rank == 0), experts=args.experts_impl, cuda_graphs=args.cuda_graphs)
         apply_layers(engine.model, args.layers)
         out: dict = {"local": engine.manager.local_range}
         try:
@@ -176,12 +179,18 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
 
                 ref = Reference(model_dir, device=device, experts=args.experts_impl)
                 apply_layers(ref.model, args.layers)
+                ref_logits = ref.logits
+                if args.cuda_graphs:
+                    from dwdp_worker.rank.prefill_graphs import PrefillGraphs
+
+                    ref_graphs = PrefillGraphs(ref.model, device, max_graphs=args.cuda_graphs)
+                    ref_logits = ref_graphs.logits
                 seqs = [torch.randint(0, engine.vocab_size, (args.isl,), generator=gen).tolist()
                         for _ in range(args.batch)]
                 tokens = args.isl * args.batch
                 for _ in range(2):  # warm-up (kernels, allocator, the prefetch schedule)
                     engine.forward(seqs)
-                    ref.logits(seqs)
+                    ref_logits(seqs)
                 sharded, unsharded, waits = [], [], []
                 diff = 0.0
                 for _ in range(args.iters):
@@ -191,7 +200,7 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
                     waits.append(r.prefetch_wait_s)
                     _sync(device)
                     t0 = time.perf_counter()
-                    want = ref.logits(seqs)
+                    want = ref_logits(seqs)
                     unsharded.append(time.perf_counter() - t0)
                     diff = max(diff, (r.logits - want).abs().max().item())
                 out.update(tokens=tokens, experts_impl=engine.model.config._experts_implementation, sharded_s=statistics.median(sharded),
@@ -199,6 +208,9 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
                            restarts=engine.manager.num_restarts, max_abs_diff=diff, stats=dataclasses.asdict(engine.stats()),
                            local_expert_bytes=engine.load_report.local_expert_bytes,
                            total_expert_bytes=engine.load_report.total_expert_bytes)
+                if args.cuda_graphs:
+                    out["ref_graphs"] = ref_graphs.counters.as_dict()
+                    ref_graphs.close()
                 del ref
             rdzv.barrier("bench/done")  # peers keep their handles mapped until rank 0 is done
         finally:
@@ -330,6 +342,9 @@ def main(argv=None) -> int:
     print(f"{args.isl:>6} {r0['tokens']:>7} {tps_unsharded:>16.0f} {tps_sharded:>14.0f} "
           f"{tps_sharded / tps_unsharded:>6.3f} {r0['unsharded_s'] * 1e3:>12.2f} {r0['sharded_s'] * 1e3:>10.2f} "
           f"{r0['wait_s'] * 1e3:>8.2f} {r0['restarts']:>8} {r0['max_abs_diff']:>11.3g} {mfu_u:>8.1%} {mfu_s:>6.1%}")
+    if args.cuda_graphs:
+        print(f"CUDA graphs (--cuda-graphs {args.cuda_graphs}): sharded {r0['stats']['graphs']}, "
+              f"unsharded {r0['ref_graphs']}")
     return 0
 
 

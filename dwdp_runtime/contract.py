@@ -214,6 +214,12 @@ DEFAULT_MAX_NEW_TOKENS = 512
 #: ``spec.serving.cudaGraphs`` bound (the CRD's maximum too): every captured prefill shape keeps its activations'
 #: memory pool on the GPU, and a server bucketing its batches needs a handful; 64 is past any sane count
 MAX_CUDA_GRAPHS = 64
+#: ``spec.serving.cudaGraphs`` / ``--cuda-graphs`` when unset, on GPU ranks that can replay graphs: measured on one
+#: H100 (2026-12-06, bench/host_gap.py) an eager prefill waits on the host for 23 % of its wall time at 16K tokens
+#: and 66-86 % at 1K-4K, which a replay removes. 32 shapes hold the single-sequence ladder from 1K to 16K tokens
+#: (graph_buckets: 33 shapes); the graphs share one memory pool, so more cost capture time (a forward each), not
+#: memory
+DEFAULT_CUDA_GRAPHS = 32
 DEFAULT_STORE_PORT = 29500  # spec.storePort default (torch.distributed's customary store port)
 
 TOKEN_SECRET_KEY = "token"  # key of the group token in Secret <name>-token (DWDP_TOKEN's secretKeyRef)

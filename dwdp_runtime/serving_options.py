@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .contract import DEFAULT_MAX_NEW_TOKENS, MAX_CUDA_GRAPHS, ServingEnv
+from .contract import DEFAULT_CUDA_GRAPHS, DEFAULT_MAX_NEW_TOKENS, MAX_CUDA_GRAPHS, ServingEnv
 
 #: ``max_num_tokens`` default: one packed forward of 8K tokens keeps a H200's GEMMs at full efficiency
 #: (docs/PLANNER.md) while one long prompt's first token is not delayed by many others
@@ -49,10 +49,14 @@ class ServingOptions(BaseModel):
     served_model_name: str | None = Field(default=None, min_length=1,
                                           description="model id in the API (default: model.synthetic or the model "
                                                       "directory's name)")
-    cuda_graphs: int = Field(default=0, ge=0, le=MAX_CUDA_GRAPHS,
-                             description="prefill batch shapes per rank replayed from CUDA graphs (a shape's second "
-                                         "forward is captured; each graph keeps its activations' memory); 0: off; "
-                                         "GPU pods only")
+    cuda_graphs: int | None = Field(default=None, ge=0, le=MAX_CUDA_GRAPHS,
+                                    description=f"prefill batch shapes per rank replayed from CUDA graphs (batches "
+                                                f"padded to a ladder of shapes, at most 12.5 % more tokens; a "
+                                                f"shape's second forward is captured; the graphs share one memory "
+                                                f"pool, the largest shape's activations); 0: off; unset: "
+                                                f"{DEFAULT_CUDA_GRAPHS} on GPU ranks that are neither elastic nor "
+                                                f"batch-invariant, off on the others; a number > 0 with either, or "
+                                                f"without a GPU, is refused")
     batch_invariant: bool = Field(default=False,
                                   description="dense GEMMs through a fixed-tiling Triton matmul and attention "
                                               "run per packed sequence, so a sequence's logits are bitwise the "
@@ -74,8 +78,8 @@ class ServingOptions(BaseModel):
         (an empty ``DWDP_SERVED_MODEL_NAME`` is absent). Raises ``ValueError`` naming the variable, the
         value and the bound."""
         raw = {f: environ[cls.env_var(f).value] for f in cls.model_fields if cls.env_var(f).value in environ}
-        if raw.get("served_model_name") == "":
-            del raw["served_model_name"]
+        for f in [f for f, v in raw.items() if v == "" and cls.model_fields[f].default is None]:
+            del raw[f]  # an unset optional field (``env`` renders it empty)
         try:
             checked = cls.model_validate(raw)
         except ValidationError as exc:
@@ -90,11 +94,16 @@ class ServingOptions(BaseModel):
         info = cls.model_fields[field]
         if info.annotation is bool:
             return "true or false"
-        if info.annotation is not int:
+        if not cls.is_int(field):
             return "a non-empty string"
         bounds = [f">= {m.ge}" for m in info.metadata if getattr(m, "ge", None) is not None]
         bounds += [f"<= {m.le}" for m in info.metadata if getattr(m, "le", None) is not None]
         return "an integer " + " and ".join(bounds)
+
+    @classmethod
+    def is_int(cls, field: str) -> bool:
+        """Whether ``field`` holds an integer (``int``, or ``int | None`` where unset means "decide for me")."""
+        return cls.model_fields[field].annotation in (int, int | None)
 
     def env(self) -> list[tuple[ServingEnv, str]]:
         """This object as pod environment (the operator's rendering): every field, in declaration order."""

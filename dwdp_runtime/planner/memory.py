@@ -20,6 +20,10 @@ Pure. Parts (bytes):
                  so the pool is per slot, not per layer. Worst rank reported.
   activations    a rough peak for ``max_num_tokens`` tokens in flight (residual stream + the larger
                  of the attention and MoE stages, bf16).
+  graph_pool     with CUDA graphs (``cuda_graphs``; the worker's default on GPU ranks of a group that is not
+                 elastic): the graphs' one shared memory pool, the same estimate for the largest padded shape
+                 (``graph_buckets.largest_bucket_tokens(max_num_tokens)``) — held beside the eager forwards'
+                 activations, which still run (warm-ups, shapes without a graph).
   reserved       the hardware preset's ``reserved_bytes`` (CUDA context, workspaces; assumed).
   kv_cache       what remains; ``kv_needed`` = tokens × KV bytes/token for the planned workload.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from .. import layout, quant
+from ..graph_buckets import largest_bucket_tokens
 
 from .model_shapes import ModelShape, load_model
 from .presets import ACT_BYTES, GIB, MIB, Hardware, WeightDtype, get_dtype, get_hardware
@@ -50,6 +55,7 @@ class MemoryBreakdown(BaseModel):
     replica_experts: float = 0.0
     activations: float
     reserved: float
+    graph_pool: float = 0.0
     kv_cache_available: float
     kv_needed: float = 0.0
 
@@ -57,7 +63,7 @@ class MemoryBreakdown(BaseModel):
     def used(self) -> float:
         return (self.dense_weights + self.local_experts + self.local_expert_scales + self.replica_experts
                 + self.pool_slots
-                + self.activations + self.reserved)
+                + self.activations + self.graph_pool + self.reserved)
 
     @property
     def fits_weights(self) -> bool:
@@ -69,7 +75,7 @@ class MemoryBreakdown(BaseModel):
 
     def gib(self) -> dict[str, float]:
         parts = ("capacity", "dense_weights", "local_experts", "local_expert_scales", "replica_experts",
-                 "pool_slots", "activations",
+                 "pool_slots", "activations", "graph_pool",
                  "reserved", "kv_cache_available", "kv_needed")
         return {p: round(getattr(self, p) / GIB, 3) for p in parts}
 
@@ -149,7 +155,9 @@ def activation_bytes(shape: ModelShape, *, tokens: float) -> float:
 
 def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_per_worker: int,
               prefetch_slots: int, dense_dtype=None, max_num_tokens: float = SERVING_DEFAULTS.max_num_tokens,
-              kv_tokens: float = 0, expert_replicas: int = 1) -> MemoryBreakdown:
+              kv_tokens: float = 0, expert_replicas: int = 1, cuda_graphs: bool | None = None) -> MemoryBreakdown:
+    """``cuda_graphs``: count the graphs' pool (``None``: as the worker decides unset — on unless the group is
+    elastic, ``expert_replicas`` > 1)."""
     shape = load_model(model)
     hw: Hardware = get_hardware(hardware)
     dt = get_dtype(dtype)
@@ -165,6 +173,8 @@ def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_
         replica_experts=replica_expert_bytes(shape, dtype=dt, ranges=ranges, expert_replicas=expert_replicas),
         pool_slots=pool_slot_bytes(shape, dtype=dt, ranges=ranges, slots=prefetch_slots),
         activations=activation_bytes(shape, tokens=max_num_tokens),
+        graph_pool=activation_bytes(shape, tokens=largest_bucket_tokens(int(max_num_tokens)))
+        if (expert_replicas == 1 if cuda_graphs is None else cuda_graphs) else 0.0,
         reserved=float(hw.reserved_bytes),
     )
     avail = hw.memory_bytes - sum(parts.values())
@@ -212,7 +222,8 @@ def memory_fit(*, model, dtype, hardware, dwdp_size: int, experts_per_worker: in
               f"{scales} "
               + (f"+ replicas {g['replica_experts']:.1f} (r={expert_replicas}) " if bd.replica_experts else "")
               + f"+ pool {g['pool_slots']:.1f} ({prefetch_slots} slots) + activations {g['activations']:.1f} "
-              f"+ reserved {g['reserved']:.1f} GiB of {g['capacity']:.1f} GiB on {hw.name}")
+              + (f"+ CUDA graphs {g['graph_pool']:.1f} " if bd.graph_pool else "")
+              + f"+ reserved {g['reserved']:.1f} GiB of {g['capacity']:.1f} GiB on {hw.name}")
     if fits:
         return True, f"fits: {detail}; {g['kv_cache_available']:.1f} GiB left for KV cache", bd
     short = (need_kv - bd.kv_cache_available) / GIB

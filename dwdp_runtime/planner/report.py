@@ -35,7 +35,7 @@ def rows(r: PlanResult) -> list[tuple[str, str]]:
         *([(f"replica experts (r={r.expert_replicas})", f"{mem['replica_experts']:.2f}")]
           if mem.get("replica_experts") else []),
         ("pool slots", f"{mem['pool_slots']:.2f}"),
-        ("activations + reserved", f"{mem['activations']:.2f} + {mem['reserved']:.2f}"),
+        ("activations + CUDA graphs + reserved", f"{mem['activations']:.2f} + {mem['graph_pool']:.2f} + {mem['reserved']:.2f}"),
         ("left for KV cache", f"{mem['kv_cache_available']:.2f} of {mem['capacity']:.2f} "
                               f"(this workload needs {mem['kv_needed']:.2f})"),
         ("fits", "yes" if r.fits else "NO"),

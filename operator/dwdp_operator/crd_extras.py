@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from dwdp_runtime.contract import KV_TCP_PORTS
 
-from .spec import DEGRADE_NEEDS_REPLICAS, GROUP, HGX_FIX, KIND, MAX_PORT, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS
+from .spec import DEGRADE_NEEDS_REPLICAS, GROUP, HGX_FIX, KIND, MAX_PORT, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS, ELASTIC_GRAPHS
 
 SINGULAR = KIND.lower()
 LIST_KIND = f"{KIND}List"
@@ -128,6 +128,9 @@ SPEC_RULES = (
             f"|| self.kvTransfer.tcpPortBase > self.storePort + self.dwdpSize",
             f"{ELASTIC_STORES}: kvTransfer's {KV_TCP_PORTS} TCP ports from tcpPortBase must not overlap them; set "
             f"tcpPortBase above storePort + dwdpSize or to storePort - {KV_TCP_PORTS} or less"),
+    # spec.serving_errors' elastic rule
+    CelRule(f"!({ELASTIC}) || !has(self.serving) || !has(self.serving.cudaGraphs) || self.serving.cudaGraphs == 0",
+            ELASTIC_GRAPHS),
 )
 
 #: rules of one spec object, on that object's schema (``self`` is the object): spec.autoscaling's cross-field
@@ -137,7 +140,7 @@ OBJECT_RULES = {
     # spec.serving: the rule of ``spec.serving_errors`` (batch-invariant attention finds the packed sequences on
     # the host, which a CUDA-graph replay cannot do)
     "serving": (
-        CelRule("!(self.batchInvariant && self.cudaGraphs > 0)", SERVING_BATCH_INVARIANT_GRAPHS),
+        CelRule("!(self.batchInvariant && has(self.cudaGraphs) && self.cudaGraphs > 0)", SERVING_BATCH_INVARIANT_GRAPHS),
     ),
     "autoscaling": (
         CelRule("self.minGroups <= self.maxGroups", "autoscaling.minGroups must not be above autoscaling.maxGroups"),

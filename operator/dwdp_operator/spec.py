@@ -179,7 +179,7 @@ class Serving(_Model):
     maxNumSeqs: int = camel_field("max_num_seqs")
     maxNewTokens: int = camel_field("max_new_tokens")
     servedModelName: str | None = camel_field("served_model_name")
-    cudaGraphs: int = camel_field("cuda_graphs")
+    cudaGraphs: int | None = camel_field("cuda_graphs")
     batchInvariant: bool = camel_field("batch_invariant")
 
     def options(self) -> ServingOptions:
@@ -321,15 +321,26 @@ def register_check(fn: Check) -> Check:
 
 SERVING_BATCH_INVARIANT_GRAPHS = ("serving.batchInvariant excludes serving.cudaGraphs > 0: batch-invariant attention "
                                   "reads each forward's packed sequences on the host, which a graph replay cannot; "
-                                  "set cudaGraphs: 0 or batchInvariant: false")
+                                  "leave cudaGraphs unset, set it to 0, or set batchInvariant: false")
+
+
+ELASTIC_GRAPHS = ("an elastic group (experts.replicas > 1) cannot replay CUDA graphs: a captured forward keeps the "
+                  "copy plan it was captured with and cannot follow a re-plan; leave serving.cudaGraphs unset (off "
+                  "in an elastic group) or set it to 0")
 
 
 @register_check
 def serving_errors(spec: DwdpGroupSpec) -> list[str]:
-    """spec.serving's cross-field rule (the CRD's CEL twin: ``crd_extras.OBJECT_RULES["serving"]``)."""
+    """spec.serving's cross-field rules (the CRD's CEL twins: ``crd_extras.OBJECT_RULES["serving"]`` and the
+    elastic rule of ``crd_extras.SPEC_RULES``). An unset cudaGraphs is never refused: the worker turns graphs on
+    only where they can run (``prefill_graphs.rank_cuda_graphs``)."""
     s = spec.serving
-    if s is not None and s.batchInvariant and s.cudaGraphs > 0:
+    if s is None or not s.cudaGraphs:
+        return []
+    if s.batchInvariant:
         return [f"spec.{SERVING_BATCH_INVARIANT_GRAPHS} (cudaGraphs={s.cudaGraphs})"]
+    if spec.elastic:
+        return [f"spec: {ELASTIC_GRAPHS} (cudaGraphs={s.cudaGraphs}, experts.replicas={spec.experts.replicas})"]
     return []
 
 

@@ -1,6 +1,9 @@
 """Prefill from CUDA graphs on a GPU (``pytest -m gpu``): a d = 2 group on CUDA, FP8 checkpoints, the engine
-built with ``cuda_graphs=2`` against the same engine eager — bitwise the same logits in every forward, the
-DWDP copies captured with the forward (worker/dwdp_worker/rank/prefill_graphs.py)."""
+built with ``cuda_graphs=2`` against the same engine eager, the DWDP copies captured with the forward
+(worker/dwdp_worker/rank/prefill_graphs.py). A batch runs padded to its bucket (dwdp_runtime/graph_buckets.py):
+ONE (512 tokens) is a bucket exactly and OTHER runs unpadded (no graph left for it), so both are bitwise the eager
+engine's; PACKED (245 tokens in 3 sequences) runs as 256 tokens, 4 rows: its warm-up, capture and replays are
+bitwise each other, and within bf16 rounding of the unpadded eager forward (cuBLAS may tile 245 rows otherwise)."""
 
 from __future__ import annotations
 
@@ -39,8 +42,13 @@ def test_prefill_graphs_replay_the_eager_logits_bitwise(fp8_checkpoints):
             print(f"{a} rank {rank}: {st.graphs}, "
                   f"restarts {graphs['restarts'][-1]}")
             assert st.backend != "host"
+            packed = [n for n, b in enumerate(BATCHES) if b is PACKED]
             for n, (g, w) in enumerate(zip(graphs["logits"], eager["logits"])):
-                assert (g == w).all(), f"{a} rank {rank} forward {n}: max |diff| {abs(g - w).max():.3g}"
+                if n in packed:
+                    assert (g == graphs["logits"][packed[0]]).all(), f"{a} rank {rank} forward {n}: not its bucket's"
+                    torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * float(abs(w).max()))
+                else:
+                    assert (g == w).all(), f"{a} rank {rank} forward {n}: max |diff| {abs(g - w).max():.3g}"
             assert st.graphs.captured == 2 and st.graphs.failed == 0
             # ONE: its capture (replayed once for its own output), 3 replays, 2 at the end; PACKED: capture, 1 replay
             assert st.graphs.replayed == (1 + 3 + 2) + (1 + 1)

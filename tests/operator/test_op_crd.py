@@ -71,6 +71,11 @@ def schema_valid_specs(draw):
         "httpPort": draw(st.sampled_from([8000, 9000, 9001, 9004, 9005, 9009, 9010])),
         "storePort": draw(st.sampled_from([9000, 29500, 65526, 65530, 65535])),
     }
+    if draw(st.booleans()):  # graphs unset, off or on, beside elastic groups (replicas > 1) and --batch-invariant
+        raw["serving"] = {"batchInvariant": draw(st.booleans())}
+        graphs = draw(st.sampled_from([None, 0, 4]))
+        if graphs is not None:
+            raw["serving"]["cudaGraphs"] = graphs
     if draw(st.booleans()):  # the KV handoff's 64 ports below, on, and above that range
         raw["kvTransfer"] = {"budgetBytes": 0, "tcpPortBase": draw(st.sampled_from([8936, 8937, 9005, 9010, 30000]))}
     return raw
@@ -117,6 +122,11 @@ CROSS_FIELD = {
     "valid-replicas-2": spec(experts={"replicas": 2}),
     "valid-replicas-all": spec(experts={"replicas": 4}),
     "replicas-gt-size": spec(experts={"replicas": 5}),
+    # issue 34: CUDA graphs are the default where they can run; a number > 0 in an elastic group is refused
+    "valid-elastic-graphs-unset": spec(experts={"replicas": 2}, serving={"maxQueue": 8}),
+    "valid-elastic-graphs-off": spec(experts={"replicas": 2}, serving={"cudaGraphs": 0}),
+    "valid-graphs": spec(serving={"cudaGraphs": 8}),
+    "elastic-graphs": spec(experts={"replicas": 2}, serving={"cudaGraphs": 8}),
 }
 
 

@@ -25,7 +25,9 @@ def test_serving_section_becomes_the_worker_flags():
     assert serving_overrides(env) == {"max_queue": 32, "max_num_tokens": 4096, "max_num_seqs": 256,
                                       "max_new_tokens": 24, "served_model_name": "r1-prefill", "cuda_graphs": 4,
                                       "batch_invariant": True}
-    assert serving_overrides(_env(serving={"maxQueue": 8}))["cuda_graphs"] == 0  # the default: off
+    # unset: rendered empty, so the worker decides (prefill_graphs.rank_cuda_graphs: on where graphs can run)
+    assert _env(serving={"maxQueue": 8})[ServingEnv.CUDA_GRAPHS] == ""
+    assert "cuda_graphs" not in serving_overrides(_env(serving={"maxQueue": 8}))
     assert serving_overrides(_env(serving={"maxQueue": 8}))["batch_invariant"] is False
 
 

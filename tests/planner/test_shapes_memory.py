@@ -112,14 +112,16 @@ def test_memory_fit_for_the_operator():
 
 
 def test_memory_fit_follows_expert_replicas():
-    """r = 2 keeps one predecessor's experts per rank: the replica part is about one more local share."""
+    """r = 2 keeps one predecessor's experts per rank: the replica part is about one more local share; an elastic
+    group replays no CUDA graphs, so its graph pool is gone."""
     kw = dict(model="qwen3-235b-a22b", dtype="fp8", hardware="h200-hgx", dwdp_size=4, experts_per_worker=32,
               prefetch_stride=32, prefetch_slots=2)
     ok1, msg1, one = memory.memory_fit(**kw)
     ok2, msg2, two = memory.memory_fit(**kw, expert_replicas=2)
     assert ok1 and ok2 and one.replica_experts == 0 and "replicas" not in msg1
     assert two.replica_experts == pytest.approx(one.local_experts + one.local_expert_scales, rel=0.01)
-    assert two.kv_cache_available == pytest.approx(one.kv_cache_available - two.replica_experts)
+    assert one.graph_pool > 0 and two.graph_pool == 0
+    assert two.kv_cache_available == pytest.approx(one.kv_cache_available - two.replica_experts + one.graph_pool)
     assert "+ replicas" in msg2 and "(r=2)" in msg2
     ok, msg, bd = memory.memory_fit(**kw, expert_replicas=5)
     assert not ok and bd is None and "expert_replicas=5 must be in [1, dwdp_size=4]" in msg
@@ -136,3 +138,16 @@ def test_plan_reports_the_replica_memory():
                                                               + one.memory_gib["local_expert_scales"], abs=0.01)
     with pytest.raises(ValueError, match="expert_replicas=5 must be in"):
         plan(**kw, expert_replicas=5)
+
+
+def test_graph_pool_is_the_largest_padded_shape_s_activations_and_follows_the_switch():
+    """The graphs' shared pool holds one forward of the largest padded shape: max_num_tokens rounded up the ladder."""
+    from dwdp_runtime.graph_buckets import largest_bucket_tokens
+
+    kw = dict(model="qwen3-30b-a3b", dtype="bf16", hardware="h200-hgx", ranges=[(0, 64), (64, 128)],
+              experts_per_worker=64, prefetch_slots=2, max_num_tokens=9000)
+    on, off = memory.breakdown(**kw), memory.breakdown(**kw, cuda_graphs=False)
+    shape = memory.load_model("qwen3-30b-a3b")
+    assert largest_bucket_tokens(9000) == 9216
+    assert on.graph_pool == pytest.approx(memory.activation_bytes(shape, tokens=9216))
+    assert off.graph_pool == 0 and on.used - off.used == pytest.approx(on.graph_pool)

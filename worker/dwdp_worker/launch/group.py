@@ -61,22 +61,25 @@ def cuda_count() -> int:
         return 0
 
 
-def check_cuda_graphs(cuda_graphs: int, gpus: int) -> None:
-    """``--cuda-graphs``: refused (ValueError, before any rank starts) when negative or without a GPU to use."""
+def check_cuda_graphs(cuda_graphs: int | None, gpus: int) -> None:
+    """``--cuda-graphs`` given: refused (ValueError, before any rank starts) when negative or without a GPU to use.
+    Unset (``None``) is never refused: ``rank_cuda_graphs`` turns it into a count per rank."""
+    if cuda_graphs is None:
+        return
     check_max_graphs(cuda_graphs, "--cuda-graphs")
     if cuda_graphs and gpus == 0:
         raise ValueError(f"--cuda-graphs={cuda_graphs}: CUDA graphs need the ranks on GPUs, and these run on the "
                          f"host backend (no GPU visible, or --backend host); drop --cuda-graphs")
 
 
-def check_batch_invariant(batch_invariant: bool, gpus: int, cuda_graphs: int = 0) -> None:
+def check_batch_invariant(batch_invariant: bool, gpus: int, cuda_graphs: int | None = None) -> None:
     """``--batch-invariant``: refused (ValueError, before any rank starts) without a GPU — its GEMM is a Triton
     kernel, and a host rank has no device to run it on — and with ``--cuda-graphs``: its attention reads each
     forward's packed sequences on the host (``model.attention``), which a graph replay cannot."""
     if batch_invariant and gpus == 0:
         raise ValueError("--batch-invariant: the batch-invariant GEMMs are Triton kernels and need the ranks on "
                          "GPUs; these run on the host backend (no GPU visible, or --backend host); drop it")
-    if batch_invariant and cuda_graphs > 0:
+    if batch_invariant and cuda_graphs:
         raise ValueError(f"--batch-invariant excludes --cuda-graphs={cuda_graphs}: batch-invariant attention reads "
                          f"each forward's packed sequences on the host, which a graph replay cannot; drop one")
 
@@ -96,13 +99,14 @@ def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = DEF
     g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1; 0.0.0.0 in a pod)")
     g.add_argument("--port", type=int, default=default_port, help=f"HTTP port (default {default_port})")
     for field, info in ServingOptions.model_fields.items():  # the options spec.serving can set too
-        shown = "none" if info.default is None else info.default
+        is_int = ServingOptions.is_int(field)
+        shown = info.default if info.default is not None else ("unset" if is_int else "none")
         if info.annotation is bool:  # --batch-invariant / --no-batch-invariant
             g.add_argument(ServingOptions.flag(field), action=argparse.BooleanOptionalAction, default=info.default,
                            help=f"{info.description} (default {'on' if info.default else 'off'})")
             continue
-        g.add_argument(ServingOptions.flag(field), type=int if info.annotation is int else str, default=info.default,
-                       metavar="N" if info.annotation is int else "NAME", help=f"{info.description} (default {shown})")
+        g.add_argument(ServingOptions.flag(field), type=int if is_int else str, default=info.default,
+                       metavar="N" if is_int else "NAME", help=f"{info.description} (default {shown})")
     g.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help=f"largest request body; larger is a 413 (default {MAX_BODY_BYTES})")
     g.add_argument("--header-timeout-s", type=float, default=timeouts.HTTP_HEADER_TIMEOUT_S,

@@ -29,6 +29,7 @@ from ..rank import timeouts
 from ..kv.options import advertise_host_for, settings_from_args
 from .group import (FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, free_port, run_front,
                      synthetic_checkpoint)
+from ..rank.prefill_graphs import rank_cuda_graphs
 from ..rank.protocol import RankSpec
 
 
@@ -69,7 +70,7 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
                       transfer: str = Transfer.COPY_ENGINE.value, backend: str = Backend.AUTO.value, dtype: str | None = None,
                       threads_per_rank: int | None = None,
                       rendezvous_timeout_s: float = timeouts.RENDEZVOUS_LOCAL_S,
-                      num_experts: int | None = None, cuda_graphs: int = 0,
+                      num_experts: int | None = None, cuda_graphs: int | None = None,
                       batch_invariant: bool = False) -> list[RankSpec]:
     """The G×D rank specs; raises ValueError with the fix on a bad shape."""
     if groups < 1:
@@ -105,7 +106,9 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
                                   store_host="127.0.0.1", store_port=port, job="local", attempt=0, token=token,
                                   backend="host" if not gpus else backend, device=f"cuda:{gid % gpus}" if gpus else None,
                                   dtype=dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s,
-                                  cuda_graphs=cuda_graphs, batch_invariant=batch_invariant))
+                                  cuda_graphs=rank_cuda_graphs(cuda_graphs, gpu=bool(gpus), elastic=config.elastic,
+                                                               batch_invariant=batch_invariant),
+                                  batch_invariant=batch_invariant))
     return specs
 
 

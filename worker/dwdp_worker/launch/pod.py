@@ -22,6 +22,9 @@ from ..rank import timeouts
 from .envcontract import EnvContractError, parse_env, serving_overrides
 from .gpu_map import rank_devices
 from .group import FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, run_front, synthetic_checkpoint
+from dwdp_runtime.contract import ServingEnv
+
+from ..rank.prefill_graphs import rank_cuda_graphs
 from ..rank.protocol import RankSpec
 
 
@@ -30,19 +33,26 @@ def add_pod_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(host="0.0.0.0")
 
 
-def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float, cuda_graphs: int = 0,
+def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float, cuda_graphs: int | None = None,
                     batch_invariant: bool = False) -> list[RankSpec]:
     gpus = 0 if env.backend == "host" else cuda_count()
     devices = rank_devices(gpus_per_pod=env.gpus_per_pod, visible_gpus=gpus, backend=env.backend)
     check_cuda_graphs(cuda_graphs, gpus)
     check_batch_invariant(batch_invariant, gpus, cuda_graphs)
+    config = env.dwdp_config()
+    if config.elastic and cuda_graphs:
+        raise EnvContractError(f"{ServingEnv.CUDA_GRAPHS.value}={cuda_graphs} in an elastic group (experts.replicas "
+                               f"{config.expert_replicas}): a captured forward keeps the copy plan it was captured "
+                               f"with and cannot follow a re-plan; leave spec.serving.cudaGraphs unset or 0")
     threads = 1 if gpus else max(1, (os.cpu_count() or 1) // env.gpus_per_pod)
-    return [RankSpec(model_dir=model_dir, config=env.dwdp_config().to_dict(), rank=env.rank_base + i,
+    return [RankSpec(model_dir=model_dir, config=config.to_dict(), rank=env.rank_base + i,
                      group=env.group, global_id=i, store_host=env.store_addr, store_port=env.store_port,
                      job=f"{env.namespace}/{env.job}", attempt=env.attempt, token=env.token,
                      backend=env.backend if devices[i] else "host", device=devices[i],
                      dtype=env.dtype, threads=threads, rendezvous_timeout_s=rendezvous_timeout_s,
-                     cuda_graphs=cuda_graphs if devices[i] else 0, batch_invariant=batch_invariant,
+                     cuda_graphs=rank_cuda_graphs(cuda_graphs, gpu=devices[i] is not None, elastic=config.elastic,
+                                                  batch_invariant=batch_invariant) if devices[i] else 0,
+                     batch_invariant=batch_invariant,
                      pod_addr_template=env.pod_addr_template, gpus_per_pod=env.gpus_per_pod)
             for i in range(env.gpus_per_pod)]
 

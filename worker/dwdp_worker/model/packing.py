@@ -41,10 +41,20 @@ def validate(sequences: Any, *, vocab_size: int, max_positions: int) -> list[lis
     return out
 
 
-def pack(sequences: Sequence[Sequence[int]], device="cpu"):
+#: the id of the tokens ``pack`` pads with (``rank.graph_buckets``): every vocabulary has it, and the padded
+#: positions' logits are never read
+PAD_TOKEN_ID = 0
+
+
+def pack(sequences: Sequence[Sequence[int]], device="cpu", *, tokens: int | None = None, rows: int | None = None):
     """``(input_ids [1, T], position_ids [1, T], last [n])`` int64 on ``device`` (module docstring). The ids and
     positions are gathered into int64 arrays in C and viewed as tensors (``torch.tensor`` of a Python list cost
-    ~0.75 ms per 8K tokens, on the critical host path of every forward)."""
+    ~0.75 ms per 8K-token prompt, on the critical host path of every forward).
+
+    Padded to a CUDA graph's shape (``rank.graph_buckets``): ``tokens`` ≥ T makes the row that long, the extra
+    tokens (``PAD_TOKEN_ID``) continuing the **last** sequence, positions going on — the sequences the positions
+    announce are unchanged and no real token attends to a padded one; ``rows`` ≥ n repeats ``last``'s final
+    index (those logits rows are the caller's to drop)."""
     import torch
 
     ids, lengths = array("q"), []
@@ -53,12 +63,24 @@ def pack(sequences: Sequence[Sequence[int]], device="cpu"):
         lengths.append(len(seq))
     if not ids:
         raise BadBatchError("a batch must hold at least one token")
+    real = len(ids)
+    if tokens is not None:
+        if tokens < real:
+            raise ValueError(f"cannot pad {real} tokens to {tokens}")
+        ids.extend([PAD_TOKEN_ID] * (tokens - real))
+        lengths[-1] += tokens - real
     lens = torch.tensor(lengths, dtype=torch.long)
     ends = torch.cumsum(lens, 0)
     # position j of a sequence starting at s is (s + j) - s: one arange less each token's sequence start
     positions = torch.arange(len(ids), dtype=torch.long) - torch.repeat_interleave(ends - lens, lens)
     input_ids = torch.frombuffer(ids, dtype=torch.long).clone()  # off the array's buffer, which is not kept
-    return (input_ids.to(device).unsqueeze(0), positions.to(device).unsqueeze(0), (ends - 1).to(device))
+    last = ends - 1
+    last[-1] -= len(ids) - real  # the last sequence's own last token, not the padding's
+    if rows is not None:
+        if rows < len(lengths):
+            raise ValueError(f"cannot pad {len(lengths)} sequences to {rows}")
+        last = torch.cat([last, last[-1:].expand(rows - len(lengths))])
+    return (input_ids.to(device).unsqueeze(0), positions.to(device).unsqueeze(0), last.to(device))
 
 
 def device_logits(model, input_ids, position_ids, last):

@@ -6,13 +6,16 @@ launches — is what the GPU waits for, and the sharded forward's extra host wor
 its ratio to the unsharded one with the host's speed. A replay launches the whole forward, DWDP copies
 included, in one call.
 
-A graph's shapes are fixed, so graphs are kept per ``Bucket`` (tokens, sequences) of the packed batch; the
-decision is ``BucketPolicy`` (pure):
+A graph's shapes are fixed, so a batch runs padded to its ``graph_buckets.Bucket`` (tokens rounded up on a
+ladder of 8 steps per doubling, sequences to a power of two; the padding continues the last sequence, so no
+real token sees it) and graphs are kept per bucket; which way a bucket's forward runs is ``BucketPolicy`` (pure):
   * a bucket's first forward runs eagerly — Triton's and CuTe's compilation and autotuning, cuBLAS handles and
     allocator growth all happen there, none of which may happen inside a capture;
   * its second is captured, then replayed (its own output), and every later one is replayed;
-  * at most ``max_graphs`` buckets are captured (each graph keeps its activations' memory pool; further
-    buckets run eagerly);
+  * at most ``max_graphs`` buckets are captured; a batch whose bucket will never be captured (the budget is
+    spent, its capture failed, or padding would pass the model's positions) runs eagerly **unpadded**;
+  * the graphs share one memory pool (they never run at once: ``Engine.forward`` holds a lock), so their
+    activations cost what the largest bucket's forward needs, once (``planner.memory``'s ``graph_pool``);
   * a capture that fails is logged once, its bucket stays eager, and the request still runs eagerly.
 
 With a DWDP manager the capture wraps ``DwdpManager.capture`` and every replay follows ``join_copies``
@@ -21,9 +24,12 @@ prefetch schedule at a forward boundary, else the forward runs eagerly (and the 
 After a failed capture the schedule is invalidated: the host schedule advanced through a forward that never
 ran, so its copies are re-issued.
 
-Invariants: logits are bitwise those of the eager forward (same kernels, same shapes — ``attention``
-keeps `transformers` on the causal attention kernel inside a capture; the GPU test checks it); replays read their inputs from the graph's static tensors, copied in on the device; the output is
-copied to the host (float32) before the next replay can overwrite it. Scoring and KV-cache forwards are
+Invariants: a replay's logits are bitwise those of the eager forward of the same padded batch (same kernels,
+same shapes — ``attention`` keeps `transformers` on the causal attention kernel inside a capture; the GPU test
+checks it); against the unpadded eager forward they differ only where a dense kernel picks another tiling for
+another row count (cuBLAS; ``--batch-invariant`` is the mode that promises bits across shapes). Replays read
+their inputs from the graph's static tensors, copied in on the device; the output is copied to the host
+(float32) before the next replay can overwrite it. Scoring and KV-cache forwards are
 not captured (``Engine.forward`` routes only plain prefill here).
 """
 
@@ -37,6 +43,8 @@ from typing import Any, Sequence
 
 from ..model import attention
 from ..model.packing import device_logits, pack
+from dwdp_runtime.contract import DEFAULT_CUDA_GRAPHS
+from dwdp_runtime.graph_buckets import Bucket, bucket_for
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +58,14 @@ def check_max_graphs(max_graphs: int, name: str = "max_graphs") -> None:
         raise ValueError(f"{name}={max_graphs}: must be >= 0 (0 turns CUDA graphs off)")
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """A packed batch's shape: what a graph is captured for."""
-
-    tokens: int
-    sequences: int
+def rank_cuda_graphs(requested: int | None, *, gpu: bool, elastic: bool, batch_invariant: bool) -> int:
+    """The graph count a rank is built with: ``requested`` as given (the launcher refused the combinations that
+    cannot work), or, unset, ``DEFAULT_CUDA_GRAPHS`` where the rank can replay graphs — on a GPU, in a group
+    that never re-plans (an elastic group's re-plan changes the copies a graph would replay) and without
+    ``--batch-invariant`` (its attention reads the packed sequences on the host) — else 0."""
+    if requested is not None:
+        return requested
+    return DEFAULT_CUDA_GRAPHS if gpu and not elastic and not batch_invariant else 0
 
 
 @dataclass
@@ -94,6 +104,10 @@ class BucketPolicy:
             return Mode.EAGER
         return Mode.CAPTURE if self._eager.get(bucket, 0) >= WARMUP_FORWARDS else Mode.EAGER
 
+    def may_capture(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` has or can still get a graph (else its batches run eagerly, unpadded)."""
+        return bucket in self._captured or (bucket not in self._failed and len(self._captured) < self.max_graphs)
+
     def ran_eager(self, bucket: Bucket) -> None:
         if bucket not in self._captured and len(self._captured) < self.max_graphs:
             self._eager[bucket] = min(self._eager.get(bucket, 0) + 1, WARMUP_FORWARDS)
@@ -130,36 +144,43 @@ class PrefillGraphs:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self.policy = BucketPolicy(max_graphs)
+        #: padding never runs a sequence past the model's positions (graph_buckets.bucket_for)
+        self.max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self._graphs: dict[Bucket, _Graph] = {}
+        self._pool = None  # the graphs' one memory pool (module docstring), from the first capture
         self.counters = GraphCounters()
 
     def logits(self, sequences: Sequence[Sequence[int]]):
         """Last-position logits ``[len(sequences), vocab]``, float32 on the CPU."""
-        input_ids, position_ids, last = pack(sequences, self.device)
-        bucket = Bucket(int(input_ids.shape[1]), len(sequences))
+        n = len(sequences)
+        bucket = bucket_for([len(s) for s in sequences], self.max_positions)
+        if bucket is None or not self.policy.may_capture(bucket):
+            self.counters.eager += 1
+            return device_logits(self.model, *pack(sequences, self.device)).float().cpu()
+        input_ids, position_ids, last = pack(sequences, self.device, tokens=bucket.tokens, rows=bucket.sequences)
         mode = self.policy.decide(bucket)
         if mode is not Mode.EAGER and self.manager is not None and self.manager.mid_sequence():
             mode = Mode.EAGER  # an aborted forward left the schedule mid-way: the eager forward restarts it
         if mode is Mode.CAPTURE:
             graph = self._capture(bucket, input_ids, position_ids, last)
             if graph is not None:
-                return self._replay(graph)
+                return self._replay(graph, n)
         elif mode is Mode.REPLAY:
             graph = self._graphs[bucket]
             graph.input_ids.copy_(input_ids)
             graph.position_ids.copy_(position_ids)
             graph.last.copy_(last)
-            return self._replay(graph)
+            return self._replay(graph, n)
         self.policy.ran_eager(bucket)
         self.counters.eager += 1
-        return device_logits(self.model, input_ids, position_ids, last).float().cpu()
+        return device_logits(self.model, input_ids, position_ids, last)[:n].float().cpu()
 
-    def _replay(self, graph: _Graph):
+    def _replay(self, graph: _Graph, n: int):
         if self.manager is not None:
             self.manager.join_copies()
         graph.graph.replay()
         self.counters.replayed += 1
-        return graph.logits.float().cpu()
+        return graph.logits[:n].float().cpu()
 
     def _capture(self, bucket: Bucket, input_ids, position_ids, last) -> _Graph | None:
         import torch
@@ -174,7 +195,7 @@ class PrefillGraphs:
         try:
             # thread_local: the capture forbids unsafe CUDA calls of this thread only (the HTTP front, the KV
             # service and the peer monitor run beside it)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"), dwdp, masks:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), dwdp, masks:
                 logits = device_logits(self.model, input_ids, position_ids, last)
         except Exception as exc:  # noqa: BLE001 - a model that cannot be captured still serves, eagerly
             self.policy.capture_failed(bucket)
@@ -187,6 +208,8 @@ class PrefillGraphs:
             return None
         self.policy.captured(bucket)
         self.counters.captured += 1
+        if self._pool is None:
+            self._pool = graph.pool()
         captured = _Graph(graph, input_ids, position_ids, last, logits)
         self._graphs[bucket] = captured
         return captured
@@ -194,3 +217,4 @@ class PrefillGraphs:
     def close(self) -> None:
         """Free the graphs and their memory pools (before the DWDP manager unmaps what they copy)."""
         self._graphs.clear()
+        self._pool = None
