@@ -5,41 +5,8 @@
 #     bash scripts/gpu_prefill_check.sh            # log: $OUT/gpu_prefill_check.log (or ./gpu_prefill_check.log)
 # Every step has its own time limit and the whole run a deadline (BUDGET_S): a step that would start past it is
 # skipped and named in the log, so the call always returns its log. JSON rows land beside the log.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUTDIR=${OUT:-$PWD}
-LOG=$OUTDIR/gpu_prefill_check.log
-BUDGET_S=${BUDGET_S:-465}
-START=$(date +%s)
-: > "$LOG"
-
-if [ -d .whl-lite ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-lite/*.whl 2>&1 | tail -2
-fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/worker:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=/tmp/gpu-check-triton   # cold for this run; cold_start.py uses its own fresh cache
-unset TRITON_INTERPRET
-
-step() {  # step NAME LIMIT_S CMD...
-  local name=$1 limit=$2; shift 2
-  local now=$(( $(date +%s) - START ))
-  if (( now + 20 > BUDGET_S )); then
-    echo "=== SKIPPED $name (at ${now}s of the ${BUDGET_S}s budget)" | tee -a "$LOG"; return
-  fi
-  (( limit > BUDGET_S - now )) && limit=$(( BUDGET_S - now ))
-  echo "=== $name (limit ${limit}s, t=${now}s): $*" | tee -a "$LOG"
-  local t0=$(date +%s)
-  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
-}
-
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  git log --oneline -1 2>/dev/null || true
-} 2>&1 | tee -a "$LOG"
+LOG_NAME=gpu_prefill_check.log
+source "$(dirname "$0")/gpu_common.sh"
 
 # 1. correctness: bitwise alone-vs-packed with --batch-invariant (3 archs + the GEMM at real shapes), fused router
 step "gpu tests" 115 python3 -m pytest -m gpu -p no:cacheprovider -q -s -rA \
