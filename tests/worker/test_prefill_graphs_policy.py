@@ -61,3 +61,19 @@ def test_zero_graphs_is_always_eager_and_negative_is_refused():
 def test_prefill_graphs_refuse_a_cpu_device():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         PrefillGraphs(model=None, device="cpu", max_graphs=1)
+
+
+def test_after_max_failed_captures_no_new_bucket_is_tried_but_captured_ones_replay():
+    from dwdp_worker.rank.prefill_graphs import MAX_FAILED_CAPTURES
+
+    policy = BucketPolicy(max_graphs=8)
+    good = Bucket(32, 1)
+    for _ in range(WARMUP_FORWARDS + 1):
+        _run(policy, good)
+    for n in range(MAX_FAILED_CAPTURES):
+        bad = Bucket(64 * (n + 1), 1)
+        assert [_run(policy, bad, capture_ok=False) for _ in range(WARMUP_FORWARDS + 1)][-1] is Mode.CAPTURE
+    fresh = Bucket(4096, 1)
+    assert not policy.may_capture(fresh)
+    assert {_run(policy, fresh) for _ in range(WARMUP_FORWARDS + 3)} == {Mode.EAGER}
+    assert _run(policy, good) is Mode.REPLAY and policy.may_capture(good)

@@ -16,7 +16,10 @@ real token sees it) and graphs are kept per bucket; which way a bucket's forward
     spent, its capture failed, or padding would pass the model's positions) runs eagerly **unpadded**;
   * the graphs share one memory pool (they never run at once: ``Engine.forward`` holds a lock), so their
     activations cost what the largest bucket's forward needs, once (``planner.memory``'s ``graph_pool``);
-  * a capture that fails is logged once, its bucket stays eager, and the request still runs eagerly.
+  * a capture that fails is logged once, its bucket stays eager, and the request still runs eagerly; after
+    ``MAX_FAILED_CAPTURES`` failures the rank captures nothing more (a model that cannot be captured — e.g. one
+    whose experts fall back to `transformers`' ``grouped_mm``, which copies from the host — would otherwise pay a
+    failed capture for every new shape).
 
 With a DWDP manager the capture wraps ``DwdpManager.capture`` and every replay follows ``join_copies``
 (dwdp_runtime/weight_manager.py states why that keeps the prefetch ordering); a replay or capture needs the
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 
 #: eager forwards of a bucket before it is captured: one compiles and autotunes every kernel of the shape
 WARMUP_FORWARDS = 1
+#: failed captures after which a rank stops trying: a failure is a forward's worth of work and a schedule restart,
+#: and a second one says the model, not one shape, cannot be captured
+MAX_FAILED_CAPTURES = 2
 
 
 def check_max_graphs(max_graphs: int, name: str = "max_graphs") -> None:
@@ -100,13 +106,14 @@ class BucketPolicy:
     def decide(self, bucket: Bucket) -> Mode:
         if bucket in self._captured:
             return Mode.REPLAY
-        if bucket in self._failed or len(self._captured) >= self.max_graphs:
+        if not self.may_capture(bucket):
             return Mode.EAGER
         return Mode.CAPTURE if self._eager.get(bucket, 0) >= WARMUP_FORWARDS else Mode.EAGER
 
     def may_capture(self, bucket: Bucket) -> bool:
         """Whether ``bucket`` has or can still get a graph (else its batches run eagerly, unpadded)."""
-        return bucket in self._captured or (bucket not in self._failed and len(self._captured) < self.max_graphs)
+        return bucket in self._captured or (bucket not in self._failed and len(self._captured) < self.max_graphs
+                                            and len(self._failed) < MAX_FAILED_CAPTURES)
 
     def ran_eager(self, bucket: Bucket) -> None:
         if bucket not in self._captured and len(self._captured) < self.max_graphs:
@@ -200,8 +207,10 @@ class PrefillGraphs:
         except Exception as exc:  # noqa: BLE001 - a model that cannot be captured still serves, eagerly
             self.policy.capture_failed(bucket)
             self.counters.failed += 1
-            log.warning("CUDA graph capture of %d tokens in %d sequences failed; that shape runs eagerly: %s",
-                        bucket.tokens, bucket.sequences, exc)
+            log.warning("CUDA graph capture of %d tokens in %d sequences failed; that shape runs eagerly%s: %s",
+                        bucket.tokens, bucket.sequences,
+                        ", and so will every shape not captured yet (--cuda-graphs 0 turns the attempts off)"
+                        if self.counters.failed >= MAX_FAILED_CAPTURES else "", exc)
             del graph
             if self.manager is not None:
                 self.manager.invalidate()  # the host schedule advanced through a forward that never ran
