@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dwdp_runtime.config import sharding_errors
 from dwdp_runtime.serving_options import ServingOptions, camel, camel_field
 from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
-                                   MAX_CUDA_GRAPHS, POD_ENV,
+                                   POD_ENV,
                                    RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode, standby_store_port)
 
 GROUP = LABEL_PREFIX

@@ -30,3 +30,16 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_ranks_equal_references(res: dict[int, dict], names, d: int, references, ranges) -> None:
+    """Every rank of ``run_oracle_group``'s result ran job ``<name>-d<d>`` on its own expert range and gave each
+    batch the logits of ``references[name]`` (tensors) bitwise."""
+    import numpy as np
+
+    for name in names:
+        for rank, value in res.items():
+            got = value[f"{name}-d{d}"]
+            assert tuple(got["local"]) == ranges[rank]
+            for b, (g, want) in enumerate(zip(got["logits"], references[name])):
+                assert np.array_equal(g, want.numpy()), (name, rank, b, float(np.abs(g - want.numpy()).max()))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.worker.ct_nvfp4_reference import write_ct_nvfp4
-from tests.worker.oracle_group import one_torch_thread, run_oracle_group
+from tests.worker.oracle_group import assert_ranks_equal_references, one_torch_thread, run_oracle_group
 
 from dwdp_runtime import quant
 from dwdp_runtime.layout import peer_ranges
@@ -124,12 +124,7 @@ def test_ct_nvfp4_sharded_logits_equal_dequantized_reference(d, ct_models, refer
     runs = [(f"{n}-d{d}", str(ct_models[n][0]), k, s, None) for n in names]
     res = run_oracle_group(d, runs, BATCHES, harness_timeout_s=420)
     ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
-    for name in names:
-        for rank, value in res.items():
-            got = value[f"{name}-d{d}"]
-            assert tuple(got["local"]) == ranges[rank]
-            for b, (g, want) in enumerate(zip(got["logits"], references[name])):
-                assert np.array_equal(g, want.numpy()), (name, rank, b, float(np.abs(g - want.numpy()).max()))
+    assert_ranks_equal_references(res, names, d, references, ranges)
     if d != 2:
         return
     for arch in ("qwen3_moe", "deepseek_v3"):

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from tests.runtime.group import run_group
-from tests.worker.oracle_group import one_torch_thread, run_oracle_group
+from tests.worker.oracle_group import assert_ranks_equal_references, one_torch_thread, run_oracle_group
 from tests.worker.programs import memory_program
 
 from dwdp_runtime import quant
@@ -94,12 +93,7 @@ def test_fp8_sharded_logits_equal_dequantized_reference(d, fp8_models, reference
             for n in names]
     res = run_oracle_group(d, runs, BATCHES)
     ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
-    for name in names:
-        for rank, value in res.items():
-            got = value[f"{name}-d{d}"]
-            assert tuple(got["local"]) == ranges[rank]
-            for b, (g, want) in enumerate(zip(got["logits"], references[name])):
-                assert np.array_equal(g, want.numpy()), (name, rank, b, float(np.abs(g - want.numpy()).max()))
+    assert_ranks_equal_references(res, names, d, references, ranges)
 
 
 @pytest.fixture(scope="module")

@@ -211,7 +211,6 @@ class PrefillGraphs:
                         bucket.tokens, bucket.sequences,
                         ", and so will every shape not captured yet (--cuda-graphs 0 turns the attempts off)"
                         if self.counters.failed >= MAX_FAILED_CAPTURES else "", exc)
-            del graph
             if self.manager is not None:
                 self.manager.invalidate()  # the host schedule advanced through a forward that never ran
             return None
