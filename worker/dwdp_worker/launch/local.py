@@ -29,7 +29,7 @@ from ..rank import timeouts
 from ..kv.options import advertise_host_for, settings_from_args
 from .group import (FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, free_port, run_front,
                      synthetic_checkpoint)
-from ..rank.prefill_graphs import rank_cuda_graphs
+from ..rank.prefill_graphs import ELASTIC_GRAPHS_REASON, rank_cuda_graphs
 from ..rank.protocol import RankSpec
 
 
@@ -90,8 +90,7 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     check_cuda_graphs(cuda_graphs, gpus)
     if config.elastic and cuda_graphs:
         raise ValueError(f"--expert-replicas {expert_replicas} / --on-uncovered {on_uncovered} (an elastic group) "
-                         f"with --cuda-graphs {cuda_graphs}: a captured forward "
-                         f"keeps the copy plan it was captured with and cannot follow a re-plan; set one of them off")
+                         f"with --cuda-graphs {cuda_graphs}: {ELASTIC_GRAPHS_REASON}; set one of them off")
     check_batch_invariant(batch_invariant, gpus, cuda_graphs)
     n = groups * dwdp_size
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))

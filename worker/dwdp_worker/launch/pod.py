@@ -24,7 +24,7 @@ from .gpu_map import rank_devices
 from .group import FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, run_front, synthetic_checkpoint
 from dwdp_runtime.contract import ServingEnv
 
-from ..rank.prefill_graphs import rank_cuda_graphs
+from ..rank.prefill_graphs import ELASTIC_GRAPHS_REASON, rank_cuda_graphs
 from ..rank.protocol import RankSpec
 
 
@@ -42,8 +42,8 @@ def build_pod_specs(env, model_dir: str, *, rendezvous_timeout_s: float, cuda_gr
     config = env.dwdp_config()
     if config.elastic and cuda_graphs:
         raise EnvContractError(f"{ServingEnv.CUDA_GRAPHS.value}={cuda_graphs} in an elastic group (experts.replicas "
-                               f"{config.expert_replicas}): a captured forward keeps the copy plan it was captured "
-                               f"with and cannot follow a re-plan; leave spec.serving.cudaGraphs unset or 0")
+                               f"{config.expert_replicas}): {ELASTIC_GRAPHS_REASON}; leave spec.serving.cudaGraphs "
+                               f"unset or 0")
     threads = 1 if gpus else max(1, (os.cpu_count() or 1) // env.gpus_per_pod)
     return [RankSpec(model_dir=model_dir, config=config.to_dict(), rank=env.rank_base + i,
                      group=env.group, global_id=i, store_host=env.store_addr, store_port=env.store_port,
