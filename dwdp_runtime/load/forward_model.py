@@ -35,6 +35,7 @@ FLOOR_WINDOWS = 10
 COMPUTE_BOUND = 1.1       # a forward 10 % above the floor is compute-bound: it says what tokens cost
 FIT_HALF_LIFE_S = 300.0   # compute cost per token changes with the model and the kernels, not the load
 PACKING_DRAWS = 256
+RESIDUAL_TIE = 1e-9       # relative to Σ seconds²: residuals this close are equal (float rounding, not the data)
 SPREAD = math.sqrt(2)     # prompts of a bucket are drawn within a factor √2 of their measured mean
 _GOLDEN = (math.sqrt(5) - 1) / 2   # two independent low-discrepancy sequences (Weyl, irrational steps)
 _SQRT2 = math.sqrt(2) - 1
@@ -84,11 +85,22 @@ class ForwardModelFit:
             if det > 1e-9 * tt * pp:
                 a, b = (tf * pp - pf * tp) / det, (pf * tt - tf * tp) / det
             if det <= 1e-9 * tt * pp or a < 0 or b < 0:
-                a_only, b_only = tf / tt, pf / pp   # one-term fits; keep the one with the smaller residual
-                a, b = (a_only, 0.0) if ff - a_only * tf <= ff - b_only * pf else (0.0, b_only)
+                a, b = _one_term_fit(tt, pp, tf, pf, ff)
         return ForwardCost(floor_seconds=self.floor(), seconds_per_token=a, seconds_per_pair=b, compute_fitted=fitted,
                            max_tokens=max(self._max_tokens, 1.0), max_pairs=max(self._max_pairs, 1.0),
                            weight=self._count.value(now))
+
+
+def _one_term_fit(tt: float, pp: float, tf: float, pf: float, ff: float) -> tuple[float, float]:
+    """(a, 0) or (0, b): the one-term least squares with the smaller residual. Prompts of one length make
+    tokens and pairs proportional, so both residuals are equal up to rounding — which moves with the decay
+    factor of the moment; a tie within ``RESIDUAL_TIE`` keeps the per-token term, so a report read twice
+    without a new forward gives the same figures."""
+    a_only, b_only = tf / tt, pf / pp
+    residual_a, residual_b = ff - a_only * tf, ff - b_only * pf
+    if residual_b < residual_a - RESIDUAL_TIE * ff:
+        return 0.0, b_only
+    return a_only, 0.0
 
 
 def bucket_range(index: int) -> tuple[float, float]:

@@ -108,6 +108,24 @@ def test_the_fit_recovers_a_roofline_from_its_forwards(floor, a, b, seed):
         assert cost.seconds(sum(lengths), sum(n * n for n in lengths)) == pytest.approx(want, rel=0.15, abs=0.02 * floor)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4096), st.integers(1, 8), st.floats(1e-5, 1e-3), st.lists(st.floats(0.0, 3000.0), min_size=2,
+                                                                                  max_size=8))
+def test_prompts_of_one_length_give_the_same_cost_at_every_idle_moment(length, per_forward, per_token, idles):
+    """Tokens and pairs are proportional when every prompt has one length: both one-term fits are equally
+    good, and rounding in the decay of the moment must not flip between them (CI read 1949 and 1615
+    tokens/s from one front a tenth of a second apart, with no forward between)."""
+    fit = ForwardModelFit(start=0.0)
+    fit.add([1], 1e-6, 0.0)  # a tiny forward: the floor, so the forwards below are compute-bound
+    for i in range(1, 30):
+        n = 1 + i % per_forward
+        fit.add([length] * n, per_token * length * n * (1 + 0.01 * (i % 3)), float(i))
+    first, *later = (fit.cost(30.0 + idle) for idle in idles)
+    for cost in later:
+        assert (cost.seconds_per_token, cost.seconds_per_pair) == pytest.approx(
+            (first.seconds_per_token, first.seconds_per_pair), rel=1e-12), (first, cost)
+
+
 def test_without_compute_bound_forwards_only_bigger_ones_cost_more():
     fit = ForwardModelFit(start=0.0)
     for i in range(50):

@@ -92,6 +92,11 @@ def synthetic_checkpoint(stack: contextlib.ExitStack, arch: str, **kw) -> str:
     return str(write_synthetic(arch, pathlib.Path(tmp) / arch, seed=0, tokenizer=True, **kw))
 
 
+def _argparse_literal(text: str) -> str:
+    """``text`` as argparse help: argparse %-formats help strings, so a literal ``%`` is doubled."""
+    return text.replace("%", "%%")
+
+
 def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = DEFAULT_HTTP_PORT,
                           default_rendezvous_s: float = timeouts.RENDEZVOUS_LOCAL_S) -> None:
     """Front options shared by ``--local`` and ``pod``."""
@@ -100,13 +105,14 @@ def add_serving_arguments(p: argparse.ArgumentParser, *, default_port: int = DEF
     g.add_argument("--port", type=int, default=default_port, help=f"HTTP port (default {default_port})")
     for field, info in ServingOptions.model_fields.items():  # the options spec.serving can set too
         is_int = ServingOptions.is_int(field)
+        described = _argparse_literal(info.description)
         shown = info.default if info.default is not None else ("unset" if is_int else "none")
         if info.annotation is bool:  # --batch-invariant / --no-batch-invariant
             g.add_argument(ServingOptions.flag(field), action=argparse.BooleanOptionalAction, default=info.default,
-                           help=f"{info.description} (default {'on' if info.default else 'off'})")
+                           help=f"{described} (default {'on' if info.default else 'off'})")
             continue
         g.add_argument(ServingOptions.flag(field), type=int if is_int else str, default=info.default,
-                       metavar="N" if is_int else "NAME", help=f"{info.description} (default {shown})")
+                       metavar="N" if is_int else "NAME", help=f"{described} (default {shown})")
     g.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help=f"largest request body; larger is a 413 (default {MAX_BODY_BYTES})")
     g.add_argument("--header-timeout-s", type=float, default=timeouts.HTTP_HEADER_TIMEOUT_S,
