@@ -197,8 +197,13 @@ def test_degrade_absorbs_a_deleted_pod_until_the_budget_is_spent(cluster, ns):
     def healed():
         st, now = status(c, ns), pod_uids(c, ns)
         g = (st.get("groups") or [{}])[0]
-        return (st if st.get("state") == "Ready" and len(g.get("podRecreations") or []) == 1
-                and now.get(PODS[0]) not in (None, before[PODS[0]]) else None)
+        if (st.get("state") == "Ready" and len(g.get("podRecreations") or []) == 1
+                and now.get(PODS[0]) not in (None, before[PODS[0]])):
+            return st
+        # wait_for shows the last exception: what was still missing, should the wait time out
+        raise AssertionError(f"state {st.get('state')}, podRecreations {g.get('podRecreations')}, "
+                             f"{PODS[0]} {'replaced' if now.get(PODS[0]) not in (None, before[PODS[0]]) else 'not replaced'}"
+                             f", live pods {sorted(now)}, conditions {[(k, v.get('status'), v.get('reason')) for k, v in conditions(st).items()]}")
     st = wait_for(healed, timeout=WAIT_S, what=f"{PODS[0]} recreated alone and the group Ready")
     t_healed = time.time() - t_delete
     now = pod_uids(c, ns)
