@@ -90,6 +90,10 @@ def parse_args(argv=None):
                         "print the functions that took the host's time (where the forward is host-bound)")
     p.add_argument("--cuda-graphs", type=int, default=_OWN_DEFAULTS["cuda_graphs"],
                    help="run both FP8 models' prefill from CUDA graphs, up to N batch shapes each (default 0: eager)")
+    p.add_argument("--fp8-dense", action="store_true",
+                   help="keep the dense linears (attention, dense MLP, shared experts) FP8 in the sharded engine "
+                        "(DWDP_FP8_DENSE=on, dwdp_worker.checkpoint.fp8_dense): compare its time with the bf16 "
+                        "reference's for the end-to-end FP8 speed-up (default: dequantized at load)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=2048)
     p.add_argument("--num-experts", type=int, default=32)
@@ -207,6 +211,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
     from dwdp_runtime.config import DwdpConfig
     from dwdp_runtime.rendezvous import StoreRendezvous
+    from dwdp_worker.checkpoint.fp8_dense import kept_linears
     from dwdp_worker.rank.engine import Engine, num_experts_of
 
     device = f"cuda:{rank % args.gpus}" if args.device == "cuda" else "cpu"
@@ -221,7 +226,8 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                               cuda_graphs=args.cuda_graphs)
         out = {"local": engine.manager.local_range, "report": {
             "dense_bytes": engine.load_report.dense_bytes, "local_expert_bytes": engine.load_report.local_expert_bytes,
-            "local_scale_bytes": engine.load_report.local_scale_bytes, "mapped": str(engine.load_report.mapped)}}
+            "local_scale_bytes": engine.load_report.local_scale_bytes, "mapped": str(engine.load_report.mapped),
+            "fp8_linears": len(kept_linears(engine.model))}}
         try:
             if rank == 0:
                 import torch as _t
@@ -331,6 +337,10 @@ def run(args) -> int:
             return 2
     fp8, ref = ensure_models(args, corpus)
     prompts, source = _prompts(args, fp8, corpus)
+    if getattr(args, "fp8_dense", False):  # the ranks read it at load (spawned: they inherit the environment)
+        from dwdp_runtime.contract import TuningEnv
+
+        os.environ[TuningEnv.FP8_DENSE] = "on"
     results = spawn_ranks(rank_main, args.dwdp_size, args, str(fp8), str(ref), prompts)
     if results is None:
         return 1
@@ -388,6 +398,10 @@ def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
           f"{r0['unsharded_fp8_s'] * 1e3:.2f} ms, unsharded bf16 ref {r0['unsharded_bf16_ref_s'] * 1e3:.2f} ms; "
           f"sharded/unsharded (tok/s) = {r0['sharded_over_unsharded']:.3f}; "
           f"max |dlogit| sharded vs unsharded fp8 {r0['sharded_vs_unsharded_fp8_max_abs_dlogit']:.3g}")
+    dense = (f"{r0['report']['fp8_linears']} dense linears FP8" if r0["report"]["fp8_linears"]
+             else "dense linears dequantized to bf16 at load")
+    print(f"  sharded fp8 ({dense}) ÷ unsharded bf16 ref (tok/s): "
+          f"{r0['unsharded_bf16_ref_s'] / r0['sharded_fp8_s']:.3f}")
     if "graph_vs_eager_max_abs_dlogit" in r0:
         st = r0["stats"]
         print(f"CUDA graphs: sharded {st['graphs']['captured']} captured, {st['graphs']['replayed']} replays, "

@@ -34,14 +34,16 @@ def test_trained_model_end_to_end(tmp_path):
     out = tmp_path / "out.json"
     # the worker's own sources: a small real-text corpus, fast to read
     assert main(TINY + ["--work-dir", str(tmp_path), "--corpus", str(ROOT / "worker"), "--train-steps", "12",
-                        "--train-batch", "4", "--train-seq", "128", "--profile", "--host-profile", "--json",
-                        str(out)]) == 0
+                        "--train-batch", "4", "--train-seq", "128", "--profile", "--host-profile", "--fp8-dense",
+                        "--json", str(out)]) == 0
     r0 = json.loads(out.read_text())["0"]
     t = r0["training"]
     assert t["steps"] == 12 and t["heldout_bits_per_byte"] < t["heldout_bits_per_byte_before"] - 1.0
     assert r0["prompt_source"].startswith("held-out byte windows")
-    # on CPU the sharded FP8 model computes on the dequantized weights: exactly the reference (as the bf16 path)
+    # on CPU the sharded FP8 model computes on the dequantized weights: exactly the reference (as the bf16 path),
+    # its dense linears too, which --fp8-dense keeps FP8 on the ranks (dequantized per forward on CPU)
     assert r0["top1_agreement"] == 1.0 and r0["max_abs_dlogprob"] == 0.0
+    assert r0["report"]["fp8_linears"] > 0
     # --profile: one forward of each kind under torch.profiler, its table naming the ops that ran
     for kind in ("sharded_fp8", "unsharded_fp8"):
         prof = r0["profile"][kind]

@@ -31,6 +31,7 @@ def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backen
     torch.set_num_threads(threads)
     from dwdp_runtime.config import DwdpConfig
     from dwdp_worker.rank.engine import Engine, num_experts_of
+    from dwdp_worker.checkpoint.fp8_dense import kept_linears
 
     out = {}
     for job, model_dir, k, s, dtype in runs:
@@ -44,7 +45,8 @@ def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backen
             try:
                 results = [engine.forward(b) for b in batches]
                 out[job] = {"logits": [r.logits.numpy() for r in results], "restarts": [r.restarts for r in results],
-                            "stats": engine.stats(), "local": engine.manager.local_range}
+                            "stats": engine.stats(), "local": engine.manager.local_range,
+                            "fp8_linears": kept_linears(engine.model), "dense_bytes": engine.load_report.dense_bytes}
             finally:
                 engine.close()
     return out

@@ -96,6 +96,46 @@ def test_fp8_sharded_logits_equal_dequantized_reference(d, fp8_models, reference
     assert_ranks_equal_references(res, names, d, references, ranges)
 
 
+def test_fp8_dense_linears_kept_fp8_give_the_same_logits(fp8_models, references, monkeypatch):
+    """``DWDP_FP8_DENSE=on``: every FP8 ``nn.Linear`` of the checkpoint (attention, dense MLP, shared experts) stays
+    e4m3 on the rank — fewer dense bytes — and on CPU, where each forward dequantizes it with the load's own
+    function, the logits are the dequantize-at-load model's bitwise (float32 and bf16 compute)."""
+    names = list(ARCHS) + ["deepseek_v3@bfloat16"]
+    d, (k, s) = 2, SHARDING[2]
+
+    def runs(tag):
+        return [(f"{n}-{tag}", str(fp8_models[n.split("@")[0]][0]), k, s, n.split("@")[1] if "@" in n else None)
+                for n in names]
+
+    monkeypatch.setenv("DWDP_FP8_DENSE", "on")
+    kept = run_oracle_group(d, runs("on"), BATCHES)
+    monkeypatch.setenv("DWDP_FP8_DENSE", "off")
+    dequantized = run_oracle_group(d, runs("off"), BATCHES[:1])
+    ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
+    assert_ranks_equal_references({r: {f"{n}-d{d}": v[f"{n}-on"] for n in names} for r, v in kept.items()},
+                                  names, d, references, ranges)
+    for name in names:
+        for rank in kept:
+            on, off = kept[rank][f"{name}-on"], dequantized[rank][f"{name}-off"]
+            linears = set(on["fp8_linears"])
+            assert not off["fp8_linears"] and "lm_head" not in linears
+            assert any(n.endswith("self_attn.o_proj") for n in linears), (name, sorted(linears))
+            if name.startswith("deepseek_v3"):
+                assert any(".shared_experts." in n for n in linears) and any(n.endswith("q_b_proj") for n in linears)
+            # e4m3 + fp32 scales per 128×128 block instead of the compute dtype's 4 (float32) or 2 (bf16) bytes
+            assert on["dense_bytes"] < off["dense_bytes"], (name, on["dense_bytes"], off["dense_bytes"])
+
+
+def test_a_bad_fp8_dense_mode_is_refused_by_name(monkeypatch):
+    from dwdp_worker.checkpoint import fp8_dense
+
+    monkeypatch.setenv("DWDP_FP8_DENSE", "maybe")
+    with pytest.raises(ValueError, match="DWDP_FP8_DENSE='maybe': expected one of off, on"):
+        fp8_dense.mode()
+    monkeypatch.setenv("DWDP_FP8_DENSE", "")
+    assert fp8_dense.mode() is fp8_dense.Fp8DenseMode.OFF
+
+
 @pytest.fixture(scope="module")
 def big_fp8(tmp_path_factory):
     # bf16: the dense weights (dequantized at load) stay small next to ~96 MiB of FP8 experts (2 MoE layers)

@@ -1,0 +1,121 @@
+"""FP8 dense linears: an FP8 block-scaled checkpoint's attention projections, dense MLPs and shared experts kept
+in e4m3 (+ their 128×128 ``weight_scale_inv``) instead of dequantized to the compute dtype at load (issue #34).
+
+``DWDP_FP8_DENSE`` (``contract.TuningEnv.FP8_DENSE``, read at load): ``off`` (default) dequantizes at load as
+before; ``on`` keeps every eligible ``nn.Linear`` weight in FP8. Off by default until the H200 measurement of
+``bench/fp8_prefill.py --fp8-dense`` is in docs/KERNELS.md (the GEMM is the experts' proven kernel; the
+end-to-end speed-up is not yet measured).
+
+Eligible (``source``): a module of exact type ``nn.Linear`` (not ``lm_head``, which the released checkpoints
+keep unquantized), whose ``weight`` is one checkpoint key stored float8_e4m3fn with its block scales (fp32, or
+DeepSeek-V4's E8M0) — a tensor a ``transformers`` converter splits or fuses (q, k, v from a fused qkv) is
+dequantized as before, since its row blocks need not align with the split.
+
+Forward (``fp8_linear_forward``, the instance's ``forward``): on an sm_90 GPU with the CuTe kernels and a
+128-multiple weight, ``kernels.fp8_linear.fp8_block_linear`` (activations quantized per token and 128-column group); anywhere
+else the weight is dequantized with ``fp8_block.dequantize`` — the function the load-time path uses — to the
+compute dtype for that one call, so on CPU the model's output is bitwise the dequantize-at-load model's.
+
+Invariant: a kept linear's ``weight`` parameter is e4m3 ``[out, in]`` and its ``weight_scale_inv`` buffer fp32;
+the compute dtype the load would have given the weight is the module's ``FP8_DENSE_DTYPE_ATTR``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import types
+
+from dwdp_runtime.contract import TuningEnv
+
+from .fp4_layout import ue8m0_scale_key
+from .safetensors_index import CheckpointError
+
+#: the buffer holding a kept linear's block scales (the checkpoint's name for them)
+SCALE_BUFFER = "weight_scale_inv"
+#: the module attribute holding the dtype a dequantized weight takes (the load's target dtype)
+FP8_DENSE_DTYPE_ATTR = "_dwdp_fp8_dense_dtype"
+#: the released FP8 checkpoints keep the LM head unquantized; never keep it FP8 even if a checkpoint did not
+UNQUANTIZED_MODULES = ("lm_head",)
+
+
+class Fp8DenseMode(str, enum.Enum):
+    OFF = "off"
+    ON = "on"
+
+
+def mode() -> Fp8DenseMode:
+    """``DWDP_FP8_DENSE``; an unknown value is an error naming the accepted ones."""
+    raw = os.environ.get(TuningEnv.FP8_DENSE, Fp8DenseMode.OFF.value).strip().lower() or Fp8DenseMode.OFF.value
+    try:
+        return Fp8DenseMode(raw)
+    except ValueError:
+        raise ValueError(f"{TuningEnv.FP8_DENSE}={raw!r}: expected one of "
+                         f"{', '.join(m.value for m in Fp8DenseMode)}") from None
+
+
+def source(model, name: str, cmap, ckpt) -> tuple[str, str] | None:
+    """(weight key, scale key) when dense parameter ``name`` is kept FP8 (module docstring), else None: the
+    ``weight`` of an exact ``nn.Linear`` but ``lm_head``, one checkpoint key stored float8_e4m3fn."""
+    import torch
+
+    module_name, _, attr = name.rpartition(".")
+    if attr != "weight" or module_name.rpartition(".")[2] in UNQUANTIZED_MODULES:
+        return None
+    if type(model.get_submodule(module_name)) is not torch.nn.Linear:
+        return None
+    matches = cmap.matches(name)
+    if len(matches) != 1 or matches[0].converter is not None:
+        return None  # split or fused by a converter: the row blocks need not align with the parts
+    key = matches[0].key
+    if key not in ckpt or ckpt.entries[key].dtype != torch.float8_e4m3fn:
+        return None
+    scale_key = ue8m0_scale_key(ckpt, key)  # ``x.weight_scale_inv``, or DeepSeek-V4's own ``x.scale``
+    if scale_key not in ckpt:
+        raise CheckpointError(f"{key} is float8_e4m3fn but the checkpoint has no {scale_key}")
+    return key, scale_key
+
+
+def keep_fp8(module, weight, scale, compute_dtype) -> int:
+    """Install FP8 ``weight`` [out, in] and its block ``scale`` on the ``nn.Linear`` ``module``; bytes held."""
+    import torch
+
+    from dwdp_runtime.quant import FP8_BLOCK
+
+    out_features, in_features = weight.shape
+    want = (-(-out_features // FP8_BLOCK[0]), -(-in_features // FP8_BLOCK[1]))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"block scales {tuple(scale.shape)} do not fit a {tuple(weight.shape)} weight in "
+                         f"{FP8_BLOCK[0]}×{FP8_BLOCK[1]} blocks (want {want})")
+    scale = scale.to(device=weight.device, dtype=torch.float32).contiguous()
+    module._parameters["weight"] = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    module._buffers[SCALE_BUFFER] = scale
+    setattr(module, FP8_DENSE_DTYPE_ATTR, compute_dtype)
+    module.forward = types.MethodType(fp8_linear_forward, module)
+    return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
+
+
+def dequantized_weight(module):
+    """The weight the load would have set: ``fp8_block.dequantize`` in float32, rounded to the compute dtype."""
+    import torch
+
+    from dwdp_runtime.quant import fp8_block
+
+    value = fp8_block.dequantize(module.weight, module._buffers[SCALE_BUFFER], torch.float32)
+    return value.to(getattr(module, FP8_DENSE_DTYPE_ATTR))
+
+
+def fp8_linear_forward(self, input):
+    import torch.nn.functional as F
+
+    from dwdp_runtime.kernels import fp8_linear
+
+    scale = self._buffers[SCALE_BUFFER]
+    if fp8_linear.unusable(input, self.weight) is None:
+        return fp8_linear.fp8_block_linear(input, self.weight, scale, self.bias)
+    return F.linear(input, dequantized_weight(self), self.bias)
+
+
+def kept_linears(model) -> list[str]:
+    """Names of the modules holding FP8 dense weights."""
+    return [n for n, m in model.named_modules() if hasattr(m, FP8_DENSE_DTYPE_ATTR)]
