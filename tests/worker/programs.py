@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # How long a rank waits at a rendezvous for the slowest peer. On a fresh 2-core CI machine four ranks import
@@ -18,10 +19,27 @@ def _rdzv(rank, world, port, job, timeout_s=RENDEZVOUS_TIMEOUT_S):
                            timeout_s=timeout_s)
 
 
-def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backend="host", gpus=0, cuda_graphs=None):
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, restored on exit."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backend="host", gpus=0, cuda_graphs=None,
+                   env=None):
     """For each (job, model_dir, k, s, dtype) in ``runs``: build an Engine, run every batch, return the logits.
 
-    ``cuda_graphs``: job → the engine's ``cuda_graphs`` (absent: 0, eager).
+    ``cuda_graphs``: job → the engine's ``cuda_graphs`` (absent: 0, eager). ``env``: job → variables set while
+    that job's Engine is built (e.g. ``DWDP_FP8_DENSE``, read at load), restored after.
 
     One process serves several models in turn (import cost paid once); each run is its own rendezvous job
     on its own store port (``ports[job]``; rank 0's store of the previous run may still be shutting down).
@@ -37,7 +55,7 @@ def oracle_program(rank, world, port, *, runs, batches, ports, threads=1, backen
     for job, model_dir, k, s, dtype in runs:
         cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
                          num_prefetch_experts=s)
-        with _rdzv(rank, world, ports[job], job) as rdzv:
+        with _rdzv(rank, world, ports[job], job) as rdzv, _environ((env or {}).get(job, {})):
             device = f"cuda:{rank % gpus}" if gpus else None
             engine = Engine.build(model_dir=model_dir, config=cfg, rank=rank, rendezvous=rdzv, backend=backend,
                                   device=device, token="tok", dtype=dtype, progress=False,

@@ -87,36 +87,24 @@ def test_fp8_checkpoint_format(fp8_models):
 
 @pytest.mark.parametrize("d", sorted(SHARDING))
 def test_fp8_sharded_logits_equal_dequantized_reference(d, fp8_models, references):
+    """At d = 2 the same group also serves each checkpoint with ``DWDP_FP8_DENSE=on``: every FP8 ``nn.Linear``
+    (attention, dense MLP, shared experts) stays e4m3 on the rank — fewer dense bytes — and on CPU, where each
+    forward dequantizes it with the load's own function, the logits are the dequantize-at-load model's bitwise."""
     k, s = SHARDING[d]
     names = list(ARCHS) + (["qwen3_moe_fused", "deepseek_v3@bfloat16"] if d == 2 else [])
-    runs = [(f"{n}-d{d}", str(fp8_models[n.split("@")[0]][0]), k, s, n.split("@")[1] if "@" in n else None)
-            for n in names]
-    res = run_oracle_group(d, runs, BATCHES)
+    dense_fp8 = [n for n in names if n != "qwen3_moe_fused"] if d == 2 else []
+
+    def run(n, tag):
+        return f"{n}-{tag}", str(fp8_models[n.split("@")[0]][0]), k, s, n.split("@")[1] if "@" in n else None
+    runs = [run(n, f"d{d}") for n in names] + [run(n, "fp8dense") for n in dense_fp8]
+    res = run_oracle_group(d, runs, BATCHES, env={f"{n}-fp8dense": {"DWDP_FP8_DENSE": "on"} for n in dense_fp8})
     ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
     assert_ranks_equal_references(res, names, d, references, ranges)
-
-
-def test_fp8_dense_linears_kept_fp8_give_the_same_logits(fp8_models, references, monkeypatch):
-    """``DWDP_FP8_DENSE=on``: every FP8 ``nn.Linear`` of the checkpoint (attention, dense MLP, shared experts) stays
-    e4m3 on the rank — fewer dense bytes — and on CPU, where each forward dequantizes it with the load's own
-    function, the logits are the dequantize-at-load model's bitwise (float32 and bf16 compute)."""
-    names = list(ARCHS) + ["deepseek_v3@bfloat16"]
-    d, (k, s) = 2, SHARDING[2]
-
-    def runs(tag):
-        return [(f"{n}-{tag}", str(fp8_models[n.split("@")[0]][0]), k, s, n.split("@")[1] if "@" in n else None)
-                for n in names]
-
-    monkeypatch.setenv("DWDP_FP8_DENSE", "on")
-    kept = run_oracle_group(d, runs("on"), BATCHES)
-    monkeypatch.setenv("DWDP_FP8_DENSE", "off")
-    dequantized = run_oracle_group(d, runs("off"), BATCHES[:1])
-    ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
-    assert_ranks_equal_references({r: {f"{n}-d{d}": v[f"{n}-on"] for n in names} for r, v in kept.items()},
-                                  names, d, references, ranges)
-    for name in names:
-        for rank in kept:
-            on, off = kept[rank][f"{name}-on"], dequantized[rank][f"{name}-off"]
+    kept = {r: {f"{n}-d{d}": v[f"{n}-fp8dense"] for n in dense_fp8} for r, v in res.items()}
+    assert_ranks_equal_references(kept, dense_fp8, d, references, ranges)
+    for name in dense_fp8:
+        for rank, jobs in res.items():
+            on, off = jobs[f"{name}-fp8dense"], jobs[f"{name}-d{d}"]
             linears = set(on["fp8_linears"])
             assert not off["fp8_linears"] and "lm_head" not in linears
             assert any(n.endswith("self_attn.o_proj") for n in linears), (name, sorted(linears))
