@@ -44,6 +44,9 @@ SHARDING = {2: (5, 3), 3: (3, 3), 4: (3, 2)}  # 8 experts: overlapping / 8 % 3 !
 INDEPENDENT = ("gpt_oss-mxfp4", "qwen3_moe-nvfp4", "deepseek_v3-nvfp4", "deepseek_v4-fp4")
 AT_D2 = ("gpt_oss-synth", "deepseek_v3-synth", "deepseek_v4-synth", "qwen3_moe-hf_quant_config",
          "deepseek_v3-synth@bfloat16")
+#: also served with DWDP_FP8_DENSE=on: synth's DeepSeek-V4 stores its dense linears FP8 with E8M0 block scales
+#: (the independent writer keeps them as saved: nothing to keep, the same logits)
+V4_FP8_DENSE = ("deepseek_v4-fp4", "deepseek_v4-synth")
 MiB = 2**20
 
 
@@ -174,13 +177,29 @@ def test_fp4_checkpoint_formats(fp4_models):
 def test_fp4_sharded_logits_equal_dequantized_reference(d, fp4_models, references):
     k, s = SHARDING[d]
     names = list(INDEPENDENT) + (list(AT_D2) if d == 2 else [])
-    runs = [(f"{n}-d{d}", str(fp4_models[n.split("@")[0]][0]), k, s, n.split("@")[1] if "@" in n else None)
-            for n in names]
-    res = run_oracle_group(d, runs, BATCHES, harness_timeout_s=420)
+    dense_fp8 = list(V4_FP8_DENSE) if d == 2 else []
+
+    def run(n, tag):
+        return f"{n}-{tag}", str(fp4_models[n.split("@")[0]][0]), k, s, n.split("@")[1] if "@" in n else None
+    runs = [run(n, f"d{d}") for n in names] + [run(n, "fp8dense") for n in dense_fp8]
+    res = run_oracle_group(d, runs, BATCHES, harness_timeout_s=420,
+                           env={f"{n}-fp8dense": {"DWDP_FP8_DENSE": "on"} for n in dense_fp8})
     ranges = peer_ranges(dwdp_size=d, num_experts=8, num_experts_per_worker=k, num_prefetch_experts=s)
     assert_ranks_equal_references(res, names, d, references, ranges)
     if d == 2:
         _assert_prefetch_moves_fp4_bytes(fp4_models, res, ranges, d)
+        # DeepSeek-V4's dense FP8 linears (E8M0 block scales) kept FP8 (DWDP_FP8_DENSE=on): the same logits
+        kept = {r: {f"{n}-d{d}": v[f"{n}-fp8dense"] for n in dense_fp8} for r, v in res.items()}
+        assert_ranks_equal_references(kept, dense_fp8, d, references, ranges)
+        for name in dense_fp8:
+            for jobs in res.values():
+                on, off = jobs[f"{name}-fp8dense"], jobs[f"{name}-d{d}"]
+                assert not off["fp8_linears"], name
+                if name == "deepseek_v4-synth":
+                    assert any(n.endswith("self_attn.o_b_proj") for n in on["fp8_linears"]), on["fp8_linears"]
+                    assert on["dense_bytes"] < off["dense_bytes"], name
+                else:
+                    assert not on["fp8_linears"] and on["dense_bytes"] == off["dense_bytes"], name
 
 
 def _assert_prefetch_moves_fp4_bytes(fp4_models, res, ranges, d):
