@@ -90,7 +90,7 @@ def parse_args(argv=None):
                         "print the functions that took the host's time (where the forward is host-bound)")
     p.add_argument("--cuda-graphs", type=int, default=_OWN_DEFAULTS["cuda_graphs"],
                    help="run both FP8 models' prefill from CUDA graphs, up to N batch shapes each (default 0: eager)")
-    p.add_argument("--fp8-dense", action="store_true",
+    p.add_argument("--fp8-dense", action="store_true", default=_OWN_DEFAULTS["fp8_dense"],
                    help="keep the dense linears (attention, dense MLP, shared experts) FP8 in the sharded engine "
                         "(DWDP_FP8_DENSE=on, dwdp_worker.checkpoint.fp8_dense): compare its time with the bf16 "
                         "reference's for the end-to-end FP8 speed-up (default: dequantized at load)")
@@ -302,7 +302,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
 
 #: options bench/prefill.py does not have, with their defaults here (``prefill.py --quant fp8`` calls ``run``)
-_OWN_DEFAULTS = {"cuda_graphs": 0, "prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False, "host_profile": False,
+_OWN_DEFAULTS = {"cuda_graphs": 0, "fp8_dense": False, "prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False, "host_profile": False,
                  "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8"),
                  # --train-steps: 32 x 512 bytes a step (~28 TFLOP at the default model; docs/MODELS.md)
                  "train_steps": 0, "train_batch": 32, "train_seq": 512, "train_lr": 1e-3, "corpus": None}
@@ -337,7 +337,7 @@ def run(args) -> int:
             return 2
     fp8, ref = ensure_models(args, corpus)
     prompts, source = _prompts(args, fp8, corpus)
-    if getattr(args, "fp8_dense", False):  # the ranks read it at load (spawned: they inherit the environment)
+    if args.fp8_dense:  # the ranks read it at load (spawned: they inherit the environment)
         from dwdp_runtime.contract import TuningEnv
 
         os.environ[TuningEnv.FP8_DENSE] = "on"

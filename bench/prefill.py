@@ -104,6 +104,8 @@ def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=("fp8",), default=None,
                    help="fp8: an FP8 block-scaled checkpoint (bench/fp8_prefill.py: sharded vs unsharded FP8, "
                         "agreement with the dequantized bf16 model)")
+    p.add_argument("--fp8-dense", action="store_true",
+                   help="with --quant fp8: the sharded engine keeps the dense linears FP8 (DWDP_FP8_DENSE=on)")
     return p
 
 
