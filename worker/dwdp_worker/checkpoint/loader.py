@@ -164,7 +164,7 @@ def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: Safetensor
         source = fp8_dense.source(model, name, cmap, ckpt) if keep_fp8 and not todo[name][1] else None
         if source is not None:  # DWDP_FP8_DENSE=on: kept e4m3 with its block scales (checkpoint.fp8_dense)
             meta = todo[name][0]
-            weight, scale = (ckpt.get(k).to(device) for k in source)
+            weight, scale = (ckpt.get(k, device) for k in source)
             if tuple(weight.shape) != tuple(meta.shape):
                 raise CheckpointError(f"{name}: checkpoint shape {tuple(weight.shape)} != model shape "
                                       f"{tuple(meta.shape)} (config.json does not match the weights)")

@@ -101,9 +101,9 @@ class ModeloptView:
         self.index.read_rows(alias.key, begin, end, staging)
         dst.copy_(self._invert(key, staging))
 
-    def get(self, key: str):
+    def get(self, key: str, device=None):
         alias = self._alias[key]
-        value = self.index.get(alias.key)
+        value = self.index.get(alias.key, device)
         return self._invert(key, value) if alias.inverted else value
 
     @property

@@ -143,10 +143,13 @@ def overrides(quantized: dict, compute_dtype) -> tuple[ForwardOverride, ...]:
 
 def dense_reader(ckpt, device=None):
     """``read(key)`` for the dense load: FP8 and NVFP4 tensors dequantized (float32, on ``device``), others
-    as stored."""
+    as stored, on ``device`` (into GPU memory through pinned staging: ``device_staging``)."""
     import torch
 
     def read(key: str):
+        stored = ckpt.entries[key].dtype
+        if stored not in (torch.uint8, torch.float8_e4m3fn):
+            return ckpt.get(key, device)  # as stored, read straight onto the load device
         value = ckpt.get(key)
         if value.dtype == torch.uint8:
             dequantized = fp4_loading.read_dense_nvfp4(ckpt, key, value, device)

@@ -1,8 +1,8 @@
 """A safetensors checkpoint read with ``pread``: the tensor index of a model directory and byte-range reads.
 
 Invariant: nothing of a file stays mapped or resident in this process after a read — bytes go from the
-page cache straight into the caller's tensor (a transport handle for the local experts), so a rank never
-holds a weight twice. Only the documented file format is used (see ``SafetensorsIndex``).
+page cache straight into the caller's tensor (a transport handle for the local experts), or into GPU memory
+through two reused pinned chunks (``device_staging``), so a rank never holds a weight twice. Only the documented file format is used (see ``SafetensorsIndex``).
 
 ``reopened()`` opens the files again after ``close`` for a later read through the same index (the reload of
 experts a lost rank held, issue #30), refusing a file that changed since its header was read; ``bytes_read``
@@ -16,6 +16,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 from typing import Any
+
+from .device_staging import DeviceStager
 
 
 class CheckpointError(ValueError):
@@ -59,6 +61,7 @@ class SafetensorsIndex:
         self.entries: dict[str, _Entry] = {}
         self._fds: dict[pathlib.Path, int] = {}
         self._files: dict[pathlib.Path, tuple[int, int]] = {}  # (size, mtime ns) when the header was read
+        self._stagers: dict[Any, DeviceStager] = {}  # pinned staging per CUDA device (reads into GPU memory)
         self.bytes_read = 0
         try:
             for f in files:
@@ -132,20 +135,32 @@ class SafetensorsIndex:
         shape = (end - begin, *e.shape[1:]) if e.shape else ()
         if tuple(dst.shape) != shape:
             raise CheckpointError(f"{key}[{begin}:{end}]: shape {shape} does not fit {tuple(dst.shape)}")
-        if dst.device.type == "cpu" and dst.dtype == e.dtype and dst.is_contiguous():
-            self._pread_into(e, begin * row_bytes, (end - begin) * row_bytes, dst)
+        if dst.dtype == e.dtype and dst.is_contiguous() and dst.device.type in ("cpu", "cuda"):
+            self._read_direct(e, begin * row_bytes, (end - begin) * row_bytes, dst)
             return
         staging = torch.empty(shape, dtype=e.dtype)
         self._pread_into(e, begin * row_bytes, (end - begin) * row_bytes, staging)
         dst.copy_(staging)
 
-    def get(self, key: str):
+    def get(self, key: str, device=None):
+        """The whole tensor, on ``device`` (default CPU)."""
         import torch
 
         e = self.entries[key]
-        out = torch.empty(e.shape, dtype=e.dtype)
-        self._pread_into(e, 0, e.nbytes, out)
+        out = torch.empty(e.shape, dtype=e.dtype, device=device)
+        self._read_direct(e, 0, e.nbytes, out)
         return out
+
+    def _read_direct(self, e: _Entry, offset: int, nbytes: int, dst) -> None:
+        """``nbytes`` at ``e.start + offset`` into the contiguous tensor ``dst`` of that size: ``pread`` straight
+        into a CPU one; into a CUDA one through pinned double buffering (``device_staging``)."""
+        if dst.device.type != "cuda":
+            self._pread_into(e, offset, nbytes, dst)
+            return
+        stager = self._stagers.get(dst.device)
+        if stager is None:
+            stager = self._stagers[dst.device] = DeviceStager(dst.device)
+        stager.read(lambda done, n, buffer: self._pread_into(e, offset + done, n, buffer), nbytes, dst)
 
     @contextlib.contextmanager
     def reopened(self):

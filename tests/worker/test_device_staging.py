@@ -1,0 +1,73 @@
+"""``checkpoint.device_staging``: the chunked, double-buffered read of a checkpoint tensor's bytes (CPU here; the
+pinned CUDA slots run in every GPU load, ``tests/gpu``).
+
+``chunked_read`` over host slots with a copy that records what it moved must deliver exactly the file's bytes —
+for chunk sizes that do not divide the tensor, a tensor smaller than one chunk, and a row range starting inside
+the file — wait for each slot before refilling it, and leave no slot busy at the end; ``SafetensorsIndex.get`` and
+``read_rows`` into CPU tensors stay the direct ``pread`` (the reference here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dwdp_worker.checkpoint.device_staging import HostSlot, chunked_read
+from dwdp_worker.checkpoint.safetensors_index import SafetensorsIndex
+
+
+@pytest.fixture()
+def index(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    save_file({"a": torch.randn(37, 129, generator=g), "b": torch.randint(0, 255, (3,), generator=g, dtype=torch.uint8),
+               "c": torch.randn(64, 8, generator=g).to(torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    with SafetensorsIndex(tmp_path) as idx:
+        yield idx
+
+
+class CountingSlot(HostSlot):
+    """A host slot that records its waits and refuses a refill it did not wait for."""
+
+    def __init__(self, size: int):
+        super().__init__(torch.empty(size, dtype=torch.uint8))
+        self.busy = False
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+        self.busy = False
+
+    def mark(self) -> None:
+        self.busy = True
+
+
+@pytest.mark.parametrize("key", ["a", "b", "c"])
+@pytest.mark.parametrize("chunk", [1, 7, 100, 4096, 1 << 20])
+@pytest.mark.parametrize("rows", [None, (5, 31)])
+def test_chunked_read_delivers_the_files_bytes(index, key, chunk, rows):
+    e = index.entries[key]
+    begin, end = rows if rows and e.shape[0] >= rows[1] else (0, e.shape[0])
+    row_bytes = e.nbytes // e.shape[0]
+    offset, nbytes = begin * row_bytes, (end - begin) * row_bytes
+    want = index.get(key)[begin:end].contiguous().view(-1).view(torch.uint8)
+    dst = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+    slots = [CountingSlot(chunk), CountingSlot(chunk)]
+    filled = []
+
+    def fill(done, n, buffer):
+        assert not slots[len(filled) % 2].busy, "a slot was refilled before its copy finished"
+        filled.append(n)
+        index._pread_into(e, offset + done, n, buffer)
+
+    chunked_read(fill, nbytes, dst, slots, lambda part, buf: part.copy_(buf), chunk_bytes=chunk)
+    assert torch.equal(dst, want)
+    assert sum(filled) == nbytes and all(n <= chunk for n in filled) and len(filled) == -(-nbytes // chunk)
+    assert not any(s.busy for s in slots)  # every copy waited for before the read returned
+
+
+def test_a_cpu_get_is_the_direct_read(index):
+    for key, e in index.entries.items():
+        out = index.get(key, "cpu")
+        assert out.dtype == e.dtype and tuple(out.shape) == e.shape
+        assert torch.equal(out, index.get(key))
