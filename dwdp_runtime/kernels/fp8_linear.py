@@ -72,8 +72,11 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: t
         return x.new_zeros(*lead, w.shape[0])
     rows = -(-tokens // TILE_M) * TILE_M
     xq, xs = quantize(x2)
-    a = torch.zeros(rows, k, dtype=xq.dtype, device=x.device)
-    a[:tokens] = xq
+    a = xq
+    if rows != tokens:  # zero rows to the tile (through bytes: fill kernels for float8 are not in every torch)
+        padded = torch.zeros(rows, k, dtype=torch.uint8, device=x.device)
+        padded[:tokens] = xq.view(torch.uint8)
+        a = padded.view(xq.dtype)
     sa = torch.ones(xs.shape[1], rows, dtype=torch.float32, device=x.device)  # [K/128, rows]: the kernel's layout
     sa[:, :tokens] = xs.t()
     block_expert = torch.zeros(rows // TILE_M, dtype=torch.int32, device=x.device)

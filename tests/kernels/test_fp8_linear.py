@@ -34,6 +34,7 @@ def _weight(n: int, k: int, seed: int):
 
 
 @pytest.mark.parametrize("lead, n, k", [((1,), 128, 128), ((3,), 256, 384), ((2, 70), 128, 256), ((129,), 384, 128),
+                                        ((128,), 256, 128),
                                         ((0,), 128, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_block_linear_equals_the_block_product_row_by_row(lead, n, k, with_bias):
