@@ -192,6 +192,7 @@ class SafetensorsIndex:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._stagers.clear()  # the pinned chunks go with the files (a reopened index pins them again)
 
     def __enter__(self):
         return self
