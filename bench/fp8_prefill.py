@@ -217,6 +217,10 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
     device = f"cuda:{rank % args.gpus}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(device)
+    if args.fp8_dense:  # read at load; set in this rank process only (the caller's environment is untouched)
+        from dwdp_runtime.contract import TuningEnv
+
+        os.environ[TuningEnv.FP8_DENSE] = "on"
     cfg = DwdpConfig.even(dwdp_size=args.dwdp_size, num_experts=num_experts_of(fp8))
     with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=args.dwdp_size, job="fp8",
                          token="fp8", timeout_s=1800) as rdzv:
@@ -337,10 +341,6 @@ def run(args) -> int:
             return 2
     fp8, ref = ensure_models(args, corpus)
     prompts, source = _prompts(args, fp8, corpus)
-    if args.fp8_dense:  # the ranks read it at load (spawned: they inherit the environment)
-        from dwdp_runtime.contract import TuningEnv
-
-        os.environ[TuningEnv.FP8_DENSE] = "on"
     results = spawn_ranks(rank_main, args.dwdp_size, args, str(fp8), str(ref), prompts)
     if results is None:
         return 1

@@ -4,6 +4,7 @@ d = 2 group and compared on held-out prompts; the trained checkpoint keeps the s
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -44,6 +45,7 @@ def test_trained_model_end_to_end(tmp_path):
     # its dense linears too, which --fp8-dense keeps FP8 on the ranks (dequantized per forward on CPU)
     assert r0["top1_agreement"] == 1.0 and r0["max_abs_dlogprob"] == 0.0
     assert r0["report"]["fp8_linears"] > 0
+    assert "DWDP_FP8_DENSE" not in os.environ  # set in the rank processes only: later tests' ranks must not inherit it
     # --profile: one forward of each kind under torch.profiler, its table naming the ops that ran
     for kind in ("sharded_fp8", "unsharded_fp8"):
         prof = r0["profile"][kind]
