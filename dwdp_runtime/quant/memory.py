@@ -43,10 +43,14 @@ def layer_tensors(scheme: QuantScheme, params: Sequence[tuple[str, tuple[int, in
 def expert_memory(*, tensors: Sequence[ExpertTensor], num_moe_layers: int, num_experts: int,
                   ranges: Sequence[tuple[int, int]], rank: int, slots: int, granularity: int,
                   compute_itemsize: int = 2, page_multiplier: int = layout.DEFAULT_PAGE_MULTIPLIER) -> ExpertMemory:
-    """Bytes rank ``rank`` maps for the experts of ``num_moe_layers`` identical MoE layers."""
-    return layers_memory(layers=[tensors] * num_moe_layers, num_experts=num_experts, ranges=ranges, rank=rank,
-                         slots=slots, granularity=granularity, compute_itemsize=compute_itemsize,
-                         page_multiplier=page_multiplier)
+    """Bytes rank ``rank`` maps for the experts of ``num_moe_layers`` identical MoE layers: ``layers_memory`` of
+    the layers, from one layer's layouts (the planner asks this for every rank of every candidate sharding —
+    thousands of times for one ``dwdp plan`` — so the per-layer work is not repeated for each identical layer)."""
+    one = layers_memory(layers=[tensors], num_experts=num_experts, ranges=ranges, rank=rank, slots=1,
+                        granularity=granularity, compute_itemsize=compute_itemsize, page_multiplier=page_multiplier)
+    page = layout.pool_page_bytes(granularity, page_multiplier)
+    pool_pages = sum(layout.slot_pool_pages([one.pool // page] * num_moe_layers, slots))
+    return ExpertMemory(one.weights * num_moe_layers, one.scales * num_moe_layers, pool_pages * page)
 
 
 def layers_memory(*, layers: Sequence[Sequence[ExpertTensor]], num_experts: int, ranges: Sequence[tuple[int, int]],

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dwdp_runtime import layout
 from dwdp_runtime.quant import (FP8_BLOCK_SCHEME, UNQUANTIZED, TensorRole, UnsupportedQuantizationError,
-                                expert_memory, fp8_config_dict, layer_tensors, parse_quantization_config)
+                                expert_memory, fp8_config_dict, layer_tensors, layers_memory,
+                                parse_quantization_config)
 from dwdp_runtime.quant import fp8_block
 
 DEEPSEEK_V3 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -128,6 +131,22 @@ def test_expert_memory_by_part_matches_layout():
     # scales: 64 × 7 KiB and 64 × 3.5 KiB, each rounded up to one 2 MiB granule
     assert mem.scales == 58 * 2 * (2 << 20)
     assert mem.pool > 0 and mem.pool % (16 << 20) == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 64), st.integers(0, 7), st.integers(1, 4), st.integers(0, 70),
+       st.sampled_from([UNQUANTIZED, FP8_BLOCK_SCHEME]), st.sampled_from([4096, 2 << 20]))
+def test_expert_memory_of_identical_layers_is_layers_memory_of_them(d, experts_per_rank, rank_seed, slots, layers,
+                                                                    scheme, granularity):
+    """``expert_memory`` computes one layer and scales it (the planner asks it thousands of times per plan): the
+    result must be ``layers_memory`` of the repeated layer, exactly, for any sharding, slots and layer count."""
+    num_experts = d * experts_per_rank
+    ranges = layout.peer_ranges(dwdp_size=d, num_experts=num_experts, num_experts_per_worker=experts_per_rank,
+                                num_prefetch_experts=experts_per_rank)
+    tensors = layer_tensors(scheme, [("gate_up_proj", (384, 256), (192, 192)), ("down_proj", (256, 192), ())])
+    rank = rank_seed % d
+    kw = dict(num_experts=num_experts, ranges=ranges, rank=rank, slots=slots, granularity=granularity)
+    assert expert_memory(tensors=tensors, num_moe_layers=layers, **kw) == layers_memory(layers=[tensors] * layers, **kw)
 
 
 def test_planner_fp8_memory_is_the_declared_layout():
