@@ -29,6 +29,17 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def fp8_cute():
+    """``dwdp_runtime.kernels.fp8_cute``, or the test skipped naming why the CuTe FP8 kernels cannot run here."""
+    from dwdp_runtime.kernels import fp8_cute
+
+    why = fp8_cute.unavailable()
+    if why:
+        pytest.skip(f"CuTe FP8 path unavailable: {why}")
+    return fp8_cute
+
+
 def pytest_collection_modifyitems(config, items):
     reason = None
     checked = False

@@ -28,16 +28,6 @@ if str(ROOT) not in sys.path:
 BF16_REL = 2 ** -7
 
 
-@pytest.fixture(scope="module")
-def fp8_cute():
-    from dwdp_runtime.kernels import fp8_cute
-
-    why = fp8_cute.unavailable()
-    if why:
-        pytest.skip(f"CuTe FP8 path unavailable: {why}")
-    return fp8_cute
-
-
 def _block_math(a, sa, w, ws, block_expert, num_padded):
     """fp32 reference of the kernel's contract on every live row (dequantize, multiply)."""
     from dwdp_runtime.quant import fp8_block
