@@ -76,13 +76,27 @@ def source(model, name: str, cmap, ckpt) -> tuple[str, str] | None:
     return key, scale_key
 
 
-def keep_fp8(module, weight, scale, compute_dtype) -> int:
-    """Install FP8 ``weight`` [out, in] and its block ``scale`` on the ``nn.Linear`` ``module``; bytes held."""
+def load(model, name: str, cmap, ckpt, device, compute_dtype) -> int | None:
+    """Read dense parameter ``name`` kept FP8 onto ``device`` and install it (``keep_fp8``): the bytes held, or None
+    when it is not kept (``DWDP_FP8_DENSE`` off, or not eligible: ``source``) and the loader reads it as before."""
+    keys = source(model, name, cmap, ckpt) if mode() is Fp8DenseMode.ON else None
+    if keys is None:
+        return None
+    weight, scale = (ckpt.get(k, device) for k in keys)
+    return keep_fp8(model.get_submodule(name.rpartition(".")[0]), weight, scale, compute_dtype, name=name)
+
+
+def keep_fp8(module, weight, scale, compute_dtype, *, name: str = "weight") -> int:
+    """Install FP8 ``weight`` [out, in] and its block ``scale`` on the ``nn.Linear`` ``module``; bytes held.
+    ``name``: the parameter's, for the error a mismatched shape raises."""
     import torch
 
     from dwdp_runtime.quant import FP8_BLOCK
 
     out_features, in_features = weight.shape
+    if (out_features, in_features) != (module.out_features, module.in_features):
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(weight.shape)} != model shape "
+                              f"{(module.out_features, module.in_features)} (config.json does not match the weights)")
     want = (-(-out_features // FP8_BLOCK[0]), -(-in_features // FP8_BLOCK[1]))
     if tuple(scale.shape) != want:
         raise ValueError(f"block scales {tuple(scale.shape)} do not fit a {tuple(weight.shape)} weight in "

@@ -142,8 +142,7 @@ def target_dtype(name: str, default, plan: dict):
 def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: SafetensorsIndex, device, *,
                progress: bool = False, dtype=None) -> int:
     """Load every non-expert parameter/persistent buffer; rebuild non-persistent buffers. Returns bytes.
-    FP8 and NVFP4 tensors are dequantized here (``quant_loading.dense_reader``), but FP8 linears under
-    ``DWDP_FP8_DENSE=on``, which keep their e4m3 weight and block scales (``checkpoint.fp8_dense``)."""
+    FP8 and NVFP4 tensors are dequantized here (``quant_loading.dense_reader``; ``fp8_dense``: kept FP8)."""
     plan = dtype_plan(model, dtype) if dtype is not None else {}
 
     non_persistent = {n for n, _ in model.named_non_persistent_buffers()} if hasattr(
@@ -154,22 +153,15 @@ def load_dense(model, layout: ModelLayout, cmap: CheckpointMap, ckpt: Safetensor
     nbytes = 0
     done: set[str] = set()
     read = quant.dense_reader(ckpt, device)
-    keep_fp8 = fp8_dense.mode() is fp8_dense.Fp8DenseMode.ON
     from tqdm.auto import tqdm
 
     for name in tqdm(list(todo), desc="dwdp: loading dense weights", unit="tensor", leave=False,
                      disable=not progress):
         if name in done:
             continue
-        source = fp8_dense.source(model, name, cmap, ckpt) if keep_fp8 and not todo[name][1] else None
-        if source is not None:  # DWDP_FP8_DENSE=on: kept e4m3 with its block scales (checkpoint.fp8_dense)
-            meta = todo[name][0]
-            weight, scale = (ckpt.get(k, device) for k in source)
-            if tuple(weight.shape) != tuple(meta.shape):
-                raise CheckpointError(f"{name}: checkpoint shape {tuple(weight.shape)} != model shape "
-                                      f"{tuple(meta.shape)} (config.json does not match the weights)")
-            module = model.get_submodule(name.rpartition(".")[0])
-            nbytes += fp8_dense.keep_fp8(module, weight, scale, target_dtype(name, meta.dtype, plan))
+        kept = fp8_dense.load(model, name, cmap, ckpt, device, target_dtype(name, todo[name][0].dtype, plan))
+        if kept is not None:  # DWDP_FP8_DENSE=on: kept e4m3 with its block scales
+            nbytes += kept
             done.add(name)
             continue
         produced = dense_tensors(model, name, cmap, read)  # a converter may produce several (q, k, v)
