@@ -81,6 +81,6 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: t
     sa[:, :tokens] = xs.t()
     block_expert = torch.zeros(rows // TILE_M, dtype=torch.int32, device=x.device)
     y = gemm(a, sa, w.unsqueeze(0), ws.unsqueeze(0), block_expert, x.dtype)[:tokens]
-    if bias is not None:
-        y = y + bias
+    if bias is not None:  # in x's dtype whatever the bias's (a float32 bias would promote the output)
+        y = (y + bias).to(x.dtype)
     return y.reshape(*lead, w.shape[0])

@@ -65,3 +65,15 @@ def test_unusable_names_the_reason():
     assert "(576, 128) is not a multiple of 128" in fp8_linear.unusable(torch.zeros(2, 128, dtype=torch.bfloat16), odd)
     assert "torch.float32; the FP8 GEMM writes bf16 or fp16" in fp8_linear.unusable(torch.zeros(2, 256), wq)
     assert fp8_linear.unusable(bf16, wq) == "the input is on cpu, not a GPU"
+
+
+def test_output_keeps_the_input_dtype_whatever_the_bias_dtype():
+    """A float32 bias beside bf16 activations (a checkpoint's bias kept at its saved precision) must not promote
+    the output: the GPU run of 2026-12-06 returned float32 there (tests/gpu/test_fp8_linear_gpu.py)."""
+    wq, ws = _weight(256, 128, seed=3)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    bias = torch.randn(256, generator=g)
+    y = fp8_linear.fp8_block_linear(x, wq, ws, bias, gemm=block_math_gemm, quantize=quantize_groups_reference)
+    plain = fp8_linear.fp8_block_linear(x, wq, ws, None, gemm=block_math_gemm, quantize=quantize_groups_reference)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, (plain.float() + bias).to(torch.bfloat16))

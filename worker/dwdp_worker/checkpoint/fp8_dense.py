@@ -2,9 +2,9 @@
 in e4m3 (+ their 128×128 ``weight_scale_inv``) instead of dequantized to the compute dtype at load (issue #34).
 
 ``DWDP_FP8_DENSE`` (``contract.TuningEnv.FP8_DENSE``, read at load): ``off`` (default) dequantizes at load as
-before; ``on`` keeps every eligible ``nn.Linear`` weight in FP8. Off by default until the H200 measurement of
-``bench/fp8_prefill.py --fp8-dense`` is in docs/KERNELS.md (the GEMM is the experts' proven kernel; the
-end-to-end speed-up is not yet measured).
+before; ``on`` keeps every eligible ``nn.Linear`` weight in FP8. Off by default: measured on an H100
+(2026-12-06, ``bench/fp8_prefill.py --fp8-dense``, docs/KERNELS.md "Issue #34") it bought 1.7 % end to end at
+the Qwen3 shape, where the dense linears are a small share of the FLOPs.
 
 Eligible (``source``): a module of exact type ``nn.Linear`` (not ``lm_head``, which the released checkpoints
 keep unquantized), whose ``weight`` is one checkpoint key stored float8_e4m3fn with its block scales (fp32, or
