@@ -14,8 +14,12 @@ uniformly random routing, all in one run:
   * ``bf16 block`` / ``fp4 block`` — whole routed-experts forwards: ``kernels.fused_experts`` on the dequantized
                            weights vs ``kernels.fp4_moe.fp4_experts`` on the packed ones, and how close (the
                            decode is exact; on the GPU the sums run in another order: ``MAX_REL_DIFF``);
-  * ``W4A8``             — not implemented yet (issue #31's stretch: FP4 → FP8 in registers over the CuTe DSL
-                           block-scaled kernels): printed as such, no number;
+  * ``W4A8``             — ``kernels.w4a8_moe`` (GPU, CuTe DSL): the re-encoding of both projections to e4m3
+                           128×128 blocks (``fp4_fp8``, once per layer per forward) timed alone, the two CuTe
+                           block-scaled GEMMs on it alone (fused gate_up + down on prepared plan rows, as
+                           bench/fp8_moe.py times them), their ratios to bf16 ``_grouped_mm`` without and with the
+                           re-encoding, the whole W4A8 block (re-encoding included) ÷ the bf16 block, and its
+                           relative error against the bf16 block on the dequantized weights;
   * ``prefetch bytes``   — bytes of one expert per layer, measured from the tensors themselves (packed codes +
                            scales; bf16 and FP8 twins beside), and what a d = 4 group's rank pulls per MoE layer
                            (the 3/4 of the model's experts it does not hold).
@@ -52,6 +56,9 @@ FORMATS = ("mxfp4", "nvfp4")
 #: the group a prefetch-bytes line describes: d ranks, each holding E/d experts and pulling the rest per layer
 PREFETCH_GROUP = 4
 RATIOS = ("fp4_over_bf16_grouped_mm", "fp4_block_over_bf16_block")
+#: the W4A8 ratios, summarized where a round measured them
+W4A8_RATIOS = ("w4a8_gemms_over_bf16_grouped_mm", "w4a8_with_reencode_over_bf16_grouped_mm",
+               "w4a8_block_over_bf16_block")
 
 
 #: on the GPU the FP4 kernels sum the same exact products in another order than the bf16 kernels (the decoded
@@ -164,15 +171,60 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
                  fp4_over_bf16_grouped_mm=t_bf16 / (t_g1 + t_g2), bf16_block_ms=t_bblock, fp4_block_ms=t_fblock,
                  fp4_block_over_bf16_block=t_bblock / t_fblock, block_bitwise_equal=bool(torch.equal(got, ref)),
                  block_max_rel_diff=float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1)),
-                 w4a8="not implemented", cfg_gate_up=str(c1), cfg_down=str(c2), **common)
+                 cfg_gate_up=str(c1), cfg_down=str(c2), **common)
+        r.update(w4a8_row(name, fmt, packed, x, ids, w, ref, bench=bench, t_bf16=t_bf16, t_bblock=t_bblock,
+                          flops=flops))
         rows.append(r)
         print(f"[{name}] {fmt} T={t}: bf16 grouped_mm {t_bf16:.3f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | FP4 "
               f"weight-only GEMMs {t_g1 + t_g2:.3f} ms ({r['fp4_tflops']:.0f} TFLOP/s) = "
               f"{r['fp4_over_bf16_grouped_mm']:.2f}x bf16 | block bf16 {t_bblock:.3f} ms, fp4 {t_fblock:.3f} ms "
               f"({r['fp4_block_over_bf16_block']:.2f}x), bitwise {r['block_bitwise_equal']}, max rel diff "
-              f"{r['block_max_rel_diff']:.2g} | W4A8: not "
-              f"implemented", flush=True)
+              f"{r['block_max_rel_diff']:.2g}", flush=True)
     return rows
+
+
+def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flops) -> dict:
+    """The W4A8 path at one shape (module docstring), or why it was skipped."""
+    import torch
+
+    from dwdp_runtime.kernels import fp8_cute
+    from dwdp_runtime.kernels.fp4_fp8 import fp4_block_fp8
+    from dwdp_runtime.kernels.fp8_plan_rows import gather_plan_rows
+    from dwdp_runtime.kernels.fp8_quant import quantize_groups
+    from dwdp_runtime.kernels.moe import ExpertsLayout
+    from dwdp_runtime.kernels.routing import align_routing
+    from dwdp_runtime.kernels.w4a8_moe import unsupported, w4a8_experts
+
+    why = unsupported(packed, ExpertsLayout(), x.device) or fp8_cute.unavailable(x.device)
+    if why:
+        print(f"[{name}] {fmt} T={x.shape[0]}: W4A8 skipped: {why}", flush=True)
+        return dict(w4a8_skipped=why)
+    i = packed.down.shape[2] * 2
+
+    def reencode():
+        return (fp4_block_fp8(packed.gate_up, packed.gate_up_scale, fmt, packed.gate_up_scale_2, split=i),
+                fp4_block_fp8(packed.down, packed.down_scale, fmt, packed.down_scale_2))
+
+    (w1, s1), (w2, s2) = reencode()
+    t_conv = bench(reencode)
+    plan = align_routing(ids, w1.shape[0], fp8_cute.TILE_M)
+    a, sa = gather_plan_rows(*quantize_groups(x), plan)
+    h, hs = fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i)
+    t1 = bench(lambda: fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i))
+    t2 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert))
+    got = w4a8_experts(x, ids, w, packed)
+    t_block = bench(lambda: w4a8_experts(x, ids, w, packed))
+    r = dict(w4a8_reencode_ms=t_conv, w4a8_gate_up_ms=t1, w4a8_down_ms=t2, w4a8_gemms_ms=t1 + t2,
+             w4a8_tflops=flops / (t1 + t2) / 1e9, w4a8_gemms_over_bf16_grouped_mm=t_bf16 / (t1 + t2),
+             w4a8_with_reencode_over_bf16_grouped_mm=t_bf16 / (t_conv + t1 + t2), w4a8_block_ms=t_block,
+             w4a8_block_over_bf16_block=t_bblock / t_block,
+             w4a8_rel_err=float((got.float() - ref.float()).norm() / ref.float().norm()))
+    print(f"[{name}] {fmt} T={x.shape[0]}: W4A8 re-encode {t_conv:.3f} ms + GEMMs {t1 + t2:.3f} ms "
+          f"({r['w4a8_tflops']:.0f} TFLOP/s; fused gate_up {t1:.3f}, down {t2:.3f}) = "
+          f"{r['w4a8_gemms_over_bf16_grouped_mm']:.2f}x bf16 grouped_mm ({r['w4a8_with_reencode_over_bf16_grouped_mm']:.2f}x "
+          f"with the re-encode) | block {t_block:.3f} ms = {r['w4a8_block_over_bf16_block']:.2f}x bf16 block | "
+          f"rel err vs bf16 block {r['w4a8_rel_err']:.4f}", flush=True)
+    return r
 
 
 #: ``--sweep``: FP4 tilings timed per GEMM (block_m, block_n, block_k, num_warps, num_stages)
@@ -249,13 +301,13 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
     for rows in zip(*rounds):
         entry = {key: rows[0][key] for key in ("shape", "format", "tokens")}
         entry["rounds"] = len(rows)
-        for key in RATIOS:
+        for key in RATIOS + tuple(k for k in W4A8_RATIOS if k in rows[0]):
             values = [r[key] for r in rows]
             entry[key] = dict(median=statistics.median(values), min=min(values), max=max(values))
         out.append(entry)
         print(f"[{entry['shape']}] {entry['format']} T={entry['tokens']}: median of {len(rows)} rounds: "
               + ", ".join(f"{k} {entry[k]['median']:.3f} ({entry[k]['min']:.3f}-{entry[k]['max']:.3f})"
-                          for k in RATIOS), flush=True)
+                          for k in RATIOS + W4A8_RATIOS if k in entry), flush=True)
     return out
 
 

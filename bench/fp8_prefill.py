@@ -68,6 +68,18 @@ ITERS = 10
 UNTIMED_FORWARDS = prefill_graphs.WARMUP_FORWARDS + 1
 #: the agreement prompts' seed, random ids or held-out windows (2: the seed of the numbers in docs/MODELS.md)
 PROMPT_SEED = 2
+#: ``--quant``: the checkpoint formats this bench writes and serves
+QUANTS = ("fp8", "mxfp4", "nvfp4")
+
+
+def _checkpoint_module(quant: str):
+    """The module that quantizes and dequantizes checkpoints of ``quant`` (``quantize_checkpoint(src, dst)``,
+    ``dequantize_checkpoint(src, dst, dtype)``)."""
+    if quant == "fp8":
+        from dwdp_worker.checkpoint import fp8 as module
+    else:
+        from dwdp_worker.checkpoint import fp4 as module
+    return module
 
 
 def parse_args(argv=None):
@@ -94,6 +106,12 @@ def parse_args(argv=None):
                    help="keep the dense linears (attention, dense MLP, shared experts) FP8 in the sharded engine "
                         "(DWDP_FP8_DENSE=on, dwdp_worker.checkpoint.fp8_dense): compare its time with the bf16 "
                         "reference's for the end-to-end FP8 speed-up (default: dequantized at load)")
+    p.add_argument("--quant", choices=QUANTS, default=_OWN_DEFAULTS["quant"],
+                   help="the checkpoint's format (default fp8): mxfp4 / nvfp4 write FP4 experts (gpt-oss's / "
+                        "ModelOpt's layout, checkpoint.fp4.quantize_checkpoint) and serve them on CUDA by "
+                        "--fp4-kernel; the result keys keep the fp8 names (the quantized model)")
+    p.add_argument("--fp4-kernel", choices=("auto", "weight-only", "w4a8"), default=_OWN_DEFAULTS["fp4_kernel"],
+                   help="DWDP_FP4_KERNEL in the rank processes (kernels.w4a8_moe; default auto)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=2048)
     p.add_argument("--num-experts", type=int, default=32)
@@ -121,6 +139,10 @@ def _model_name(args) -> str:
             f"-k{args.top_k}-V{args.vocab_size}-P{args.isl}")
 
 
+def _quant_of(args) -> str:
+    return getattr(args, "quant", None) or "fp8"
+
+
 def _synth(args, out, quant):
     from dwdp_worker.checkpoint.synth import write_synthetic
 
@@ -140,20 +162,19 @@ def _train_tag(args, corpus) -> str:
 def ensure_models(args, corpus=None) -> tuple[pathlib.Path, pathlib.Path]:
     """The FP8 checkpoint and its dequantized bf16 twin, written once per settings and reused: random weights, or
     with ``corpus`` (``--train-steps``) the same model trained on it first."""
-    from dwdp_worker.checkpoint.fp8 import dequantize_checkpoint
-
+    quant = _quant_of(args)
     name = _model_name(args) + (f"-{_train_tag(args, corpus)}" if corpus is not None else "")
-    fp8 = pathlib.Path(args.work_dir) / f"{name}-fp8"
-    ref = pathlib.Path(args.work_dir) / f"{name}-dequantized"
+    fp8 = pathlib.Path(args.work_dir) / f"{name}-{quant}"
+    ref = pathlib.Path(args.work_dir) / f"{name}-{'' if quant == 'fp8' else quant + '-'}dequantized"
     if not (fp8 / "config.json").is_file():
         t0 = time.perf_counter()
         if corpus is None:
-            _synth(args, fp8, "fp8")
+            _synth(args, fp8, quant)
         else:
             _write_trained_fp8(args, corpus, pathlib.Path(args.work_dir) / f"{name}-bf16", fp8)
         print(f"wrote {fp8} in {time.perf_counter() - t0:.1f} s", flush=True)
     if not (ref / "config.json").is_file():
-        dequantize_checkpoint(fp8, ref, dtype="bfloat16")
+        _checkpoint_module(quant).dequantize_checkpoint(fp8, ref, dtype="bfloat16")
     return fp8, ref
 
 
@@ -161,7 +182,6 @@ def _write_trained_fp8(args, corpus, trained: pathlib.Path, fp8: pathlib.Path) -
     """Synthesize the bf16 model (a temporary directory), train it into ``trained`` (reused when its
     ``train.json`` is there) and quantize that to ``fp8``."""
     from bench.tiny_train import train_checkpoint
-    from dwdp_worker.checkpoint.fp8 import quantize_checkpoint
 
     if not (trained / "train.json").is_file():
         pathlib.Path(args.work_dir).mkdir(parents=True, exist_ok=True)
@@ -170,7 +190,11 @@ def _write_trained_fp8(args, corpus, trained: pathlib.Path, fp8: pathlib.Path) -
             train_checkpoint(init, trained, corpus, steps=args.train_steps, batch=args.train_batch,
                              seq=args.train_seq, lr=args.train_lr,
                              device="cuda:0" if args.device == "cuda" else "cpu")
-    quantize_checkpoint(trained, fp8)
+    quant = _quant_of(args)
+    if quant == "fp8":
+        _checkpoint_module(quant).quantize_checkpoint(trained, fp8)
+    else:
+        _checkpoint_module(quant).quantize_checkpoint(trained, quant, dst=fp8)
 
 
 def rank_main(rank, args, fp8, ref, prompts, port, q):
@@ -221,6 +245,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
         from dwdp_runtime.contract import TuningEnv
 
         os.environ[TuningEnv.FP8_DENSE] = "on"
+    os.environ["DWDP_FP4_KERNEL"] = getattr(args, "fp4_kernel", "auto")   # this rank process only
     cfg = DwdpConfig.even(dwdp_size=args.dwdp_size, num_experts=num_experts_of(fp8))
     with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=args.dwdp_size, job="fp8",
                          token="fp8", timeout_s=1800) as rdzv:
@@ -236,7 +261,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
             if rank == 0:
                 import torch as _t
 
-                from dwdp_worker.checkpoint.fp8 import bind_fp8_experts
+                from dwdp_worker.checkpoint.fp8 import bind_quantized_experts
                 from dwdp_worker.launch.oracle import Reference
 
                 ref = Reference(ref_dir, dtype="bfloat16", device=device)
@@ -256,7 +281,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                 # two differ only by DWDP — without it the unsharded model ran transformers' norms (other bits,
                 # slower: measured 2026-12-01, sharded "faster" by 15-27 %, max |dlogit| 0.055)
                 unsharded = Reference(ref_dir, dtype="bfloat16", device=device, experts="auto")
-                bind_fp8_experts(unsharded.model, fp8, device, _t.bfloat16)
+                bind_quantized_experts(unsharded.model, fp8, device, _t.bfloat16)
                 unsharded_logits = unsharded.logits
                 if args.cuda_graphs:
                     unsharded_logits = prefill_graphs.PrefillGraphs(unsharded.model, device, max_graphs=args.cuda_graphs).logits
@@ -306,7 +331,7 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
 
 
 #: options bench/prefill.py does not have, with their defaults here (``prefill.py --quant fp8`` calls ``run``)
-_OWN_DEFAULTS = {"cuda_graphs": 0, "fp8_dense": False, "prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False, "host_profile": False,
+_OWN_DEFAULTS = {"quant": "fp8", "fp4_kernel": "auto", "cuda_graphs": 0, "fp8_dense": False, "prompts": 1000, "prompt_len": 32, "pack": 100, "json": None, "profile": False, "host_profile": False,
                  "work_dir": os.path.join(tempfile.gettempdir(), "dwdp-bench-fp8"),
                  # --train-steps: 32 x 512 bytes a step (~28 TFLOP at the default model; docs/MODELS.md)
                  "train_steps": 0, "train_batch": 32, "train_seq": 512, "train_lr": 1e-3, "corpus": None}
@@ -382,6 +407,7 @@ def _training_summary(fp8: pathlib.Path) -> dict | None:
 
 
 def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
+    q = _quant_of(args).upper() + ("" if _quant_of(args) == "fp8" else f" ({args.fp4_kernel} kernel)")
     print(f"\n{fp8.name}: dwdp_size={args.dwdp_size}, rank 0 holds {r0['local']} — {r0['report']}")
     t = r0["training"]
     print("model: random weights (synth seed 0)" if t is None else
@@ -389,12 +415,12 @@ def _print_summary(args, fp8: pathlib.Path, r0: dict) -> None:
           f"{t['train_s']:.1f} s), held-out {t['heldout_bits_per_byte']:.3f} bits/byte "
           f"(before: {t['heldout_bits_per_byte_before']:.3f})")
     print(f"agreement over {args.prompts} prompts x {args.prompt_len} tokens, {r0['prompt_source']}: top-1 "
-          f"{r0['top1_agreement']:.4f}, max |dlogprob| {r0['max_abs_dlogprob']:.4f} (sharded FP8 vs dequantized "
+          f"{r0['top1_agreement']:.4f}, max |dlogprob| {r0['max_abs_dlogprob']:.4f} (sharded {q} vs dequantized "
           f"bf16 reference)")
     print(f"noise floor, the same weights in float32 as the reference: bf16 top-1 {r0['top1_bf16_vs_fp32']:.4f} "
-          f"(max |dlogprob| {r0['max_abs_dlogprob_bf16_vs_fp32']:.4f}), FP8 top-1 {r0['top1_fp8_vs_fp32']:.4f} "
+          f"(max |dlogprob| {r0['max_abs_dlogprob_bf16_vs_fp32']:.4f}), {q} top-1 {r0['top1_fp8_vs_fp32']:.4f} "
           f"(max |dlogprob| {r0['max_abs_dlogprob_fp8_vs_fp32']:.4f})")
-    print(f"prefill ISL {args.isl}: sharded fp8 {r0['sharded_fp8_s'] * 1e3:.2f} ms, unsharded fp8 "
+    print(f"prefill ISL {args.isl} ({q}): sharded {r0['sharded_fp8_s'] * 1e3:.2f} ms, unsharded fp8 "
           f"{r0['unsharded_fp8_s'] * 1e3:.2f} ms, unsharded bf16 ref {r0['unsharded_bf16_ref_s'] * 1e3:.2f} ms; "
           f"sharded/unsharded (tok/s) = {r0['sharded_over_unsharded']:.3f}; "
           f"max |dlogit| sharded vs unsharded fp8 {r0['sharded_vs_unsharded_fp8_max_abs_dlogit']:.3g}")

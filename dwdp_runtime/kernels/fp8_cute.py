@@ -249,33 +249,47 @@ def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
     return cfg
 
 
+def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
 def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                               block_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                              cfg: CuteGemmConfig = PLAIN_CONFIG, trace: torch.Tensor | None = None) -> torch.Tensor:
+                              cfg: CuteGemmConfig = PLAIN_CONFIG, trace: torch.Tensor | None = None,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
     """``d [rows, N]`` = the block-scaled product of plan rows ``a [rows, K]`` (scales ``sa [K/128, rows]``) with
     expert ``block_expert[r // 128]``'s ``w [E, N, K]`` (scales ``ws [E, N/128, K/128]``); idle blocks unwritten.
-    ``trace`` (``trace_buffer``): run the trace build, which fills it (``phase_shares`` reads it)."""
+    ``trace`` (``trace_buffer``): run the trace build, which fills it (``phase_shares`` reads it). ``out``: the
+    ``[rows, N]`` tensor to write (launches over chunks of experts fill one output: ``w4a8_moe``)."""
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"CuTe FP8 GEMM writes bf16 or fp16 (a 16-bit stmatrix epilogue), not {out_dtype}")
     cfg = _check_operands(a, w, w.shape[1], cfg)
-    d = torch.empty(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
+    shape = (a.shape[0], w.shape[1])
+    d = torch.empty(shape, dtype=out_dtype, device=a.device) if out is None else _check_out(out, shape, out_dtype)
     _launch(a, sa, w, ws, d, sa, block_expert, cfg, 0, trace)
     return d
 
 
 def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
                       block_expert: torch.Tensor, inter: int, cfg: CuteGemmConfig = FUSED_CONFIG,
-                      trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      trace: torch.Tensor | None = None,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM 1 fused with SiLU·mul and the e4m3 requantisation: ``(h [rows, I] e4m3, hs [I/128, rows] fp32)``
     from plan rows ``a`` and gate_up ``w1 [E, 2I, H]`` — what ``act_quant_plan_rows`` makes of the unfused
-    GEMM's output, without the ``[rows, 2I]`` intermediate (and its bf16 rounding). ``trace``: as
-    ``block_scaled_grouped_gemm``'s."""
+    GEMM's output, without the ``[rows, 2I]`` intermediate (and its bf16 rounding). ``trace``, ``out`` (the
+    ``(h, hs)`` to write): as ``block_scaled_grouped_gemm``'s."""
     if w1.shape[1] != 2 * inter:
         raise ValueError(f"gate_up weights {tuple(w1.shape)} are not [E, 2·{inter}, H]")
     cfg = _check_operands(a, w1, inter, dataclasses.replace(cfg, tile_n=TILE_N_FUSED))
     rows = a.shape[0]
-    h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=a.device)
-    hs = torch.empty(inter // SCALE_BLOCK, rows, dtype=torch.float32, device=a.device)
+    if out is None:
+        h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=a.device)
+        hs = torch.empty(inter // SCALE_BLOCK, rows, dtype=torch.float32, device=a.device)
+    else:
+        h = _check_out(out[0], (rows, inter), torch.float8_e4m3fn)
+        hs = _check_out(out[1], (inter // SCALE_BLOCK, rows), torch.float32)
     _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter, trace)
     return h, hs
 

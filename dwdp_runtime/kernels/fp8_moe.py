@@ -143,13 +143,18 @@ class Fp8Backend(str, enum.Enum):
 BACKEND_ENV = str(TuningEnv.FP8_BACKEND)
 
 
-def chosen_backend(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Backend:
-    """TRITON or CUTE for these weights on this machine (``BACKEND_ENV``; module docstring)."""
+def wanted_backend() -> Fp8Backend:
+    """The backend ``BACKEND_ENV`` asks for (AUTO when unset)."""
     raw = os.environ.get(BACKEND_ENV, Fp8Backend.AUTO.value).strip().lower() or Fp8Backend.AUTO.value
     try:
-        wanted = Fp8Backend(raw)
+        return Fp8Backend(raw)
     except ValueError:
         raise ValueError(f"{BACKEND_ENV}={raw!r}: expected one of {[b.value for b in Fp8Backend]}") from None
+
+
+def chosen_backend(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Backend:
+    """TRITON or CUTE for these weights on this machine (``BACKEND_ENV``; module docstring)."""
+    wanted = wanted_backend()
     if wanted is Fp8Backend.CUTE and w1.device.type != "cuda":
         raise RuntimeError(f"{BACKEND_ENV}=cute but the weights are on {w1.device} (the CuTe kernels run on sm_90 GPUs)")
     if wanted is Fp8Backend.TRITON or w1.device.type != "cuda":

@@ -25,6 +25,10 @@ def add_subparser(sub) -> argparse.ArgumentParser:
                    help=f"preset ({', '.join(sorted(presets.MODELS))}) or path to a HF config.json / its folder")
     p.add_argument("--dtype", default="bf16", help=f"expert weight dtype: {', '.join(presets.DTYPES)}")
     p.add_argument("--dense-dtype", default=None, help="dtype of attention/dense linears (default: --dtype)")
+    p.add_argument("--fp4-kernel", default="auto", choices=("auto", "weight-only", "w4a8"),
+                   help="the workers' DWDP_FP4_KERNEL, for nvfp4/mxfp4 experts (default auto: W4A8 where hidden "
+                        "and moe_intermediate are multiples of 128, which holds one MoE layer's experts in e4m3 "
+                        "while it runs: the w4a8_scratch part)")
     p.add_argument("--hardware", default="h200-hgx", help=f"GPU preset: {', '.join(presets.HARDWARE)}")
     p.add_argument("--isl", type=int, default=8192, help="input length per sequence (tokens)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per forward")
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                       isl=args.isl, batch=args.batch, cv=args.cv, dwdp_size=args.dwdp_size,
                       experts_per_worker=args.experts_per_worker, prefetch_stride=args.prefetch_stride,
                       prefetch_slots=args.prefetch_slots, contention_opt=args.contention_opt,
-                      expert_replicas=args.expert_replicas)
+                      expert_replicas=args.expert_replicas, fp4_kernel=args.fp4_kernel)
         if args.sweep:
             from .sweep import sweep_points, write_png
             try:

@@ -24,6 +24,11 @@ Pure. Parts (bytes):
                  elastic): the graphs' one shared memory pool, the same estimate for the largest padded shape
                  (``graph_buckets.largest_bucket_tokens(max_num_tokens)``) — held beside the eager forwards'
                  activations, which still run (warm-ups, shapes without a graph).
+  w4a8_scratch   FP4 experts (``nvfp4``, ``mxfp4``) served W4A8, the worker's default where hidden and
+                 moe_intermediate are multiples of 128 (``kernels.w4a8_moe``): the experts re-encoded to e4m3 + block
+                 scales while a layer runs, in chunks of at most ``quant.memory.W4A8_SCRATCH_BUDGET`` (1 GiB) per
+                 projection (``quant.w4a8_scratch_bytes``; DeepSeek-R1's whole layer would be 11.3 GB).
+                 ``fp4_kernel="weight-only"`` plans without it (``DWDP_FP4_KERNEL=weight-only`` on the workers).
   reserved       the hardware preset's ``reserved_bytes`` (CUDA context, workspaces; assumed).
   kv_cache       what remains; ``kv_needed`` = tokens × KV bytes/token for the planned workload.
 """
@@ -56,6 +61,7 @@ class MemoryBreakdown(BaseModel):
     activations: float
     reserved: float
     graph_pool: float = 0.0
+    w4a8_scratch: float = 0.0
     kv_cache_available: float
     kv_needed: float = 0.0
 
@@ -63,7 +69,7 @@ class MemoryBreakdown(BaseModel):
     def used(self) -> float:
         return (self.dense_weights + self.local_experts + self.local_expert_scales + self.replica_experts
                 + self.pool_slots
-                + self.activations + self.graph_pool + self.reserved)
+                + self.activations + self.graph_pool + self.w4a8_scratch + self.reserved)
 
     @property
     def fits_weights(self) -> bool:
@@ -75,7 +81,7 @@ class MemoryBreakdown(BaseModel):
 
     def gib(self) -> dict[str, float]:
         parts = ("capacity", "dense_weights", "local_experts", "local_expert_scales", "replica_experts",
-                 "pool_slots", "activations", "graph_pool",
+                 "pool_slots", "activations", "graph_pool", "w4a8_scratch",
                  "reserved", "kv_cache_available", "kv_needed")
         return {p: round(getattr(self, p) / GIB, 3) for p in parts}
 
@@ -97,6 +103,21 @@ def dense_weight_bytes(shape: ModelShape, *, dtype: WeightDtype, dense_dtype: We
 #: expert dtype -> the dtype the worker holds that checkpoint's dense linears in (dequantized at load:
 #: docs/MODELS.md FP8 and FP4 sections; pass --dense-dtype to plan for a quantized dense GEMM instead)
 DEQUANTIZED_DENSE = {"fp8": "bf16", "nvfp4": "bf16", "mxfp4": "bf16"}
+
+#: expert dtypes a worker serves W4A8 by default (``DWDP_FP4_KERNEL=auto``) where the shapes allow
+W4A8_DTYPES = ("nvfp4", "mxfp4")
+#: ``breakdown(fp4_kernel=...)``: the worker's FP4 kernel choices (``kernels.w4a8_moe.FP4Kernel`` values)
+FP4_KERNELS = ("auto", "weight-only", "w4a8")
+
+
+def w4a8_scratch(shape: ModelShape, *, dtype: WeightDtype, fp4_kernel: str = "auto") -> float:
+    """The W4A8 re-encoding's bytes for this model and expert dtype (module docstring; 0 where it does not run)."""
+    if fp4_kernel not in FP4_KERNELS:
+        raise ValueError(f"fp4_kernel {fp4_kernel!r}: one of {FP4_KERNELS}")
+    if dtype.name not in W4A8_DTYPES or fp4_kernel == "weight-only":
+        return 0.0
+    return float(quant.w4a8_scratch_bytes(shape.num_experts, shape.hidden, shape.moe_inter))
+
 
 #: planner dtypes -> the expert tensors ``dwdp_runtime.quant`` declares for them (every dtype has one)
 _DECLARED = {"bf16": quant.UNQUANTIZED, "fp8": quant.FP8_BLOCK_SCHEME, "nvfp4": quant.NVFP4_SCHEME,
@@ -155,9 +176,10 @@ def activation_bytes(shape: ModelShape, *, tokens: float) -> float:
 
 def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_per_worker: int,
               prefetch_slots: int, dense_dtype=None, max_num_tokens: float = SERVING_DEFAULTS.max_num_tokens,
-              kv_tokens: float = 0, expert_replicas: int = 1, cuda_graphs: bool | None = None) -> MemoryBreakdown:
+              kv_tokens: float = 0, expert_replicas: int = 1, cuda_graphs: bool | None = None,
+              fp4_kernel: str = "auto") -> MemoryBreakdown:
     """``cuda_graphs``: count the graphs' pool (``None``: as the worker decides unset — on unless the group is
-    elastic, ``expert_replicas`` > 1)."""
+    elastic, ``expert_replicas`` > 1). ``fp4_kernel``: the workers' ``DWDP_FP4_KERNEL`` (W4A8's scratch)."""
     shape = load_model(model)
     hw: Hardware = get_hardware(hardware)
     dt = get_dtype(dtype)
@@ -175,6 +197,7 @@ def breakdown(*, model, dtype, hardware, ranges: list[tuple[int, int]], experts_
         activations=activation_bytes(shape, tokens=max_num_tokens),
         graph_pool=activation_bytes(shape, tokens=largest_bucket_tokens(int(max_num_tokens)))
         if (expert_replicas == 1 if cuda_graphs is None else cuda_graphs) else 0.0,
+        w4a8_scratch=w4a8_scratch(shape, dtype=dt, fp4_kernel=fp4_kernel),
         reserved=float(hw.reserved_bytes),
     )
     avail = hw.memory_bytes - sum(parts.values())

@@ -107,10 +107,11 @@ def plan(*, model="deepseek-r1", dtype="bf16", hardware="h200-hgx", isl: int = 8
          cv: float = 0.0, dwdp_size: int = 4, experts_per_worker: int | None = None,
          prefetch_stride: int | None = None, prefetch_slots: int = 2, contention_opt: bool = False,
          dense_dtype=None, with_crossover: bool = True, with_recommendation: bool = True,
-         expert_replicas: int = 1) -> PlanResult:
+         expert_replicas: int = 1, fp4_kernel: str = "auto") -> PlanResult:
     """Predict DWDP vs DEP for one configuration (see the module docstring for the model).
 
-    ``experts_per_worker``/``prefetch_stride`` default to ``config.suggest_sharding``. Raises
+    ``experts_per_worker``/``prefetch_stride`` default to ``config.suggest_sharding``; ``fp4_kernel`` is the
+    workers' ``DWDP_FP4_KERNEL`` (FP4 dtypes: W4A8's scratch, ``memory.w4a8_scratch``). Raises
     ``ValueError`` (incl. ``ModelConfigError``/``PresetError``) on bad input, with a message.
     """
     if isl < 1 or batch < 1:
@@ -140,10 +141,10 @@ def plan(*, model="deepseek-r1", dtype="bf16", hardware="h200-hgx", isl: int = 8
     mem: MemoryBreakdown = breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
                                      prefetch_slots=prefetch_slots, dense_dtype=ev.ddt,
                                      max_num_tokens=isl * batch, kv_tokens=isl * batch,
-                                     expert_replicas=expert_replicas)
+                                     expert_replicas=expert_replicas, fp4_kernel=fp4_kernel)
     rec = None
     if with_recommendation:
-        rec = recommend(ev, isl=isl, batch=batch)
+        rec = recommend(ev, isl=isl, batch=batch, fp4_kernel=fp4_kernel)
     notes = []
     if not mem.fits_weights:
         notes.append("weights, experts and pool slots exceed GPU memory: this configuration cannot run")

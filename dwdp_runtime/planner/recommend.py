@@ -41,7 +41,7 @@ def candidates(num_experts: int, max_group: int):
                 yield d, k, s
 
 
-def recommend(ev: Evaluator, *, isl: int, batch: int) -> dict[str, Any] | None:
+def recommend(ev: Evaluator, *, isl: int, batch: int, fp4_kernel: str = "auto") -> dict[str, Any] | None:
     shape, hw = ev.shape, ev.hw
     n = shape.num_experts
     tokens = isl * batch
@@ -51,7 +51,8 @@ def recommend(ev: Evaluator, *, isl: int, batch: int) -> dict[str, Any] | None:
     for d, k, s in candidates(n, hw.max_group):
         ranges = prefetch.expert_ranges(dwdp_size=d, num_experts=n, experts_per_worker=k, stride=s)
         mem = memory.breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
-                               prefetch_slots=2, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens)
+                               prefetch_slots=2, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens,
+                               fp4_kernel=fp4_kernel)
         if mem.kv_cache_available < kv_floor:
             continue
         pf = ev.prefetch(dwdp_size=d, k=k, s=s)
@@ -66,7 +67,8 @@ def recommend(ev: Evaluator, *, isl: int, batch: int) -> dict[str, Any] | None:
     fwd = {}
     for slots in range(2, MAX_SLOTS + 1):
         m = memory.breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
-                             prefetch_slots=slots, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens)
+                             prefetch_slots=slots, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens,
+                             fp4_kernel=fp4_kernel)
         if m.kv_cache_available >= kv_floor:
             fwd[slots] = (pipeline.simulate(pre=pre, moe=moe, post=post, t_prefetch=pf.time_s, slots=slots).steady_s, m)
     best_f = min(v[0] for v in fwd.values())

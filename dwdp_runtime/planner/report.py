@@ -35,6 +35,7 @@ def rows(r: PlanResult) -> list[tuple[str, str]]:
         *([(f"replica experts (r={r.expert_replicas})", f"{mem['replica_experts']:.2f}")]
           if mem.get("replica_experts") else []),
         ("pool slots", f"{mem['pool_slots']:.2f}"),
+        *([("W4A8 re-encoded layer (FP4 experts)", f"{mem['w4a8_scratch']:.2f}")] if mem.get("w4a8_scratch") else []),
         ("activations + CUDA graphs + reserved", f"{mem['activations']:.2f} + {mem['graph_pool']:.2f} + {mem['reserved']:.2f}"),
         ("left for KV cache", f"{mem['kv_cache_available']:.2f} of {mem['capacity']:.2f} "
                               f"(this workload needs {mem['kv_needed']:.2f})"),

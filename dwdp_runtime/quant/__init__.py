@@ -15,7 +15,7 @@ Everything here but ``fp8_block`` and ``fp4`` is pure and imports without torch.
 
 from .config import (NONE, SUPPORTED, QuantConfig, UnsupportedQuantizationError, fp4_config_dict, fp8_config_dict,
                      modelopt_config_from_hf_quant, parse_quantization_config)
-from .memory import ExpertMemory, expert_memory, layer_tensors, layers_memory
+from .memory import ExpertMemory, expert_memory, layer_tensors, layers_memory, w4a8_scratch_bytes
 from .module_patterns import ModulePatterns
 from .nvfp4_checkpoint import (COMPRESSED_TENSORS_NVFP4, MODELOPT_NVFP4, GlobalScale, Nvfp4Checkpoint, Nvfp4Names,
                                Nvfp4Part)
@@ -24,7 +24,7 @@ from .scheme import (FP4_UE8M0_SCHEME, FP8_BLOCK, FP8_BLOCK_SCHEME, MXFP4_SCHEME
 
 __all__ = ["NONE", "SUPPORTED", "QuantConfig", "UnsupportedQuantizationError", "fp4_config_dict", "fp8_config_dict",
            "modelopt_config_from_hf_quant", "parse_quantization_config", "ExpertMemory", "expert_memory",
-           "layer_tensors", "layers_memory", "FP4_UE8M0_SCHEME", "FP8_BLOCK", "FP8_BLOCK_SCHEME", "MXFP4_SCHEME",
+           "layer_tensors", "layers_memory", "w4a8_scratch_bytes", "FP4_UE8M0_SCHEME", "FP8_BLOCK", "FP8_BLOCK_SCHEME", "MXFP4_SCHEME",
            "NVFP4_SCHEME", "REPLICATED", "UNQUANTIZED", "ExpertTensor", "QuantFormat", "QuantScheme", "TensorRole",
            "ModulePatterns", "COMPRESSED_TENSORS_NVFP4", "MODELOPT_NVFP4", "GlobalScale", "Nvfp4Checkpoint",
            "Nvfp4Names", "Nvfp4Part"]

@@ -74,3 +74,38 @@ def layers_memory(*, layers: Sequence[Sequence[ExpertTensor]], num_experts: int,
         pages_per_layer.append(pages)
     pool_pages = sum(layout.slot_pool_pages(pages_per_layer, slots))
     return ExpertMemory(weights, scales, pool_pages * granularity * page_multiplier)
+
+
+#: the block of W4A8's e4m3 re-encoding (``kernels.fp4_fp8``: the FP8 kernels' 128×128 weight-scale block)
+W4A8_BLOCK = 128
+#: the most re-encoded (e4m3) expert bytes a W4A8 forward holds at once, per projection: a layer whose experts
+#: need more is re-encoded and multiplied in chunks of experts (``kernels.w4a8_moe``: each GEMM launch skips the
+#: plan's blocks of other chunks). DeepSeek-R1's 256 experts are 11.3 GB in e4m3 per layer — at d = 4 on an H200
+#: that would not fit beside its FP4 weights; 1 GiB is 8 gate_up and 4 down launches per layer there, and one
+#: launch each for Qwen3-30B-A3B (0.6 GB)
+W4A8_SCRATCH_BUDGET = 1 << 30
+
+
+def _w4a8_projection_bytes(rows: int, cols: int) -> int:
+    """One expert's projection ``[rows, cols]`` in e4m3 plus its fp32 128×128 block scales."""
+    return rows * cols + 4 * (rows // W4A8_BLOCK) * (cols // W4A8_BLOCK)
+
+
+def w4a8_projections(hidden: int, inter: int, has_gate: bool = True) -> tuple[int, int]:
+    """Bytes of one expert's re-encoded ``(gate_up, down)``."""
+    return (_w4a8_projection_bytes((2 if has_gate else 1) * inter, hidden), _w4a8_projection_bytes(hidden, inter))
+
+
+def w4a8_chunk_experts(num_experts: int, expert_bytes: int, budget: int = W4A8_SCRATCH_BUDGET) -> int:
+    """Experts re-encoded per chunk: as many as ``budget`` holds (at least one, at most the layer's)."""
+    return max(1, min(num_experts, budget // max(expert_bytes, 1)))
+
+
+def w4a8_scratch_bytes(num_experts: int, hidden: int, inter: int, has_gate: bool = True,
+                       budget: int = W4A8_SCRATCH_BUDGET) -> int:
+    """Bytes a W4A8 FP4 forward (``kernels.w4a8_moe``) holds re-encoded while a MoE layer runs: the larger
+    projection chunk (``w4a8_chunk_experts`` experts of the layer's composite, local and pulled, in e4m3 with
+    fp32 block scales); 0 where the shapes are not multiples of the block (W4A8 does not run there)."""
+    if hidden % W4A8_BLOCK or inter % W4A8_BLOCK:
+        return 0
+    return max(w4a8_chunk_experts(num_experts, b, budget) * b for b in w4a8_projections(hidden, inter, has_gate))

@@ -3,10 +3,11 @@
   * the weight-only FP4 grouped GEMMs (MXFP4 and NVFP4) at the Qwen3-30B-A3B and DeepSeek-V3 expert shapes equal
     the bf16 kernels on the dequantized weights **bitwise** (the GPU's own decode: integer ops and exact products),
     and are batch invariant (a token's output alone == inside 4K tokens of other load buckets);
-  * a tiny bf16 model with FP4 experts, unsharded: the FP4 forward runs (not the dequantizing fallback) and its
-    logits equal the dequantized twin on the bf16 kernels bitwise;
+  * a tiny bf16 model with FP4 experts, unsharded, ``DWDP_FP4_KERNEL=weight-only``: the FP4 forward runs (not the
+    dequantizing fallback) and its logits equal the dequantized twin on the bf16 kernels bitwise;
   * an NVFP4 and an MXFP4 checkpoint served by a d = 2 group (CUDA backend, ranks as processes) equal the same
-    model unsharded with the same FP4 kernels (``bind_quantized_experts``).
+    model unsharded with the same FP4 kernels (``bind_quantized_experts``; the default ``auto`` kernel choice,
+    W4A8 where the CuTe kernels run).
 Run on one H200 on 2026-12-04 (torch 2.11, Triton 3.6): the kernels test (max |diff| 0, batch invariant) and the
 unsharded forward test passed; ``scripts/gpu_fp4_check.sh`` runs the whole file and the bench.
 """
@@ -109,11 +110,13 @@ def _unsharded(q, ref_dir):
     return ref
 
 
-def test_fp4_forward_runs_the_kernels_and_equals_the_dequantized_twin(fp4_checkpoints):
+def test_fp4_forward_runs_the_kernels_and_equals_the_dequantized_twin(fp4_checkpoints, monkeypatch):
+    from dwdp_runtime.kernels.w4a8_moe import KERNEL_ENV
     from dwdp_worker.launch.oracle import Reference
     from dwdp_worker.model import fp4_experts_gpu
     from dwdp_worker.model.registry import model_layout
 
+    monkeypatch.setenv(KERNEL_ENV, "weight-only")   # the exact path (W4A8: tests/gpu/test_w4a8_gpu.py)
     for name, (q, ref_dir) in fp4_checkpoints.items():
         twin = Reference(ref_dir, dtype="bfloat16", device="cuda:0", experts="dwdp")
         want = [twin.logits(b) for b in BATCHES]

@@ -151,3 +151,24 @@ def test_graph_pool_is_the_largest_padded_shape_s_activations_and_follows_the_sw
     assert largest_bucket_tokens(9000) == 9216
     assert on.graph_pool == pytest.approx(memory.activation_bytes(shape, tokens=9216))
     assert off.graph_pool == 0 and on.used - off.used == pytest.approx(on.graph_pool)
+
+
+def test_w4a8_scratch_is_one_layer_of_e4m3_experts_and_follows_the_kernel_choice():
+    """FP4 experts served W4A8 hold one MoE layer's experts re-encoded (1 byte per weight + fp32 per 128×128
+    block) while it runs; weight-only and the other dtypes hold none; a width W4A8 cannot block holds none."""
+    kw = dict(model="qwen3-30b-a3b", hardware="h200-hgx", ranges=[(0, 64), (64, 128)], experts_per_worker=64,
+              prefetch_slots=2, max_num_tokens=4096)
+    w4a8, weight_only = memory.breakdown(**kw, dtype="nvfp4"), memory.breakdown(**kw, dtype="nvfp4",
+                                                                                 fp4_kernel="weight-only")
+    h, i, e = 2048, 768, 128
+    expected = e * 2 * i * h + 4 * e * 2 * (i // 128) * (h // 128)   # gate_up, the larger projection, in one chunk
+    assert w4a8.w4a8_scratch == expected and weight_only.w4a8_scratch == 0
+    assert weight_only.kv_cache_available - w4a8.kv_cache_available == pytest.approx(expected)
+    assert memory.breakdown(**kw, dtype="bf16").w4a8_scratch == 0 == memory.breakdown(**kw, dtype="fp8").w4a8_scratch
+    assert memory.breakdown(**kw, dtype="mxfp4").w4a8_scratch == expected
+    assert memory.w4a8_scratch(memory.load_model("gpt-oss-120b"), dtype=DTYPES["mxfp4"]) == 0   # 2880 wide
+    # DeepSeek-R1's 256 experts are 11.3 GB in e4m3 per layer: chunks of experts keep it under the budget
+    r1 = memory.w4a8_scratch(memory.load_model("deepseek-r1"), dtype=DTYPES["nvfp4"])
+    assert 0.9 * GIB < r1 <= GIB
+    with pytest.raises(ValueError, match="fp4_kernel"):
+        memory.breakdown(**kw, dtype="nvfp4", fp4_kernel="int4")

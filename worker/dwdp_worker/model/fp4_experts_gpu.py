@@ -1,4 +1,5 @@
-"""CUDA path of the FP4 experts forward: the weight-only FP4 Triton grouped GEMMs over the bound packed composites.
+"""CUDA path of the FP4 experts forward: W4A8 or the weight-only FP4 Triton grouped GEMMs over the bound packed
+composites (``kernels.w4a8_moe.chosen_kernel``: ``DWDP_FP4_KERNEL``, default ``auto``).
 
 ``unsupported_reason(module, x)`` is None only on CUDA with the Triton kernels available, 16-bit activations
 and a module the fused epilogues cover (as for bf16: the default gate, a known activation, no post-expert
@@ -8,9 +9,10 @@ takes ``checkpoint.fp4_loading.dequantized_forward`` (dequantize, then the modul
 What the kernels read (``dwdp_runtime.kernels.fp4_moe``): the packed ``[E, out, in/2]`` codes and scales as the
 hooks bound them (DWDP's composites; no copy), the layout flags ``@use_experts_implementation`` sets
 (``has_gate``, ``is_concatenated``, ``has_bias``; the packed weights are ``[out, in]`` whatever
-``is_transposed`` says), the activation from ``config.hidden_act``. The output equals the bf16 kernels on the
-dequantized weights bitwise (tests/kernels/test_fp4_kernels.py), so a sharded FP4 model on GPU equals its
-unsharded self on the same kernels.
+``is_transposed`` says), the activation from ``config.hidden_act``. Weight-only equals the bf16 kernels on the
+dequantized weights bitwise (tests/kernels/test_fp4_kernels.py); W4A8 is the FP8 block-scaled MoE on the
+re-encoded weights (tests/kernels/test_fp4_fp8.py). Either way a sharded FP4 model on GPU equals its unsharded
+self on the same kernels (the choice depends on the checkpoint and the variable, never on the batch or rank).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def unsupported_reason(module, hidden_states) -> str | None:
 def forward(module, hidden_states, top_k_index, top_k_weights):
     from dwdp_runtime.kernels.fp4_moe import Fp4Weights, fp4_experts
     from dwdp_runtime.kernels.moe import ExpertsLayout
+    from dwdp_runtime.kernels.w4a8_moe import FP4Kernel, chosen_kernel, w4a8_experts
 
     spec = getattr(module, FP4_STATE_ATTR)
     up, down = spec.projections
@@ -58,4 +61,6 @@ def forward(module, hidden_states, top_k_index, top_k_weights):
                          p[down.weight], p[down.scales[0]], second(up), second(down),
                          p[f"{up.weight}_bias"] if has_bias else None, p[f"{down.weight}_bias"] if has_bias else None)
     layout = ExpertsLayout(has_gate=has_gate, is_concatenated=concatenated, has_bias=has_bias, activation=activation)
+    if chosen_kernel(weights, layout, hidden_states.device) is FP4Kernel.W4A8:
+        return w4a8_experts(hidden_states, top_k_index, top_k_weights, weights, layout)
     return fp4_experts(hidden_states, top_k_index, top_k_weights, weights, layout)

@@ -1,0 +1,182 @@
+"""W4A8's weight step: packed FP4 experts → e4m3 with 128×128 block scales, the operands of the FP8 kernels.
+
+``fp4_block_fp8(packed, scales, fmt, scale_2, split)`` re-encodes one projection of all experts as DWDP binds
+it (``[E, N, K/2]`` codes, ``[E, N, K/G]`` group scales, NVFP4's ``[E, S]`` globals, any strides; the composite
+the prefetch filled) into ``w [E, N, K]`` float8_e4m3fn and ``s [E, N/128, K/128]`` float32 — exactly the
+layout ``quant.fp8_block`` checkpoints have and the CuTe / Triton block-scaled grouped GEMMs read
+(``fp8_moe.fp8_moe_forward``). The page pool keeps the FP4 bytes: the prefetch moves a quarter of bf16 and
+the e4m3 copy lives for one layer's forward (the caching allocator's block, reused layer after layer).
+
+One program per ``(expert, 128-row block, 128-column block)``:
+
+  decode the block to float32 (``fp4_grouped_gemm._fp4_tile``'s generic decode, without NVFP4's global ``s2``:
+  E2M1 × the group scale, exact) → ``amax`` of the block → ``k``, the smallest integer with ``amax ≤ 448 · 2^k``
+  (from ``amax``'s bits: exact) → ``q = v · 2^-k`` (two exact power-of-two factors) → e4m3 by round-to-nearest-
+  even on the float32 bits (``_e4m3_bits``); the block scale is ``2^k · s2`` (NVFP4: the global of the block's
+  rows — gate and up blocks each take theirs — exact) or ``2^k``.
+
+Why a power-of-two block scale: dividing by it is exact, so the only rounding is e4m3's own, and for MXFP4 the
+re-encoding is **lossless** wherever it can be: an E2M1 code times ``2^(e_g − k)`` (``e_g`` its group's E8M0
+exponent) is an e4m3 value while ``e_g − k ≥ −8`` (0.5 · 2^-8 is e4m3's smallest subnormal, 2^-9), and
+``k ≤ e_max − 6`` (the block's largest group holds 6 · 2^(e_max) at most, ≤ 448 · 2^k): every group within 14
+binades of the block's largest is exact, smaller ones round (``exactness``: how many weights did).
+NVFP4 keeps its global in the block scale, so what is re-encoded is E2M1 × the e4m3 group scale: codes ±0.5, 1,
+2, 4 give 4 significant bits (exact, same range rule), codes ±1.5, 3, 6 give up to 5 and round to e4m3's 4 when
+the scale's last mantissa bit is set (≤ 2^-5 relative); the model-level agreement bench measures what that costs
+(docs/KERNELS.md).
+
+The e4m3 encode is integer arithmetic on the float32 bits, not a float→fp8 conversion: Triton's interpreter
+rounds ties away and flushes subnormals there (docs/MODELS.md), so the CPU tests and the GPU get the same bytes,
+equal to torch's own ``.to(torch.float8_e4m3fn)`` of the same quotient (tested).
+
+Cost on the GPU: reads 0.53 (MXFP4) / 0.56 (NVFP4) B and writes 1 B per weight, memory bound — about a third
+of bf16 ``_grouped_mm``'s time for the same layer at 4K tokens, a tenth at 16K (bench/fp4_moe.py prints it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp4_grouped_gemm import E4M3, E8M0, _fp4_tile
+
+#: the block of the FP8 kernels' weight scales (``weight_block_size [128, 128]``, ``fp8_cute.SCALE_BLOCK``)
+BLOCK = 128
+#: e4m3fn's largest finite value: the block's largest weight maps at most onto it
+E4M3_MAX = 448.0
+#: e4m3fn's largest finite code (0x7E = 1.75 · 2^8), where an over-range value saturates
+_E4M3_MAX_CODE = tl.constexpr(0x7E)
+#: float32 exponent field of e4m3's smallest normal, 2^-6 (127 − 6): below it e4m3 is subnormal
+_E4M3_MIN_NORMAL_EXP = tl.constexpr(121)
+#: mantissa bits of 448 (1.75) in float32: ``amax`` above 1.75 · 2^j needs the next power of two
+_MANT_448 = tl.constexpr(0x600000)
+#: the block scale's exponent floor: 2^-126, float32's smallest normal (a block of zeros or of float32
+#: subnormals takes it; its codes are then exact or 0)
+_MIN_SCALE_EXP = -126
+_MIN_SCALE_EXP_C = tl.constexpr(_MIN_SCALE_EXP)
+
+
+@triton.jit
+def _pow2(e):
+    """``2^e`` as float32 for integer ``e`` in [-126, 127], from the bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """float32 ``q`` (|q| ≤ 448 up to rounding) → float8_e4m3fn codes (int32, 0..255): round to nearest even,
+    subnormals kept, saturating at ±448 — from the bits, identical on the GPU and in the interpreter."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    mant = mag & 0x7FFFFF
+    r = mant >> 20
+    rem = mant & 0xFFFFF
+    up = ((rem > 0x80000) | ((rem == 0x80000) & ((r & 1) == 1))).to(tl.int32)
+    normal = (((exp - 120) << 3) | r) + up
+    # subnormal: the magnitude in units of 2^-9 (exact in float32), its integer part, ties to even
+    units = mag.to(tl.float32, bitcast=True) * 512.0
+    whole = units.to(tl.int32)
+    frac = units - whole.to(tl.float32)
+    sub = whole + ((frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))).to(tl.int32)
+    code = tl.where(exp >= _E4M3_MIN_NORMAL_EXP, normal, sub)
+    return tl.minimum(code, _E4M3_MAX_CODE) | sign
+
+
+@triton.jit
+def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
+                    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e,
+                    stride_qe, stride_qn, stride_qse, stride_qsn,
+                    SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr, BLOCK_: tl.constexpr):
+    expert = tl.program_id(0)
+    row_block = tl.program_id(1)
+    col_block = tl.program_id(2)
+    rows = row_block * BLOCK_ + tl.arange(0, BLOCK_)
+    k0 = col_block * BLOCK_
+    v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows, k0, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                  stride_sk, tl.float32, SCALE_FMT, False, BLOCK_, BLOCK_, False, False)
+    factor = 1.0
+    if HAS_S2:  # NVFP4: the gate rows' global (s2[e, 0]) or the up rows' (s2[e, S - 1]) goes into the block scale
+        second = tl.where(row_block * BLOCK_ >= split, s2_second, 0)
+        factor = tl.load(s2_ptr + expert * stride_s2e + second)
+    amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+    abits = amax.to(tl.int32, bitcast=True)
+    k = (abits >> 23) - 135 + ((abits & 0x7FFFFF) > _MANT_448).to(tl.int32)   # amax ≤ 448 · 2^k, smallest
+    k = tl.maximum(k, _MIN_SCALE_EXP_C)
+    half = (-k) // 2
+    q = v * _pow2(half) * _pow2(-k - half)
+    codes = _e4m3_bits(q)
+    cols = k0 + tl.arange(0, BLOCK_)
+    q_ptrs = q_ptr + expert * stride_qe + rows[:, None] * stride_qn + cols[None, :]
+    tl.store(q_ptrs, codes.to(tl.uint8))
+    tl.store(qs_ptr + expert * stride_qse + row_block * stride_qsn + col_block, _pow2(k) * factor)
+
+
+SCALE_FORMATS = {"mxfp4": E8M0, "fp4-ue8m0": E8M0, "nvfp4": E4M3}
+
+
+def unsupported_shape(n: int, k: int) -> str | None:
+    """Why an ``[N, K]`` projection cannot be re-encoded in 128×128 blocks (None when it can)."""
+    if n % BLOCK or k % BLOCK:
+        return f"[{n}, {k}] is not a multiple of {BLOCK} in both dimensions (the FP8 kernels' scale block)"
+    return None
+
+
+def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None, *,
+                  split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w [E, N, K] float8_e4m3fn, s [E, N/128, K/128] float32)`` from packed FP4 ``[E, N, K/2]`` (or
+    gpt-oss's ``[E, N, K/32, 16]`` blocks) and group scales ``[E, N, K/G]``; NVFP4's ``scale_2 [E, S]``, whose
+    second column applies from row ``split`` on (a fused ``[gate; up]``, ``split`` a multiple of 128). Values:
+    module docstring."""
+    if fmt not in SCALE_FORMATS:
+        raise ValueError(f"FP4 format {fmt!r}: one of {sorted(SCALE_FORMATS)}")
+    if packed.dim() == 4:
+        packed = packed.flatten(2)
+    num_experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    why = unsupported_shape(n, k)
+    if why:
+        raise ValueError(f"FP4 weights {why}")
+    fmt_code = SCALE_FORMATS[fmt]
+    has_s2 = fmt_code == E4M3 and scale_2 is not None
+    if split is not None and split % BLOCK:
+        raise ValueError(f"the second global scale starts at row {split}, inside a {BLOCK}-row block")
+    w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=packed.device)
+    s = torch.empty(num_experts, n // BLOCK, k // BLOCK, dtype=torch.float32, device=packed.device)
+    codes = w.view(torch.uint8)
+    s2 = scale_2 if has_s2 else s
+    grid = (num_experts, n // BLOCK, k // BLOCK)
+    _fp4_fp8_kernel[grid](
+        packed, scales.view(torch.uint8), s2, codes, s, k, n if split is None else split,
+        (s2.shape[1] - 1) if has_s2 else 0,
+        packed.stride(0), packed.stride(1), packed.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
+        s2.stride(0) if has_s2 else 0, codes.stride(0), codes.stride(1), s.stride(0), s.stride(1),
+        SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK)
+    return w, s
+
+
+def fp4_fp8_reference(values: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's re-encoding in torch (the tests' oracle): ``values [E, N, K]`` float32 are the decoded
+    weights before NVFP4's global (``quant.fp4``'s dequantization with ``s2 = 1``: exact), ``factor [E, N/128]``
+    the global of each row block (None: 1). Per 128×128 block ``k = ⌈log2(amax / 448)⌉`` (floored at −126),
+    ``w = (v · 2^-k).to(float8_e4m3fn)``, ``s = 2^k · factor``."""
+    e, n, k = values.shape
+    blocks = values.reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK).float()
+    amax = blocks.abs().amax(dim=(2, 4))
+    mant, exp = torch.frexp(amax)                                         # amax = mant · 2^exp, mant ∈ [0.5, 1)
+    kexp = (exp - 9 + (mant > E4M3_MAX / 512).to(exp.dtype)).clamp(min=_MIN_SCALE_EXP)
+    kexp = torch.where(amax == 0, torch.full_like(kexp, _MIN_SCALE_EXP), kexp)
+    scale = torch.ldexp(torch.ones_like(amax), kexp)
+    if factor is not None:
+        scale = scale * factor[:, :, None]
+    q = torch.ldexp(blocks, -kexp[:, :, None, :, None])
+    return q.to(torch.float8_e4m3fn).reshape(e, n, k), scale
+
+
+def exactness(values: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> float:
+    """Fraction of the weights whose re-encoded value ``w · s`` equals ``values`` exactly (both as
+    ``fp4_fp8_reference`` takes them: before NVFP4's global, so ``s`` without it)."""
+    e, n, k = w.shape
+    back = (w.float().reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK) * s[:, :, None, :, None]).reshape(e, n, k)
+    return float((back == values.float()).float().mean())

@@ -1,0 +1,215 @@
+"""FP4 experts, W4A8: the packed FP4 composites re-encoded to e4m3 blocks, then the FP8 block-scaled MoE.
+
+``w4a8_experts(hidden, topk_ids, topk_weights, weights: Fp4Weights, layout)`` = ``fp8_moe.fp8_moe_forward`` on
+``fp4_fp8.fp4_block_fp8`` of both projections: activations quantized per token and 128-column group (e4m3),
+e4m3 × e4m3 MMAs with fp32 promotion every 128-deep K step — on sm_90 the CuTe DSL warp-specialised kernels
+(``fp8_cute``), elsewhere the Triton ones. What stays FP4: the page pool and every byte the prefetch moves
+(a quarter of bf16); the e4m3 copy of the layer is made after its pull, for its forward, and freed to the
+caching allocator. A layer whose experts would need more than ``quant.memory.W4A8_SCRATCH_BUDGET`` (1 GiB) in e4m3
+is re-encoded and multiplied in chunks of experts (``chunked_forward``: each GEMM launch skips the other chunks'
+blocks of the routing plan), so the scratch is bounded (``scratch_bytes``, which ``dwdp plan`` counts) —
+DeepSeek-R1: 1 GiB instead of 11.3 GB per layer.
+
+``FP4Kernel`` (``DWDP_FP4_KERNEL``) picks the FP4 path on CUDA: ``weight-only`` (``fp4_moe``: exact, the
+dequantized model's numbers bit for bit), ``w4a8`` (this module; refused with the reason where it cannot run),
+``auto`` (the default: W4A8 where ``unsupported`` finds nothing and the weights' format is in
+``W4A8_AUTO_FORMATS``, weight-only elsewhere). The choice depends on the checkpoint, the machine and the
+variable, never on the batch; both paths are batch invariant (no split-K, fixed-order reduce).
+
+What W4A8 cannot run (``unsupported``): biases and gpt-oss's interleaved gate/up rows (the FP8 kernels take
+neither), projections that are not multiples of 128 (gpt-oss's 2880), no CUDA.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import os
+
+import torch
+
+from ..contract import TuningEnv
+from ..quant.memory import W4A8_SCRATCH_BUDGET, w4a8_chunk_experts, w4a8_projections
+from ..quant.memory import w4a8_scratch_bytes as scratch_bytes  # noqa: F401 - re-exported: the scratch's size
+from .fp4_fp8 import fp4_block_fp8, unsupported_shape
+from .fp4_moe import SCALE_FORMATS, Fp4Weights
+from .fp8_moe import fp8_moe_forward
+from .moe import ExpertsLayout
+
+log = logging.getLogger(__name__)
+
+
+class FP4Kernel(str, enum.Enum):
+    AUTO = "auto"
+    WEIGHT_ONLY = "weight-only"
+    W4A8 = "w4a8"
+
+
+#: environment variable choosing the FP4 experts path on CUDA (module docstring)
+KERNEL_ENV = str(TuningEnv.FP4_KERNEL)
+#: formats ``auto`` runs as W4A8. MXFP4's re-encoding is lossless for every group within 14 binades of its
+#: 128×128 block's largest (``fp4_fp8``), so W4A8 differs from weight-only by the activations' e4m3 rounding
+#: alone; NVFP4's values have up to 6 significant bits and round to e4m3's 4 on top (docs/KERNELS.md, W4A8:
+#: the model-level agreement decides)
+W4A8_AUTO_FORMATS = ("mxfp4", "fp4-ue8m0", "nvfp4")
+
+
+def wanted_kernel() -> FP4Kernel:
+    raw = os.environ.get(KERNEL_ENV, FP4Kernel.AUTO.value).strip().lower() or FP4Kernel.AUTO.value
+    try:
+        return FP4Kernel(raw)
+    except ValueError:
+        raise ValueError(f"{KERNEL_ENV}={raw!r}: expected one of {[k.value for k in FP4Kernel]}") from None
+
+
+def unsupported(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device) -> str | None:
+    """Why W4A8 cannot run these experts here (None when it can)."""
+    if device.type != "cuda":
+        return f"W4A8 runs on CUDA devices (the weights are on {device})"
+    if weights.format not in SCALE_FORMATS:
+        return f"FP4 format {weights.format!r}"
+    if weights.gate_up_bias is not None or weights.down_bias is not None or layout.has_bias:
+        return "expert biases (the FP8 kernels have no bias epilogue)"
+    if layout.has_gate and not layout.is_concatenated:
+        return "interleaved gate/up rows (the FP8 kernels read [gate; up] halves)"
+    for name, w in (("gate_up", weights.gate_up), ("down", weights.down)):
+        why = unsupported_shape(w.shape[1], w.shape[2] * (2 if w.dim() == 3 else 32))
+        if why:
+            return f"{name} {why}"
+    return None
+
+
+def chosen_kernel(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device) -> FP4Kernel:
+    """WEIGHT_ONLY or W4A8 for these experts (``KERNEL_ENV``; module docstring)."""
+    wanted = wanted_kernel()
+    if wanted is FP4Kernel.WEIGHT_ONLY:
+        return wanted
+    why = unsupported(weights, layout, device)
+    if why and wanted is FP4Kernel.W4A8:
+        raise RuntimeError(f"{KERNEL_ENV}=w4a8 but W4A8 cannot run these FP4 experts: {why}")
+    if why is None and weights.format not in W4A8_AUTO_FORMATS:
+        why = f"{weights.format} runs weight-only unless {KERNEL_ENV}=w4a8"
+    chosen = FP4Kernel.WEIGHT_ONLY if why else FP4Kernel.W4A8
+    _log_choice(chosen, why)
+    return chosen
+
+
+_LOGGED: set[tuple[FP4Kernel, str | None]] = set()
+
+
+def _log_choice(chosen: FP4Kernel, why: str | None) -> None:
+    """One INFO line per distinct choice and reason in a process (not one per layer and forward)."""
+    if (chosen, why) not in _LOGGED:
+        _LOGGED.add((chosen, why))
+        log.info("FP4 experts run %s%s", chosen.value, f" ({why})" if why else "")
+
+
+def _inter(weights: Fp4Weights) -> int:
+    return weights.down.shape[2] * (2 if weights.down.dim() == 3 else 32)
+
+
+def w4a8_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 weights: Fp4Weights, layout: ExpertsLayout = ExpertsLayout(),
+                 budget: int = W4A8_SCRATCH_BUDGET) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` through W4A8 (module docstring): on the CuTe kernels in chunks of
+    experts of at most ``budget`` re-encoded bytes (``chunked_forward``), elsewhere (the Triton FP8 kernels: no
+    sm_90 or no CuTe DSL, and the CPU tests under the interpreter) the whole layer re-encoded at once."""
+    from . import fp8_cute
+
+    inter = _inter(weights)
+    if _on_cute(hidden_states.device):
+        gemm = functools.partial(fp8_cute.block_scaled_grouped_gemm, out_dtype=torch.bfloat16)
+        try:
+            return chunked_forward(hidden_states, topk_ids, topk_weights, weights, layout, gemm=gemm,
+                                   fused_gemm1=fp8_cute.gate_up_act_quant, budget=budget)
+        except fp8_cute.CuteBuildError:
+            # recorded by fp8_cute: a forced ``cute`` backend now refuses with the reason, ``auto`` takes Triton
+            # (once per process, at the warm-up forward, as for FP8 checkpoints)
+            if _on_cute(hidden_states.device):
+                raise
+    w1, s1 = fp4_block_fp8(weights.gate_up, weights.gate_up_scale, weights.format, weights.gate_up_scale_2,
+                           split=inter if layout.has_gate else None)
+    w2, s2 = fp4_block_fp8(weights.down, weights.down_scale, weights.format, weights.down_scale_2)
+    return fp8_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, has_gate=layout.has_gate,
+                           activation=layout.activation)
+
+
+def _on_cute(device: torch.device) -> bool:
+    """Whether the re-encoded weights (contiguous, 128-multiples by construction) run on the CuTe kernels here:
+    ``DWDP_FP8_BACKEND`` as for FP8 checkpoints (``cute`` where they cannot run is an error naming why)."""
+    from . import fp8_cute
+    from .fp8_moe import BACKEND_ENV, Fp8Backend, wanted_backend
+
+    wanted = wanted_backend()
+    if wanted is Fp8Backend.TRITON or device.type != "cuda":
+        return False
+    why = fp8_cute.unavailable(device)
+    if why and wanted is Fp8Backend.CUTE:
+        raise RuntimeError(f"{BACKEND_ENV}=cute but the CuTe FP8 kernels cannot run: {why}")
+    return why is None
+
+
+def expert_chunks(num_experts: int, expert_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """``[c0, c1)`` ranges of experts re-encoded together (``quant.memory.w4a8_chunk_experts`` per chunk)."""
+    step = w4a8_chunk_experts(num_experts, expert_bytes, budget)
+    return [(c0, min(num_experts, c0 + step)) for c0 in range(0, num_experts, step)]
+
+
+def chunk_block_map(block_expert: torch.Tensor, c0: int, c1: int, num_experts: int) -> torch.Tensor:
+    """The plan's block map for one chunk: experts ``[c0, c1)`` renumbered from 0, every other block idle (-1)
+    — the GEMMs skip idle blocks, so each launch multiplies only its chunk's rows (no host synchronisation)."""
+    if (c0, c1) == (0, num_experts):
+        return block_expert
+    inside = (block_expert >= c0) & (block_expert < c1)
+    return torch.where(inside, block_expert - c0, torch.full_like(block_expert, -1))
+
+
+def chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    weights: Fp4Weights, layout: ExpertsLayout, *, gemm, fused_gemm1=None,
+                    budget: int = W4A8_SCRATCH_BUDGET) -> torch.Tensor:
+    """W4A8 over plan rows (``fp8_cute.plan_rows_moe_forward``'s passes) with the re-encoding in chunks of experts:
+    ``gemm(a, sa, w, ws, block_expert, out=d)`` and ``fused_gemm1(a, sa, w1, s1, block_expert, inter, out=(h, hs))``
+    have the CuTe GEMMs' contract (idle blocks skipped, ``out`` written only at the live blocks; the CPU tests pass
+    the torch block math). Each projection is re-encoded ``expert_chunks`` at a time, so at most ``budget`` bytes of
+    e4m3 are held (``quant.memory.w4a8_scratch_bytes``); outputs are the same bits in one chunk or many."""
+    from .fp8_cute import FUSED_ACTIVATIONS, TILE_M
+    from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, reduce_plan_rows
+    from .fp8_quant import quantize_groups
+    from .routing import align_routing
+
+    out_dtype = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    num_experts, hidden, inter = weights.gate_up.shape[0], hidden_states.shape[1], _inter(weights)
+    device = hidden_states.device
+    xq, xs = quantize_groups(hidden_states)
+    plan = align_routing(topk_ids, num_experts, TILE_M)
+    a, sa = gather_plan_rows(xq, xs, plan)
+    rows = a.shape[0]
+    fused = fused_gemm1 is not None and layout.has_gate and layout.activation in FUSED_ACTIVATIONS
+    gate_up_bytes, down_bytes = w4a8_projections(hidden, inter, layout.has_gate)
+    if fused:
+        h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device)
+        hs = torch.empty(inter // 128, rows, dtype=torch.float32, device=device)
+    else:
+        gate_up = torch.empty(rows, weights.gate_up.shape[1], dtype=torch.bfloat16, device=device)
+    for c0, c1 in expert_chunks(num_experts, gate_up_bytes, budget):
+        w1, s1 = fp4_block_fp8(weights.gate_up[c0:c1], weights.gate_up_scale[c0:c1], weights.format,
+                               None if weights.gate_up_scale_2 is None else weights.gate_up_scale_2[c0:c1],
+                               split=inter if layout.has_gate else None)
+        blocks = chunk_block_map(plan.block_expert, c0, c1, num_experts)
+        if fused:
+            fused_gemm1(a, sa, w1, s1, blocks, inter, out=(h, hs))
+        else:
+            gemm(a, sa, w1, s1, blocks, out=gate_up)
+        del w1, s1   # back to the allocator before the next chunk
+    if not fused:
+        h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=layout.has_gate, activation=layout.activation)
+        del gate_up
+    y = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+    for c0, c1 in expert_chunks(num_experts, down_bytes, budget):
+        w2, s2 = fp4_block_fp8(weights.down[c0:c1], weights.down_scale[c0:c1], weights.format,
+                               None if weights.down_scale_2 is None else weights.down_scale_2[c0:c1])
+        gemm(h, hs, w2, s2, chunk_block_map(plan.block_expert, c0, c1, num_experts), out=y)
+        del w2, s2
+    out = reduce_plan_rows(y, plan, topk_weights, out_dtype=out_dtype)
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)

@@ -1,0 +1,288 @@
+"""W4A8 under Triton's interpreter: the FP4 → e4m3-block re-encoding and the experts forward over it.
+
+``fp4_fp8.fp4_block_fp8`` must write exactly the bytes torch writes for the same quotient (``fp4_fp8_reference``:
+``quant.fp4``'s dequantization, a power-of-two block scale, ``.to(float8_e4m3fn)``) for every format and
+container the loaders bind, be lossless for MXFP4 where the module says it is, and ``w4a8_experts`` must be
+``fp8_moe_forward`` on those weights. The GPU run of the same (CuTe kernels, speed, agreement) is
+tests/gpu/test_w4a8_gpu.py and bench/fp4_moe.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dwdp_runtime.quant import fp4
+
+fp4_fp8 = pytest.importorskip("dwdp_runtime.kernels.fp4_fp8")
+w4a8_moe = pytest.importorskip("dwdp_runtime.kernels.w4a8_moe")
+fp4_moe = pytest.importorskip("dwdp_runtime.kernels.fp4_moe")
+fp8_moe = pytest.importorskip("dwdp_runtime.kernels.fp8_moe")
+moe = pytest.importorskip("dwdp_runtime.kernels.moe")
+
+
+def _weights(e, n, k, g, spread=1.0):
+    """Seeded weights whose rows span ``spread`` decades of magnitude (so blocks mix large and small groups)."""
+    rows = torch.logspace(0, -spread, n)[torch.randperm(n, generator=g)]
+    return torch.randn(e, n, k, generator=g) * rows[None, :, None] * k ** -0.5
+
+
+def _mx(w):
+    q, s = fp4.mxfp4_quantize(w)
+    return q, s, fp4.mxfp4_dequantize(q, s, torch.float32)
+
+
+def _nv(w, segs):
+    """NVFP4 codes, scales, globals and the values before the global (``s2 = 1``: what is re-encoded)."""
+    q, s, s2 = fp4.nvfp4_quantize(w, row_segments=segs)
+    return q, s, s2, fp4.nvfp4_dequantize(q, s, torch.ones_like(s2), torch.float32, row_segments=segs)
+
+
+def _row_block_factor(s2, n, split):
+    """NVFP4's global of each 128-row block: s2[:, 0] before ``split``, s2[:, -1] from it."""
+    rows = torch.arange(0, n, 128)
+    return torch.where(rows[None, :] >= split, s2[:, -1:], s2[:, :1])
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0])
+def test_mxfp4_bytes_are_torchs_and_lossless_within_the_block_range(spread):
+    g = torch.Generator().manual_seed(1)
+    q, s, v = _mx(_weights(3, 256, 384, g, spread))
+    w, ws = fp4_fp8.fp4_block_fp8(q, s, "mxfp4")
+    rw, rs = fp4_fp8.fp4_fp8_reference(v)
+    assert _bytes_equal(w, rw) and torch.equal(ws, rs)
+    assert (ws == ws.log2().round().exp2()).all()            # power-of-two block scales
+    # every group lies within 14 binades of its block's largest here (3 decades ≈ 10 binades): lossless
+    assert fp4_fp8.exactness(v, w, ws) == 1.0
+
+
+def test_mxfp4_groups_far_below_their_block_round_and_nothing_else_does():
+    g = torch.Generator().manual_seed(2)
+    x = _weights(1, 128, 128, g, 0.3)
+    x[0, 7, :32] *= 2.0 ** -20                               # one group 20 binades below the block
+    q, s, v = _mx(x)
+    w, ws = fp4_fp8.fp4_block_fp8(q, s, "mxfp4")
+    back = w.float() * ws[0, 0, 0]
+    differs = back != v
+    assert differs.any() and not differs[0, :, :].clone().index_fill_(0, torch.tensor([7]), False).any()
+    assert not differs[0, 7, 32:].any()
+    assert _bytes_equal(w, fp4_fp8.fp4_fp8_reference(v)[0])
+
+
+def test_nvfp4_gate_and_up_keep_their_own_global_and_match_torch():
+    g = torch.Generator().manual_seed(3)
+    x = _weights(2, 512, 256, g)
+    x[:, 256:] *= 37.0                                       # the up half on another scale: its own s2
+    q, s, s2, u = _nv(x, (256, 256))
+    assert not torch.equal(s2[:, 0], s2[:, 1])
+    w, ws = fp4_fp8.fp4_block_fp8(q, s, "nvfp4", s2, split=256)
+    factor = _row_block_factor(s2, 512, 256)
+    rw, rs = fp4_fp8.fp4_fp8_reference(u, factor)
+    assert _bytes_equal(w, rw) and torch.equal(ws, rs)
+    # what rounds is E2M1 × group scale with 5 significant bits: codes 1.5, 3, 6 with an odd scale mantissa;
+    # everything else is exact, and nothing moves by more than e4m3's half ulp (2^-4 relative)
+    kscale = ws / factor[:, :, None]
+    back = (w.float().reshape(2, 4, 128, 2, 128) * kscale[:, :, None, :, None]).reshape(u.shape)
+    assert ((back - u).abs() <= u.abs() * 2.0 ** -4).all()
+    assert 0.75 < fp4_fp8.exactness(u, w, kscale) < 1.0
+    # the dequantized NVFP4 value, fp32(u · s2), is reproduced within one rounding of that product
+    v = fp4.nvfp4_dequantize(q, s, s2, torch.float32, row_segments=(256, 256))
+    exact = back == u
+    full = (w.float().reshape(2, 4, 128, 2, 128) * ws[:, :, None, :, None]).reshape(u.shape)
+    assert torch.equal(full[exact], v[exact])
+
+
+def test_containers_and_strides_the_loaders_bind():
+    """DeepSeek-V4's int8 codes with float8_e8m0fnu scales, gpt-oss's [E, N, K/32, 16] blocks and a strided
+    composite (every other expert of a larger pool) give the same bytes as the plain MXFP4 tensors."""
+    g = torch.Generator().manual_seed(4)
+    q, s, v = _mx(_weights(6, 128, 256, g))
+    plain = fp4_fp8.fp4_block_fp8(q[::2], s[::2], "mxfp4")
+    assert not q[::2].is_contiguous()
+    v4 = fp4_fp8.fp4_block_fp8(q[::2].view(torch.int8), s[::2].view(torch.float8_e8m0fnu), "fp4-ue8m0")
+    blocks = fp4_fp8.fp4_block_fp8(q[::2].reshape(3, 128, 8, 16), s[::2], "mxfp4")
+    ref = fp4_fp8.fp4_fp8_reference(v[::2])
+    for got in (plain, v4, blocks):
+        assert _bytes_equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+
+@triton.jit
+def _encode(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, fp4_fp8._e4m3_bits(tl.load(x_ptr + offs)))
+
+
+def test_e4m3_encode_is_torchs_cast_for_every_code_and_the_ties_between():
+    """Every e4m3 value, each midpoint between neighbours (ties to even), values just off the midpoints, and
+    both signs: the kernel's integer encode equals torch's ``.to(float8_e4m3fn)``. """
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (codes[1:] + codes[:-1]) / 2
+    nudge = mids * (1 + 2.0 ** -20)
+    vals = torch.cat([codes, mids, nudge, mids * (1 - 2.0 ** -20)])
+    vals = torch.cat([vals, -vals])
+    block = torch.zeros(128 * 128)
+    block[: vals.numel()] = vals
+    block[-1] = 448.0
+    got = torch.empty(128 * 128, dtype=torch.int32)
+    _encode[(1,)](block, got, N=128 * 128)
+    assert torch.equal(got.to(torch.uint8), block.to(torch.float8_e4m3fn).view(torch.uint8).flatten())
+
+
+def test_refusals_name_the_block():
+    g = torch.Generator().manual_seed(5)
+    q, s, _ = _mx(_weights(1, 96, 128, g))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp4_fp8.fp4_block_fp8(q, s, "mxfp4")
+    q, s, _ = _mx(_weights(1, 256, 128, g))
+    with pytest.raises(ValueError, match="inside a 128-row block"):
+        fp4_fp8.fp4_block_fp8(q, s, "nvfp4", torch.ones(1, 2), split=64)
+    with pytest.raises(ValueError, match="FP4 format"):
+        fp4_fp8.fp4_block_fp8(q, s, "int4")
+
+
+def _fp4_weights(fmt, e, h, i, g):
+    w1, w2 = _weights(e, 2 * i, h, g), _weights(e, h, i, g)
+    if fmt == "mxfp4":
+        (q1, s1, _), (q2, s2, _) = _mx(w1), _mx(w2)
+        return fp4_moe.Fp4Weights(fmt, q1, s1, q2, s2)
+    (q1, s1, g1, _), (q2, s2, g2, _) = _nv(w1, (i, i)), _nv(w2, None)
+    return fp4_moe.Fp4Weights(fmt, q1, s1, q2, s2, g1, g2)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_w4a8_experts_are_the_fp8_moe_on_the_reencoded_weights(fmt):
+    g = torch.Generator().manual_seed(6)
+    e, h, i, t, k = 4, 256, 128, 24, 2
+    w = _fp4_weights(fmt, e, h, i, g)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    wts, ids = torch.topk(torch.rand(t, e, generator=g).softmax(-1), k, dim=-1)
+    got = w4a8_moe.w4a8_experts(x, ids, wts, w)
+    w1, s1 = fp4_fp8.fp4_block_fp8(w.gate_up, w.gate_up_scale, fmt, w.gate_up_scale_2, split=i)
+    w2, s2 = fp4_fp8.fp4_block_fp8(w.down, w.down_scale, fmt, w.down_scale_2)
+    assert torch.equal(got, fp8_moe.fp8_moe_forward(x, ids, wts, w1, s1, w2, s2))
+    # and it is the FP4 experts' function: near the dequantized weights in float32 — e4m3 activations and
+    # intermediate cost ~4 % of the output's norm here (MXFP4, whose weights re-encode losslessly), NVFP4's
+    # re-rounded weights ~2 % more; a wrong block, scale or global would be off by its whole magnitude
+    if fmt == "mxfp4":
+        d1, d2 = fp4.mxfp4_dequantize(w.gate_up, w.gate_up_scale, torch.float32), fp4.mxfp4_dequantize(
+            w.down, w.down_scale, torch.float32)
+    else:
+        d1 = fp4.nvfp4_dequantize(w.gate_up, w.gate_up_scale, w.gate_up_scale_2, torch.float32, row_segments=(i, i))
+        d2 = fp4.nvfp4_dequantize(w.down, w.down_scale, w.down_scale_2, torch.float32)
+    ref = _torch_experts(x.float(), ids, wts, d1, d2)
+    rel = (got.float() - ref).norm() / ref.norm()
+    assert rel < 0.08, rel
+
+
+def _torch_experts(x, ids, wts, d1, d2):
+    out = torch.zeros_like(x)
+    i = d2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = d1[e] @ x[t]
+            out[t] += wts[t, j] * (d2[e] @ (torch.nn.functional.silu(gu[:i]) * gu[i:]))
+    return out
+
+
+def test_kernel_choice_follows_the_variable_and_names_what_w4a8_cannot_run(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    w = _fp4_weights("mxfp4", 2, 128, 128, g)
+    layout = moe.ExpertsLayout()
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "weight-only")
+    assert w4a8_moe.chosen_kernel(w, layout, cpu) is w4a8_moe.FP4Kernel.WEIGHT_ONLY
+    monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "auto")
+    assert w4a8_moe.chosen_kernel(w, layout, cpu) is w4a8_moe.FP4Kernel.WEIGHT_ONLY   # not CUDA
+    monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "w4a8")
+    with pytest.raises(RuntimeError, match="runs on CUDA"):
+        w4a8_moe.chosen_kernel(w, layout, cpu)
+    monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "int4")
+    with pytest.raises(ValueError, match="auto.*weight-only.*w4a8"):
+        w4a8_moe.chosen_kernel(w, layout, cpu)
+    cuda = torch.device("cuda", 0)   # only compared, never touched
+    assert w4a8_moe.unsupported(w, layout, cuda) is None
+    assert "interleaved" in w4a8_moe.unsupported(w, moe.ExpertsLayout(is_concatenated=False), cuda)
+    assert "biases" in w4a8_moe.unsupported(w, moe.ExpertsLayout(has_bias=True), cuda)
+    # gpt-oss-like widths (H = I = 160 here, 2880 there): not multiples of 128
+    gpt_oss_like = fp4_moe.Fp4Weights("mxfp4", torch.zeros(1, 192, 80, dtype=torch.uint8),
+                                      torch.zeros(1, 192, 5, dtype=torch.uint8),
+                                      torch.zeros(1, 160, 48, dtype=torch.uint8),
+                                      torch.zeros(1, 160, 3, dtype=torch.uint8))
+    assert "multiple of 128" in w4a8_moe.unsupported(gpt_oss_like, layout, cuda)
+
+
+def test_scratch_bytes_are_the_larger_reencoded_chunk():
+    """``scratch_bytes`` (what ``dwdp plan`` counts) is the larger projection's chunk as the forward allocates it."""
+    g = torch.Generator().manual_seed(8)
+    w = _fp4_weights("nvfp4", 3, 256, 128, g)
+    w1, s1 = fp4_fp8.fp4_block_fp8(w.gate_up, w.gate_up_scale, "nvfp4", w.gate_up_scale_2, split=128)
+    w2, s2 = fp4_fp8.fp4_block_fp8(w.down, w.down_scale, "nvfp4", w.down_scale_2)
+    gate_up, down = (sum(t.numel() * t.element_size() for t in pair) for pair in ((w1, s1), (w2, s2)))
+    assert w4a8_moe.scratch_bytes(3, 256, 128) == max(gate_up, down) == gate_up
+    one = gate_up // 3
+    assert w4a8_moe.scratch_bytes(3, 256, 128, budget=one) == one   # one expert's gate_up per chunk
+
+
+def _gemm_into(a, sa, w, ws, block_expert, out):
+    """The CuTe GEMM's contract with ``out``: the torch block math written at the live blocks only."""
+    from tests.kernels.test_fp8_plan_rows import block_math_gemm
+
+    live = (block_expert >= 0).repeat_interleave(128)
+    out[live] = block_math_gemm(a, sa, w, ws, block_expert, out.dtype)[live]
+    return out
+
+
+def _fused_into(a, sa, w1, s1, block_expert, inter, out):
+    from tests.kernels.test_fp8_plan_rows import block_math_fused_gate_up
+
+    live = (block_expert >= 0).repeat_interleave(128)
+    q, s = block_math_fused_gate_up(a, sa, w1, s1, block_expert, inter)
+    out[0].view(torch.uint8)[live] = q.view(torch.uint8)[live]
+    out[1][:, live] = s[:, live]
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate_up", "gemm1+act_quant"])
+def test_chunks_of_experts_give_the_bits_of_one_chunk(fmt, fused):
+    """A budget that holds 2 experts' gate_up (3 chunks of 5 experts) and 3 experts' down: every launch skips the
+    other chunks' blocks and writes its own, so the output is the one-chunk forward's, bit for bit, and that is
+    the re-encoded weights through the plan-row passes."""
+    from dwdp_runtime.quant.memory import w4a8_projections
+
+    g = torch.Generator().manual_seed(9)
+    e, h, i, t, k = 5, 256, 128, 40, 2
+    w = _fp4_weights(fmt, e, h, i, g)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    wts, ids = torch.topk(torch.rand(t, e, generator=g).softmax(-1), k, dim=-1)
+    gate_up_bytes, down_bytes = w4a8_projections(h, i)
+    assert [len(w4a8_moe.expert_chunks(e, b, 2 * gate_up_bytes)) for b in (gate_up_bytes, down_bytes)] == [3, 2]
+    run = lambda budget: w4a8_moe.chunked_forward(x, ids, wts, w, moe.ExpertsLayout(), gemm=_gemm_into,  # noqa: E731
+                                                  fused_gemm1=_fused_into if fused else None, budget=budget)
+    whole = run(1 << 40)
+    assert torch.equal(run(2 * gate_up_bytes), whole)
+    w1, s1 = fp4_fp8.fp4_block_fp8(w.gate_up, w.gate_up_scale, fmt, w.gate_up_scale_2, split=i)
+    w2, s2 = fp4_fp8.fp4_block_fp8(w.down, w.down_scale, fmt, w.down_scale_2)
+    from dwdp_runtime.kernels.fp8_cute import plan_rows_moe_forward
+    from tests.kernels.test_fp8_plan_rows import block_math_fused_gate_up, block_math_gemm
+
+    want = plan_rows_moe_forward(x, ids, wts, w1, s1, w2, s2, block_math_gemm, block_math_gemm,
+                                 fused_gemm1=block_math_fused_gate_up if fused else None)
+    assert torch.equal(whole, want)
+
+
+def test_chunk_block_map_renumbers_one_chunk_and_idles_the_rest():
+    blocks = torch.tensor([0, 0, 1, 2, 3, 3, 4, -1, -1], dtype=torch.int32)
+    assert w4a8_moe.chunk_block_map(blocks, 0, 5, 5) is blocks
+    assert w4a8_moe.chunk_block_map(blocks, 2, 4, 5).tolist() == [-1, -1, -1, 0, 1, 1, -1, -1, -1]
+    assert w4a8_moe.expert_chunks(5, 10, 25) == [(0, 2), (2, 4), (4, 5)]
+    assert w4a8_moe.expert_chunks(5, 10, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]   # at least one expert
