@@ -4,8 +4,9 @@
 #                                            # W4A8 and weight-only, d = 2 group) + bench/fp4_moe.py (both shapes,
 #                                            # MXFP4 and NVFP4, 4K and 16K tokens: weight-only, W4A8 ÷ bf16)
 #   bash scripts/gpu_w4a8_check.sh model     # a trained model quantized to NVFP4 and MXFP4, served by a d = 4
-#                                            # group: top-1 agreement with the dequantized bf16 model, W4A8 and
-#                                            # weight-only, and sharded ÷ unsharded prefill at 8K
+#                                            # group with W4A8: top-1 agreement with the dequantized bf16 model
+#                                            # (weight-only is that model's numbers by construction), and sharded ÷
+#                                            # unsharded prefill at 8K
 # log: $OUT/gpu_w4a8_<stage>.log (+ JSON beside it)
 STAGE=${1:-kernels}
 LOG_NAME=gpu_w4a8_$STAGE.log
@@ -18,14 +19,12 @@ kernels)
   step "fp4 bench" 210 python3 bench/fp4_moe.py --rep-ms 25 --json "$OUTDIR/fp4_moe.json"
   ;;
 model)
-  TRAINED=(--isl 8192 --dwdp-size 4 --num-layers 4 --num-experts 32 --train-steps 300 --prompts 1000 --iters 5
+  TRAINED=(--isl 8192 --dwdp-size 4 --num-layers 4 --num-experts 32 --train-steps 300 --prompts 500 --iters 3
            --work-dir /tmp/w4a8-bench)
   step "nvfp4 w4a8" 200 python3 bench/fp8_prefill.py "${TRAINED[@]}" --quant nvfp4 --fp4-kernel w4a8 \
     --json "$OUTDIR/nvfp4_w4a8.json"
-  step "mxfp4 w4a8" 110 python3 bench/fp8_prefill.py "${TRAINED[@]}" --quant mxfp4 --fp4-kernel w4a8 \
+  step "mxfp4 w4a8" 150 python3 bench/fp8_prefill.py "${TRAINED[@]}" --quant mxfp4 --fp4-kernel w4a8 \
     --json "$OUTDIR/mxfp4_w4a8.json"
-  step "nvfp4 weight-only" 110 python3 bench/fp8_prefill.py "${TRAINED[@]}" --quant nvfp4 --fp4-kernel weight-only \
-    --json "$OUTDIR/nvfp4_weight_only.json"
   ;;
 *) echo "unknown stage $STAGE: kernels | model" | tee -a "$LOG"; exit 2 ;;
 esac
