@@ -87,10 +87,11 @@ def _e4m3_bits(q):
 
 @triton.jit
 def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
-                    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e,
+                    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_s2s,
                     stride_qe, stride_qn, stride_qse, stride_qsn,
                     SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr, BLOCK_: tl.constexpr):
-    expert = tl.program_id(0)
+    # 64-bit expert offsets: a layer's e4m3 experts pass 2^31 bytes (DeepSeek-R1: 256 × 29.4 MB of gate_up)
+    expert = tl.program_id(0).to(tl.int64)
     row_block = tl.program_id(1)
     col_block = tl.program_id(2)
     rows = row_block * BLOCK_ + tl.arange(0, BLOCK_)
@@ -100,7 +101,7 @@ def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
     factor = 1.0
     if HAS_S2:  # NVFP4: the gate rows' global (s2[e, 0]) or the up rows' (s2[e, S - 1]) goes into the block scale
         second = tl.where(row_block * BLOCK_ >= split, s2_second, 0)
-        factor = tl.load(s2_ptr + expert * stride_s2e + second)
+        factor = tl.load(s2_ptr + expert * stride_s2e + second * stride_s2s)
     amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
     abits = amax.to(tl.int32, bitcast=True)
     k = (abits >> 23) - 135 + ((abits & 0x7FFFFF) > _MANT_448).to(tl.int32)   # amax ≤ 448 · 2^k, smallest
@@ -151,7 +152,8 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
         packed, scales.view(torch.uint8), s2, codes, s, k, n if split is None else split,
         (s2.shape[1] - 1) if has_s2 else 0,
         packed.stride(0), packed.stride(1), packed.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
-        s2.stride(0) if has_s2 else 0, codes.stride(0), codes.stride(1), s.stride(0), s.stride(1),
+        s2.stride(0) if has_s2 else 0, s2.stride(1) if has_s2 else 0, codes.stride(0), codes.stride(1), s.stride(0),
+        s.stride(1),
         SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK)
     return w, s
 

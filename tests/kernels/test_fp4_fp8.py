@@ -80,6 +80,10 @@ def test_nvfp4_gate_and_up_keep_their_own_global_and_match_torch():
     q, s, s2, u = _nv(x, (256, 256))
     assert not torch.equal(s2[:, 0], s2[:, 1])
     w, ws = fp4_fp8.fp4_block_fp8(q, s, "nvfp4", s2, split=256)
+    column_major = s2.t().contiguous().t()                  # the globals as a strided view: same bytes
+    assert column_major.stride(1) != 1
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
+               zip((w, ws), fp4_fp8.fp4_block_fp8(q, s, "nvfp4", column_major, split=256)))
     factor = _row_block_factor(s2, 512, 256)
     rw, rs = fp4_fp8.fp4_fp8_reference(u, factor)
     assert _bytes_equal(w, rw) and torch.equal(ws, rs)
