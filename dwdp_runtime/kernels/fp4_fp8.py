@@ -7,30 +7,36 @@ layout ``quant.fp8_block`` checkpoints have and the CuTe / Triton block-scaled g
 (``fp8_moe.fp8_moe_forward``). The page pool keeps the FP4 bytes: the prefetch moves a quarter of bf16 and
 the e4m3 copy lives for one layer's forward (the caching allocator's block, reused layer after layer).
 
-One program per ``(expert, 128-row block, 128-column block)``:
+One program per ``(expert, 128-row block, 128-column block)``, in one pass over the weights:
 
-  decode the block to float32 (``fp4_grouped_gemm._fp4_tile``'s generic decode, without NVFP4's global ``s2``:
-  E2M1 × the group scale, exact) → ``amax`` of the block → ``k``, the smallest integer with ``amax ≤ 448 · 2^k``
-  (from ``amax``'s bits: exact) → ``q = v · 2^-k`` (two exact power-of-two factors) → e4m3 by round-to-nearest-
-  even on the float32 bits (``_e4m3_bits``); the block scale is ``2^k · s2`` (NVFP4: the global of the block's
-  rows — gate and up blocks each take theirs — exact) or ``2^k``.
+  the block's largest group scale ``s_max`` (its 128 × 128/G scale bytes) → ``k``, the smallest integer with
+  ``6 · s_max ≤ 448 · 2^k`` (6 is E2M1's largest magnitude; from the float's bits: exact, floored at −126) →
+  per 32-row tile: decode E2M1 × group scale (exact; NVFP4 without its global ``s2``) → ``q = v · 2^-k`` (two
+  exact power-of-two factors) → e4m3 round-to-nearest-even → the block scale ``2^k · s2`` (NVFP4: the global
+  of the block's rows — gate and up blocks each take theirs — exact) or ``2^k``.
 
 Why a power-of-two block scale: dividing by it is exact, so the only rounding is e4m3's own, and for MXFP4 the
 re-encoding is **lossless** wherever it can be: an E2M1 code times ``2^(e_g − k)`` (``e_g`` its group's E8M0
-exponent) is an e4m3 value while ``e_g − k ≥ −8`` (0.5 · 2^-8 is e4m3's smallest subnormal, 2^-9), and
-``k ≤ e_max − 6`` (the block's largest group holds 6 · 2^(e_max) at most, ≤ 448 · 2^k): every group within 14
-binades of the block's largest is exact, smaller ones round (``exactness``: how many weights did).
-NVFP4 keeps its global in the block scale, so what is re-encoded is E2M1 × the e4m3 group scale: codes ±0.5, 1,
-2, 4 give 4 significant bits (exact, same range rule), codes ±1.5, 3, 6 give up to 5 and round to e4m3's 4 when
-the scale's last mantissa bit is set (≤ 2^-5 relative); the model-level agreement bench measures what that costs
-(docs/KERNELS.md).
+exponent, ``k = e_max − 6``) is an e4m3 value while ``e_g − k ≥ −8`` (0.5 · 2^-8 is e4m3's smallest subnormal,
+2^-9): every group within 14 binades of the block's largest is exact, smaller ones round (``exactness``: how
+many weights did). NVFP4 keeps its global in the block scale, so what is re-encoded is E2M1 × the e4m3 group
+scale: codes ±0.5, 1, 2, 4 give 4 significant bits (exact, same range rule), codes ±1.5, 3, 6 give up to 5 and
+round to e4m3's 4 when the scale's last mantissa bit is set (≤ 2^-5 relative); the model-level agreement bench
+measures what that costs (docs/KERNELS.md).
 
-The e4m3 encode is integer arithmetic on the float32 bits, not a float→fp8 conversion: Triton's interpreter
-rounds ties away and flushes subnormals there (docs/MODELS.md), so the CPU tests and the GPU get the same bytes,
-equal to torch's own ``.to(torch.float8_e4m3fn)`` of the same quotient (tested).
+Two paths to the same bytes. On the GPU (``FAST``): the weight-only kernels' packed bf16 decode
+(``_fp4_tile_fast``: a few integer ops per byte) and the hardware e4m3 conversion. Under the interpreter: the
+float32 decode and the encode as integer arithmetic on the float32 bits (``_e4m3_bits``), since the interpreter's
+fp8 conversion rounds ties away and flushes subnormals (docs/MODELS.md). Both equal torch's own
+``.to(torch.float8_e4m3fn)`` of the same quotient (``fp4_fp8_reference``; tested on CPU and GPU).
 
-Cost on the GPU: reads 0.53 (MXFP4) / 0.56 (NVFP4) B and writes 1 B per weight, memory bound — about a third
-of bf16 ``_grouped_mm``'s time for the same layer at 4K tokens, a tenth at 16K (bench/fp4_moe.py prints it).
+Why the block scale comes from the scales and not from the decoded values' amax: it needs no second pass (the
+first version took the block's amax, decoding every block twice over, and ran at 0.37–0.39 TB/s on an H100 —
+2.5 ms for a Qwen3-30B layer, longer than the GEMMs it feeds); the bound costs at most the headroom between the
+block's largest code and 6.
+
+Cost on the GPU: reads 0.53 (MXFP4) / 0.56 (NVFP4) B and writes 1 B per weight, memory bound (bench/fp4_moe.py
+prints its time beside the GEMMs').
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_grouped_gemm import E4M3, E8M0, _fp4_tile
+from .fp4_grouped_gemm import E4M3, E8M0, _fp4_tile, _scale
+from .support import interpreting
 
 #: the block of the FP8 kernels' weight scales (``weight_block_size [128, 128]``, ``fp8_cute.SCALE_BLOCK``)
 BLOCK = 128
@@ -55,6 +62,9 @@ _MANT_448 = tl.constexpr(0x600000)
 #: subnormals takes it; its codes are then exact or 0)
 _MIN_SCALE_EXP = -126
 _MIN_SCALE_EXP_C = tl.constexpr(_MIN_SCALE_EXP)
+#: rows of a block decoded and encoded at once on the GPU: a [32, 128] tile keeps 32 values per thread at 4 warps
+#: (the interpreter takes the whole block: its cost is per operation, not per value)
+SUB_ROWS = 32
 
 
 @triton.jit
@@ -89,29 +99,49 @@ def _e4m3_bits(q):
 def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_s2s,
                     stride_qe, stride_qn, stride_qse, stride_qsn,
-                    SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr, BLOCK_: tl.constexpr):
+                    SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr, BLOCK_: tl.constexpr, SUB: tl.constexpr,
+                    FAST: tl.constexpr):
     # 64-bit expert offsets: a layer's e4m3 experts pass 2^31 bytes (DeepSeek-R1: 256 × 29.4 MB of gate_up)
     expert = tl.program_id(0).to(tl.int64)
     row_block = tl.program_id(1)
     col_block = tl.program_id(2)
-    rows = row_block * BLOCK_ + tl.arange(0, BLOCK_)
     k0 = col_block * BLOCK_
-    v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows, k0, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                  stride_sk, tl.float32, SCALE_FMT, False, BLOCK_, BLOCK_, False, False)
+    if SCALE_FMT == 0:
+        G: tl.constexpr = 32
+    else:
+        G: tl.constexpr = 16
+    # the block scale from the group scales alone (one pass over the weights): the largest |E2M1| is 6, so
+    # 6 · (the block's largest group scale) bounds every value; k is the smallest integer with bound ≤ 448 · 2^k
+    srows = row_block * BLOCK_ + tl.arange(0, BLOCK_)
+    sgroups = col_block * (BLOCK_ // G) + tl.arange(0, BLOCK_ // G)
+    sb = tl.load(s_ptr + expert * stride_se + srows[:, None] * stride_sn + sgroups[None, :] * stride_sk).to(tl.int32)
+    if SCALE_FMT == 1:
+        sb = sb & 0x7F     # e4m3: the magnitude (NVFP4 scales are positive; a stray sign bit is harmless)
+    largest = tl.max(tl.max(sb, axis=1), axis=0)   # for non-negative codes, byte order is value order
+    bound = 6.0 * _scale(largest, SCALE_FMT)
+    bits = bound.to(tl.int32, bitcast=True)
+    k = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > _MANT_448).to(tl.int32)
+    k = tl.maximum(k, _MIN_SCALE_EXP_C)
+    half = (-k) // 2
+    down1 = _pow2(half)
+    down2 = _pow2(-k - half)
     factor = 1.0
     if HAS_S2:  # NVFP4: the gate rows' global (s2[e, 0]) or the up rows' (s2[e, S - 1]) goes into the block scale
         second = tl.where(row_block * BLOCK_ >= split, s2_second, 0)
         factor = tl.load(s2_ptr + expert * stride_s2e + second * stride_s2s)
-    amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-    abits = amax.to(tl.int32, bitcast=True)
-    k = (abits >> 23) - 135 + ((abits & 0x7FFFFF) > _MANT_448).to(tl.int32)   # amax ≤ 448 · 2^k, smallest
-    k = tl.maximum(k, _MIN_SCALE_EXP_C)
-    half = (-k) // 2
-    q = v * _pow2(half) * _pow2(-k - half)
-    codes = _e4m3_bits(q)
     cols = k0 + tl.arange(0, BLOCK_)
-    q_ptrs = q_ptr + expert * stride_qe + rows[:, None] * stride_qn + cols[None, :]
-    tl.store(q_ptrs, codes.to(tl.uint8))
+    for r0 in range(0, BLOCK_, SUB):   # SUB rows at a time: a [SUB, 128] tile in registers
+        rows = row_block * BLOCK_ + r0 + tl.arange(0, SUB)
+        if FAST:   # the GPU: the packed bf16 decode (exact: E2M1 × group scale), the hardware e4m3 conversion
+            v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows, k0, K, stride_we, stride_wn, stride_wk, stride_se,
+                          stride_sn, stride_sk, tl.bfloat16, SCALE_FMT, False, SUB, BLOCK_, False, True)
+            q = v.to(tl.float32) * down1 * down2
+            codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:      # the interpreter: the float32 decode, the encode on the bits (its fp8 conversion is wrong)
+            v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows, k0, K, stride_we, stride_wn, stride_wk, stride_se,
+                          stride_sn, stride_sk, tl.float32, SCALE_FMT, False, SUB, BLOCK_, False, False)
+            codes = _e4m3_bits(v * down1 * down2).to(tl.uint8)
+        tl.store(q_ptr + expert * stride_qe + rows[:, None] * stride_qn + cols[None, :], codes)
     tl.store(qs_ptr + expert * stride_qse + row_block * stride_qsn + col_block, _pow2(k) * factor)
 
 
@@ -154,22 +184,39 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
         packed.stride(0), packed.stride(1), packed.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
         s2.stride(0) if has_s2 else 0, s2.stride(1) if has_s2 else 0, codes.stride(0), codes.stride(1), s.stride(0),
         s.stride(1),
-        SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK)
+        SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK, SUB=BLOCK if interpreting() else SUB_ROWS,
+        FAST=not interpreting())
     return w, s
 
 
-def fp4_fp8_reference(values: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_bound(scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``[E, N/128, K/128]`` float32: 6 × the largest group-scale magnitude of each 128×128 block (what the kernel
+    derives its block scale from) — ``scales [E, N, K/G]`` as the loaders bind them (E8M0 bytes, e4m3)."""
+    if fmt not in SCALE_FORMATS:
+        raise ValueError(f"FP4 format {fmt!r}: one of {sorted(SCALE_FORMATS)}")
+    raw = scales.contiguous().view(torch.uint8)
+    if SCALE_FORMATS[fmt] == E8M0:
+        value = torch.ldexp(torch.ones_like(raw, dtype=torch.float32), raw.to(torch.int32) - 127)
+    else:
+        value = (raw & 0x7F).view(torch.float8_e4m3fn).float()
+    e, n, groups = value.shape
+    group = 32 if SCALE_FORMATS[fmt] == E8M0 else 16
+    blocks = value.reshape(e, n // BLOCK, BLOCK, groups // (BLOCK // group), BLOCK // group)
+    return 6.0 * blocks.amax(dim=(2, 4))
+
+
+def fp4_fp8_reference(values: torch.Tensor, bound: torch.Tensor,
+                      factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's re-encoding in torch (the tests' oracle): ``values [E, N, K]`` float32 are the decoded
-    weights before NVFP4's global (``quant.fp4``'s dequantization with ``s2 = 1``: exact), ``factor [E, N/128]``
-    the global of each row block (None: 1). Per 128×128 block ``k = ⌈log2(amax / 448)⌉`` (floored at −126),
-    ``w = (v · 2^-k).to(float8_e4m3fn)``, ``s = 2^k · factor``."""
+    weights before NVFP4's global (``quant.fp4``'s dequantization with ``s2 = 1``: exact), ``bound`` the blocks'
+    ``block_bound``, ``factor [E, N/128]`` the global of each row block (None: 1). Per 128×128 block
+    ``k = ⌈log2(bound / 448)⌉`` (floored at −126), ``w = (v · 2^-k).to(float8_e4m3fn)``, ``s = 2^k · factor``."""
     e, n, k = values.shape
     blocks = values.reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK).float()
-    amax = blocks.abs().amax(dim=(2, 4))
-    mant, exp = torch.frexp(amax)                                         # amax = mant · 2^exp, mant ∈ [0.5, 1)
+    mant, exp = torch.frexp(bound.float())                                # bound = mant · 2^exp, mant ∈ [0.5, 1)
     kexp = (exp - 9 + (mant > E4M3_MAX / 512).to(exp.dtype)).clamp(min=_MIN_SCALE_EXP)
-    kexp = torch.where(amax == 0, torch.full_like(kexp, _MIN_SCALE_EXP), kexp)
-    scale = torch.ldexp(torch.ones_like(amax), kexp)
+    kexp = torch.where(bound == 0, torch.full_like(kexp, _MIN_SCALE_EXP), kexp)
+    scale = torch.ldexp(torch.ones_like(bound, dtype=torch.float32), kexp)
     if factor is not None:
         scale = scale * factor[:, :, None]
     q = torch.ldexp(blocks, -kexp[:, :, None, :, None])

@@ -53,7 +53,7 @@ def test_mxfp4_bytes_are_torchs_and_lossless_within_the_block_range(spread):
     g = torch.Generator().manual_seed(1)
     q, s, v = _mx(_weights(3, 256, 384, g, spread))
     w, ws = fp4_fp8.fp4_block_fp8(q, s, "mxfp4")
-    rw, rs = fp4_fp8.fp4_fp8_reference(v)
+    rw, rs = fp4_fp8.fp4_fp8_reference(v, fp4_fp8.block_bound(s, "mxfp4"))
     assert _bytes_equal(w, rw) and torch.equal(ws, rs)
     assert (ws == ws.log2().round().exp2()).all()            # power-of-two block scales
     # every group lies within 14 binades of its block's largest here (3 decades ≈ 10 binades): lossless
@@ -70,7 +70,7 @@ def test_mxfp4_groups_far_below_their_block_round_and_nothing_else_does():
     differs = back != v
     assert differs.any() and not differs[0, :, :].clone().index_fill_(0, torch.tensor([7]), False).any()
     assert not differs[0, 7, 32:].any()
-    assert _bytes_equal(w, fp4_fp8.fp4_fp8_reference(v)[0])
+    assert _bytes_equal(w, fp4_fp8.fp4_fp8_reference(v, fp4_fp8.block_bound(s, "mxfp4"))[0])
 
 
 def test_nvfp4_gate_and_up_keep_their_own_global_and_match_torch():
@@ -85,7 +85,7 @@ def test_nvfp4_gate_and_up_keep_their_own_global_and_match_torch():
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
                zip((w, ws), fp4_fp8.fp4_block_fp8(q, s, "nvfp4", column_major, split=256)))
     factor = _row_block_factor(s2, 512, 256)
-    rw, rs = fp4_fp8.fp4_fp8_reference(u, factor)
+    rw, rs = fp4_fp8.fp4_fp8_reference(u, fp4_fp8.block_bound(s, "nvfp4"), factor)
     assert _bytes_equal(w, rw) and torch.equal(ws, rs)
     # what rounds is E2M1 × group scale with 5 significant bits: codes 1.5, 3, 6 with an odd scale mantissa;
     # everything else is exact, and nothing moves by more than e4m3's half ulp (2^-4 relative)
@@ -109,7 +109,7 @@ def test_containers_and_strides_the_loaders_bind():
     assert not q[::2].is_contiguous()
     v4 = fp4_fp8.fp4_block_fp8(q[::2].view(torch.int8), s[::2].view(torch.float8_e8m0fnu), "fp4-ue8m0")
     blocks = fp4_fp8.fp4_block_fp8(q[::2].reshape(3, 128, 8, 16), s[::2], "mxfp4")
-    ref = fp4_fp8.fp4_fp8_reference(v[::2])
+    ref = fp4_fp8.fp4_fp8_reference(v[::2], fp4_fp8.block_bound(s[::2], "mxfp4"))
     for got in (plain, v4, blocks):
         assert _bytes_equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
