@@ -28,6 +28,10 @@ model)
   step "mxfp4 w4a8" 150 python3 bench/fp8_prefill.py "${TRAINED[@]}" --quant mxfp4 --fp4-kernel w4a8 \
     --json "$OUTDIR/mxfp4_w4a8.json"
   ;;
+quick)  # the W4A8 GPU tests and the bench only
+  step "w4a8 gpu tests" 110 python3 -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/gpu/test_w4a8_gpu.py
+  step "fp4 bench" 80 python3 bench/fp4_moe.py --rep-ms 20 --json "$OUTDIR/fp4_moe.json"
+  ;;
 all)  # one bounded call for a short device budget: the W4A8 tests, the bench, the NVFP4 agreement at 4K
   step "w4a8 gpu tests" 150 python3 -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/gpu/test_w4a8_gpu.py \
     tests/gpu/test_fp8_linear_gpu.py
@@ -36,6 +40,6 @@ all)  # one bounded call for a short device budget: the W4A8 tests, the bench, t
     --train-steps 300 --prompts 300 --iters 3 --work-dir /tmp/w4a8-bench --quant nvfp4 --fp4-kernel w4a8 \
     --json "$OUTDIR/nvfp4_w4a8.json"
   ;;
-*) echo "unknown stage $STAGE: kernels | model | all" | tee -a "$LOG"; exit 2 ;;
+*) echo "unknown stage $STAGE: kernels | model | all | quick" | tee -a "$LOG"; exit 2 ;;
 esac
 echo "=== done in $(( $(date +%s) - START ))s; log $LOG" | tee -a "$LOG"
