@@ -23,7 +23,7 @@ against the anchors (Dynamo's planner, AIBrix's KPA, llm-d's WVA).
   4. **Panic** (AIBrix KPA): the burst recommendation ``>= PANIC_RATIO × current``, or the queue's drain
      time above ``PANIC_DRAIN_RATIO × q`` -> scale up now (no up-stabilization), to what the offered load
      projected one group start-up ahead along its rise of the last TREND_WINDOW_S asks for
-     (``projected``: new groups serve the load of then, not of now), and no scale-down for PANIC_HOLD_S.
+     (``projected``: new groups serve the load of then, not of now), and no scale-down for panicHoldSeconds (PANIC_HOLD_S, 60 s, by default).
   5. **Stabilization** (HPA's semantics): scale up to the *lowest* ``up`` of the last
      scaleUpStabilizationSeconds, down to the *highest* ``down`` of the last scaleDownStabilizationSeconds
      — and down only once the history covers that whole window (after an operator restart, too).
@@ -31,7 +31,7 @@ against the anchors (Dynamo's planner, AIBrix's KPA, llm-d's WVA).
 
 Invariants: ``decide`` never raises for any signals; ``desired`` is always in [minGroups, maxGroups]; with
 no measurement anywhere it holds (clamped into the bounds); a scale-down never follows a panic within
-PANIC_HOLD_S, nor a higher recommendation within the down window.
+panicHoldSeconds, nor a higher recommendation within the down window.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ BACKLOG_HORIZON_S = 30.0     # clear an existing queue within this (faster costs
 DOWN_MARGIN = 0.05           # the smaller fleet must carry 5 % more than the load now
 PANIC_RATIO = 2.0            # KPA's panic threshold: the load asks for twice the fleet
 PANIC_DRAIN_RATIO = 2.0      # or the queue already takes twice the wait budget to drain
-PANIC_HOLD_S = 60.0          # KPA's panic window: no scale-down this long after the last panic signal
+# KPA's panic window: no scale-down this long after the last panic signal (spec.autoscaling.panicHoldSeconds' default)
+PANIC_HOLD_S = Autoscaling.model_fields["panicHoldSeconds"].default
 STABLE_WINDOW_S = 60.0       # KPA's stable window: up and down follow the offered load averaged this long
 TREND_WINDOW_S = 20.0        # a burst's rise is measured over this long (4 ticks of 5 s) ...
 TREND_CAP = 2.0              # ... and projected at most to this multiple of the load now
@@ -220,13 +221,14 @@ def decide(signals: FleetSignals, history: ScaleHistory, policy: Autoscaling, sh
     stable = sum(window) / len(window)
     burst, up, down, load, budget = recommend(signals, policy, shape, stable_offered=stable)
     burst, up, down = (min(hi, max(lo, g)) for g in (burst, up, down))
-    keep = max(policy.scaleUpStabilizationSeconds, policy.scaleDownStabilizationSeconds, PANIC_HOLD_S, STABLE_WINDOW_S)
+    keep = max(policy.scaleUpStabilizationSeconds, policy.scaleDownStabilizationSeconds, policy.panicHoldSeconds,
+               STABLE_WINDOW_S)
     hist = history.recorded(Recommendation(now, up, down, signals.offered_load), keep)
     drain = signals.drain_seconds
     panic = burst > current and (burst >= PANIC_RATIO * max(current, 1)
                                  or (drain is not None and drain > PANIC_DRAIN_RATIO * budget))
     if panic:  # sized for the load expected once new groups are Ready (a rise, projected: ``projected``)
-        hist = replace(hist, panic_until=now + PANIC_HOLD_S)
+        hist = replace(hist, panic_until=now + policy.panicHoldSeconds)
         ahead = projected(history, signals.offered_load, now=now, lead_s=lead_s)
         burst = min(hi, max(burst, recommend(signals, policy, shape, stable_offered=stable, burst_offered=ahead)[0]))
     common = dict(history=hist, signals=signals, up=max(up, burst) if panic else up, down=down, load=load,
@@ -255,7 +257,7 @@ def decide(signals: FleetSignals, history: ScaleHistory, policy: Autoscaling, sh
         return Decision(current, current, ScaleReason.HOLD, why, **common)
     if hist.panic_until is not None and now < hist.panic_until:
         return Decision(current, current, ScaleReason.STABILIZING, f"{why}; no scale-down within "
-                        f"{PANIC_HOLD_S:g}s of a burst", **common)
+                        f"{policy.panicHoldSeconds:g}s of a burst", **common)
     if hist.since is None or hist.since > now - policy.scaleDownStabilizationSeconds:
         return Decision(current, current, ScaleReason.STABILIZING, f"{why}; scale-down waits for "
                         f"{policy.scaleDownStabilizationSeconds:g}s of history", **common)

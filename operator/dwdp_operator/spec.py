@@ -218,6 +218,9 @@ class Autoscaling(_Model):
                                                "to ask for it this long (a burst that panics skips it)")
     scaleDownStabilizationSeconds: float = Field(default=120, ge=0, le=86400, description="a scale-down needs "
                                                  "the load to fit the smaller fleet with margin this long")
+    panicHoldSeconds: float = Field(default=60, ge=0, le=3600, description="no scale-down this long after a "
+                                    "panic (a burst that asked for >= 2x the groups, or a queue past twice the "
+                                    "wait budget)")
     maxStep: int = Field(default=10, ge=1, le=1024, description="most groups added or removed per decision")
     intervalSeconds: float = Field(default=5, ge=1, le=300, description="seconds between two reads of the "
                                    "groups' /v1/load and decisions")

@@ -24,7 +24,7 @@ from ..worker.serving_helpers import Server
 from .conftest import Operator, group_body, wait_for
 
 AUTO = {"minGroups": 1, "maxGroups": 3, "targetTTFTSeconds": 0.3, "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": 10, "intervalSeconds": 1, "maxStep": 2}
+        "scaleDownStabilizationSeconds": 10, "panicHoldSeconds": 10, "intervalSeconds": 1, "maxStep": 2}
 # one pod per group (HGX shape), 2 ranks: the same shape as the local worker behind it
 SHAPE = dict(numGroups=1, dwdpSize=2, gpusPerPod=2, imex={"mode": "None"},
              experts={"numExperts": 16, "numExpertsPerWorker": 8, "numPrefetchExperts": 8})
@@ -156,7 +156,7 @@ def test_load_scales_up_then_down_after_the_window(cluster, scaler, worker):
     assert _auto(c, ns)["reason"] in ("ScaleDown", "Hold")
     assert "autoscaled" in op.log()
     print(f"\nFIGURE autoscale: 8 closed-loop clients on a real CPU worker -> numGroups 1 -> {peak} in {t_up:.1f}s "
-          f"({up[0][:120]}); load stopped -> back to 1 in {t_down:.1f}s (panic hold 60 s + down window 10 s)")
+          f"({up[0][:120]}); load stopped -> back to 1 in {t_down:.1f}s (panic hold 10 s, down window 10 s)")
 
 
 def test_a_manual_edit_is_explained_and_taken_back(cluster, scaler, worker):

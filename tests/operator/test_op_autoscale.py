@@ -141,6 +141,23 @@ def test_a_burst_panics_up_at_once_and_holds_against_a_quick_dip():
     assert 6 * 5.0 < PANIC_HOLD_S
 
 
+def test_the_panic_hold_is_the_policy_s():
+    """``panicHoldSeconds`` (default PANIC_HOLD_S) bounds how long a burst blocks the scale-down: with a short down
+    window the fleet comes down just after the hold, a shorter hold brings it down sooner."""
+    def first_down(hold):
+        policy = POLICY.model_copy(update={"scaleDownStabilizationSeconds": 10, "panicHoldSeconds": hold})
+        decisions = run([sig(6.0)] * 10 + [sig(60.0, 500.0)] + [sig(4.0)] * 40, current=2, policy=policy)
+        assert decisions[10].reason == ScaleReason.PANIC
+        held = [d for d in decisions[11:] if d.reason == ScaleReason.STABILIZING and "burst" in d.message]
+        return next(i for i, d in enumerate(decisions) if i > 10 and d.desired < d.current), len(held)
+
+    assert Autoscaling(maxGroups=4).panicHoldSeconds == PANIC_HOLD_S
+    late, held_late = first_down(PANIC_HOLD_S)
+    soon, held_soon = first_down(10)
+    assert (late - 10) * 5.0 >= PANIC_HOLD_S and held_late > 0
+    assert soon < late and held_soon < held_late
+
+
 def test_a_moderate_rise_scales_up_only_after_the_up_window():
     rise = recommend(sig(12.0), POLICY, POOLED)[1]
     decisions = run([sig(7.0)] * 4 + [sig(12.0)] * 30, current=3)
