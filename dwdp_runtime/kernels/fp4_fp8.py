@@ -41,12 +41,18 @@ prints its time beside the GEMMs').
 
 from __future__ import annotations
 
+import functools
+import logging
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .fp4_grouped_gemm import E4M3, E8M0, _fp4_tile, _scale
 from .support import interpreting
+
+log = logging.getLogger(__name__)
 
 #: the block of the FP8 kernels' weight scales (``weight_block_size [128, 128]``, ``fp8_cute.SCALE_BLOCK``)
 BLOCK = 128
@@ -156,10 +162,13 @@ def unsupported_shape(n: int, k: int) -> str | None:
 
 
 def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None, *,
-                  split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  split: int | None = None, sub_rows: int | None = None,
+                  fast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w [E, N, K] float8_e4m3fn, s [E, N/128, K/128] float32)`` from packed FP4 ``[E, N, K/2]`` (or
     gpt-oss's ``[E, N, K/32, 16]`` blocks) and group scales ``[E, N, K/G]``; NVFP4's ``scale_2 [E, S]``, whose
-    second column applies from row ``split`` on (a fused ``[gate; up]``, ``split`` a multiple of 128). Values:
+    second column applies from row ``split`` on (a fused ``[gate; up]``, ``split`` a multiple of 128). ``sub_rows``:
+    rows per tile (a divisor of 128; default ``SUB_ROWS`` on the GPU, the whole block in the interpreter) — the
+    bytes do not depend on it. ``fast``: the GPU decode (default: where ``self_check`` found it right). Values:
     module docstring."""
     if fmt not in SCALE_FORMATS:
         raise ValueError(f"FP4 format {fmt!r}: one of {sorted(SCALE_FORMATS)}")
@@ -171,8 +180,13 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
         raise ValueError(f"FP4 weights {why}")
     fmt_code = SCALE_FORMATS[fmt]
     has_s2 = fmt_code == E4M3 and scale_2 is not None
+    sub = sub_rows or (BLOCK if interpreting() else SUB_ROWS)
+    if BLOCK % sub:
+        raise ValueError(f"sub_rows={sub_rows} does not divide the {BLOCK}-row block")
     if split is not None and split % BLOCK:
         raise ValueError(f"the second global scale starts at row {split}, inside a {BLOCK}-row block")
+    if fast is None:
+        fast = not interpreting() and (packed.device.type != "cuda" or self_check(packed.device).fast)
     w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=packed.device)
     s = torch.empty(num_experts, n // BLOCK, k // BLOCK, dtype=torch.float32, device=packed.device)
     codes = w.view(torch.uint8)
@@ -184,9 +198,79 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
         packed.stride(0), packed.stride(1), packed.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
         s2.stride(0) if has_s2 else 0, s2.stride(1) if has_s2 else 0, codes.stride(0), codes.stride(1), s.stride(0),
         s.stride(1),
-        SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK, SUB=BLOCK if interpreting() else SUB_ROWS,
-        FAST=not interpreting())
+        SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK, SUB=sub, FAST=fast and not interpreting())
     return w, s
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    """What ``self_check`` found on one GPU: the decode that writes torch's bytes (``fast`` first), or why none."""
+
+    fast: bool = False
+    unusable: str | None = None
+
+
+#: the check's experts: 2 experts × 256 rows × 128 columns — two row blocks (gate and up: NVFP4's two globals)
+_CHECK_SHAPE = (2, 256, 128)
+
+
+def self_check(device) -> SelfCheck:
+    """Whether the compiled re-encoding writes torch's own bytes on this GPU (once per process and device, at the
+    first W4A8 forward — the warm-up, before any CUDA graph is captured): seeded random codes and scales of both
+    formats, every code and a spread of scale bytes, against ``fp4_fp8_reference`` computed by torch on the same
+    device (its hardware conversion). The GPU decode first, then the generic one; where neither matches, W4A8
+    is unusable here and ``w4a8_moe`` serves weight-only, naming the reason."""
+    index = torch.device(device).index or 0
+    if torch.cuda.is_current_stream_capturing() and _self_check.cache_info().currsize == 0:
+        # its host-to-device copies cannot be captured; the warm-up forwards are eager, so this means a capture
+        # came first: fail it (the graph layer falls back to eager, whose forward runs the check)
+        raise RuntimeError("the W4A8 re-encoding's self-check must run before any CUDA graph capture")
+    return _self_check(index)
+
+
+@functools.cache
+def _self_check(index: int) -> SelfCheck:
+    return run_self_check(torch.device("cuda", index))
+
+
+def run_self_check(device: torch.device) -> SelfCheck:
+    """``self_check``'s work on ``device``, uncached (the CPU tests run it under the interpreter)."""
+    from ..quant import fp4
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    gen = torch.Generator().manual_seed(0)
+    e, n, k = _CHECK_SHAPE
+    cases = []
+    for fmt in ("mxfp4", "nvfp4"):
+        packed = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8)
+        if fmt == "mxfp4":
+            scales, s2 = torch.randint(100, 140, (e, n, k // 32), generator=gen, dtype=torch.uint8), None
+            values = fp4.mxfp4_dequantize(packed, scales, torch.float32)
+        else:
+            scales = torch.randint(1, 0x7F, (e, n, k // 16), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            s2 = torch.rand(e, 2, generator=gen) + 0.5
+            values = fp4.nvfp4_dequantize(packed, scales, torch.ones_like(s2), torch.float32, row_segments=(n // 2,) * 2)
+        factor = None if s2 is None else torch.where(torch.arange(0, n, BLOCK)[None, :] >= n // 2, s2[:, -1:], s2[:, :1])
+        want = fp4_fp8_reference(values.to(device), block_bound(scales, fmt).to(device),
+                                 None if factor is None else factor.to(device))
+        cases.append((fmt, packed.to(device), scales.to(device), None if s2 is None else s2.to(device), want))
+    failures = []
+    for fast in (True, False):
+        bad = [fmt for fmt, packed, scales, s2, (w, s) in cases
+               if not _same(fp4_block_fp8(packed, scales, fmt, s2, split=n // 2, fast=fast), (w, s))]
+        if not bad:
+            if failures:
+                log.warning("W4A8 re-encoding: the GPU decode differs from torch on %s (%s); using the generic one",
+                            name, ", ".join(failures))
+            return SelfCheck(fast=fast)
+        failures.append(f"{'GPU' if fast else 'generic'} decode: {', '.join(bad)}")
+    why = f"the W4A8 re-encoding differs from torch's on {name} ({'; '.join(failures)})"
+    log.error("%s: FP4 experts serve weight-only", why)
+    return SelfCheck(unusable=why)
+
+
+def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
 
 
 def block_bound(scales: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -17,7 +17,8 @@ dequantized model's numbers bit for bit), ``w4a8`` (this module; refused with th
 variable, never on the batch; both paths are batch invariant (no split-K, fixed-order reduce).
 
 What W4A8 cannot run (``unsupported``): biases and gpt-oss's interleaved gate/up rows (the FP8 kernels take
-neither), projections that are not multiples of 128 (gpt-oss's 2880), no CUDA.
+neither), projections that are not multiples of 128 (gpt-oss's 2880), no CUDA, and a GPU where the compiled
+re-encoding does not write torch's bytes (``fp4_fp8.self_check``, once per process at the warm-up forward).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from ..contract import TuningEnv
 from ..quant.memory import W4A8_SCRATCH_BUDGET, w4a8_chunk_experts, w4a8_projections
 from ..quant.memory import w4a8_scratch_bytes as scratch_bytes  # noqa: F401 - re-exported: the scratch's size
-from .fp4_fp8 import fp4_block_fp8, unsupported_shape
+from .fp4_fp8 import fp4_block_fp8, self_check, unsupported_shape
 from .fp4_moe import SCALE_FORMATS, Fp4Weights
 from .fp8_moe import fp8_moe_forward
 from .moe import ExpertsLayout
@@ -77,7 +78,7 @@ def unsupported(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device
         why = unsupported_shape(w.shape[1], w.shape[2] * (2 if w.dim() == 3 else 32))
         if why:
             return f"{name} {why}"
-    return None
+    return self_check(device).unusable
 
 
 def chosen_kernel(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device) -> FP4Kernel:

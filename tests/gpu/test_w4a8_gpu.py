@@ -27,9 +27,10 @@ W4A8_REL_TOL = 0.08
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_reencode_on_gpu_writes_torchs_bytes(fmt, shape):
-    from dwdp_runtime.kernels.fp4_fp8 import block_bound, fp4_block_fp8, fp4_fp8_reference
+    from dwdp_runtime.kernels.fp4_fp8 import SelfCheck, block_bound, fp4_block_fp8, fp4_fp8_reference, self_check
     from dwdp_runtime.quant import fp4
 
+    assert self_check("cuda") == SelfCheck(fast=True)   # the GPU decode writes torch's bytes on this GPU
     h, i, e, _ = SHAPES[shape]
     packed, _ = fp4_experts_case(fmt, h, i, e)
     w, s = fp4_block_fp8(packed.gate_up, packed.gate_up_scale, fmt, packed.gate_up_scale_2, split=i)

@@ -100,6 +100,20 @@ def test_nvfp4_gate_and_up_keep_their_own_global_and_match_torch():
     assert torch.equal(full[exact], v[exact])
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_row_tiles_do_not_change_the_bytes(fmt):
+    """The GPU walks each block in 32-row tiles (``SUB_ROWS``), the interpreter in one: the same bytes either way."""
+    g = torch.Generator().manual_seed(10)
+    x = _weights(2, 256, 256, g, 2.0)
+    q, s, s2 = (*_mx(x)[:2], None) if fmt == "mxfp4" else _nv(x, (128, 128))[:3]
+    whole = fp4_fp8.fp4_block_fp8(q, s, fmt, s2, split=128)
+    for sub in (32, 64):
+        tiled = fp4_fp8.fp4_block_fp8(q, s, fmt, s2, split=128, sub_rows=sub)
+        assert _bytes_equal(tiled[0], whole[0]) and torch.equal(tiled[1], whole[1])
+    with pytest.raises(ValueError, match="does not divide"):
+        fp4_fp8.fp4_block_fp8(q, s, fmt, s2, sub_rows=48)
+
+
 def test_containers_and_strides_the_loaders_bind():
     """DeepSeek-V4's int8 codes with float8_e8m0fnu scales, gpt-oss's [E, N, K/32, 16] blocks and a strided
     composite (every other expert of a larger pool) give the same bytes as the plain MXFP4 tensors."""
@@ -213,6 +227,7 @@ def test_kernel_choice_follows_the_variable_and_names_what_w4a8_cannot_run(monke
     with pytest.raises(ValueError, match="auto.*weight-only.*w4a8"):
         w4a8_moe.chosen_kernel(w, layout, cpu)
     cuda = torch.device("cuda", 0)   # only compared, never touched
+    monkeypatch.setattr(w4a8_moe, "self_check", lambda device: fp4_fp8.SelfCheck(fast=True))
     assert w4a8_moe.unsupported(w, layout, cuda) is None
     assert "interleaved" in w4a8_moe.unsupported(w, moe.ExpertsLayout(is_concatenated=False), cuda)
     assert "biases" in w4a8_moe.unsupported(w, moe.ExpertsLayout(has_bias=True), cuda)
@@ -222,6 +237,32 @@ def test_kernel_choice_follows_the_variable_and_names_what_w4a8_cannot_run(monke
                                       torch.zeros(1, 160, 48, dtype=torch.uint8),
                                       torch.zeros(1, 160, 3, dtype=torch.uint8))
     assert "multiple of 128" in w4a8_moe.unsupported(gpt_oss_like, layout, cuda)
+    failed = fp4_fp8.SelfCheck(unusable="the W4A8 re-encoding differs from torch's on a test GPU")
+    monkeypatch.setattr(w4a8_moe, "self_check", lambda device: failed)
+    assert w4a8_moe.unsupported(w, layout, cuda) == failed.unusable
+
+
+def test_self_check_passes_here_and_names_a_decode_that_writes_other_bytes(monkeypatch, caplog):
+    """The harness (both formats, NVFP4's two globals) agrees with torch under the interpreter; a decode that
+    changes one byte is dropped for the other, and where both do W4A8 is unusable with the reason."""
+    cpu = torch.device("cpu")
+    assert fp4_fp8.run_self_check(cpu) == fp4_fp8.SelfCheck(fast=True)
+    real = fp4_fp8.fp4_block_fp8
+
+    def corrupt(*args, fast=None, **kw):
+        w, s = real(*args, fast=fast, **kw)
+        if fast in bad_paths:
+            w.view(torch.uint8)[0, 0, 0] ^= 1
+        return w, s
+
+    monkeypatch.setattr(fp4_fp8, "fp4_block_fp8", corrupt)
+    bad_paths = {True}
+    with caplog.at_level("WARNING"):
+        assert fp4_fp8.run_self_check(cpu) == fp4_fp8.SelfCheck(fast=False)
+    assert "using the generic one" in caplog.text
+    bad_paths = {True, False}
+    verdict = fp4_fp8.run_self_check(cpu)
+    assert verdict.unusable and "GPU decode: mxfp4, nvfp4" in verdict.unusable
 
 
 def test_scratch_bytes_are_the_larger_reencoded_chunk():
