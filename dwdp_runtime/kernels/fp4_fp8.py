@@ -220,7 +220,8 @@ def self_check(device) -> SelfCheck:
     formats, every code and a spread of scale bytes, against ``fp4_fp8_reference`` computed by torch on the same
     device (its hardware conversion). The GPU decode first, then the generic one; where neither matches, W4A8
     is unusable here and ``w4a8_moe`` serves weight-only, naming the reason."""
-    index = torch.device(device).index or 0
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
     if torch.cuda.is_current_stream_capturing() and _self_check.cache_info().currsize == 0:
         # its host-to-device copies cannot be captured; the warm-up forwards are eager, so this means a capture
         # came first: fail it (the graph layer falls back to eager, whose forward runs the check)
