@@ -18,8 +18,9 @@ uniformly random routing, all in one run:
                            128×128 blocks (``fp4_fp8``, once per layer per forward) timed alone, the two CuTe
                            block-scaled GEMMs on it alone (fused gate_up + down on prepared plan rows, as
                            bench/fp8_moe.py times them), their ratios to bf16 ``_grouped_mm`` without and with the
-                           re-encoding, the whole W4A8 block (re-encoding included) ÷ the bf16 block, and its
-                           relative error against the bf16 block on the dequantized weights;
+                           re-encoding, the whole W4A8 block (re-encoding included) ÷ the bf16 block — in line and
+                           with the re-encoding one chunk ahead on a side stream (``DWDP_W4A8_OVERLAP=on``) —, and
+                           its relative error against the bf16 block on the dequantized weights;
   * ``prefetch bytes``   — bytes of one expert per layer, measured from the tensors themselves (packed codes +
                            scales; bf16 and FP8 twins beside), and what a d = 4 group's rank pulls per MoE layer
                            (the 3/4 of the model's experts it does not hold).
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -58,7 +60,7 @@ PREFETCH_GROUP = 4
 RATIOS = ("fp4_over_bf16_grouped_mm", "fp4_block_over_bf16_block")
 #: the W4A8 ratios, summarized where a round measured them
 W4A8_RATIOS = ("w4a8_gemms_over_bf16_grouped_mm", "w4a8_with_reencode_over_bf16_grouped_mm",
-               "w4a8_block_over_bf16_block")
+               "w4a8_block_over_bf16_block", "w4a8_ahead_block_over_bf16_block")
 
 
 #: on the GPU the FP4 kernels sum the same exact products in another order than the bf16 kernels (the decoded
@@ -214,15 +216,24 @@ def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flop
     t2 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert))
     got = w4a8_experts(x, ids, w, packed)
     t_block = bench(lambda: w4a8_experts(x, ids, w, packed))
+
+    os.environ["DWDP_W4A8_OVERLAP"] = "on"   # the re-encoding one chunk ahead on a side stream (w4a8_reencode)
+    try:
+        ahead_bitwise = bool(torch.equal(w4a8_experts(x, ids, w, packed), got))
+        t_ahead = bench(lambda: w4a8_experts(x, ids, w, packed))
+    finally:
+        os.environ.pop("DWDP_W4A8_OVERLAP")
     r = dict(w4a8_reencode_ms=t_conv, w4a8_gate_up_ms=t1, w4a8_down_ms=t2, w4a8_gemms_ms=t1 + t2,
              w4a8_tflops=flops / (t1 + t2) / 1e9, w4a8_gemms_over_bf16_grouped_mm=t_bf16 / (t1 + t2),
              w4a8_with_reencode_over_bf16_grouped_mm=t_bf16 / (t_conv + t1 + t2), w4a8_block_ms=t_block,
-             w4a8_block_over_bf16_block=t_bblock / t_block,
+             w4a8_block_over_bf16_block=t_bblock / t_block, w4a8_ahead_block_ms=t_ahead,
+             w4a8_ahead_block_over_bf16_block=t_bblock / t_ahead, w4a8_ahead_bitwise=ahead_bitwise,
              w4a8_rel_err=float((got.float() - ref.float()).norm() / ref.float().norm()))
     print(f"[{name}] {fmt} T={x.shape[0]}: W4A8 re-encode {t_conv:.3f} ms + GEMMs {t1 + t2:.3f} ms "
           f"({r['w4a8_tflops']:.0f} TFLOP/s; fused gate_up {t1:.3f}, down {t2:.3f}) = "
           f"{r['w4a8_gemms_over_bf16_grouped_mm']:.2f}x bf16 grouped_mm ({r['w4a8_with_reencode_over_bf16_grouped_mm']:.2f}x "
-          f"with the re-encode) | block {t_block:.3f} ms = {r['w4a8_block_over_bf16_block']:.2f}x bf16 block | "
+          f"with the re-encode) | block {t_block:.3f} ms = {r['w4a8_block_over_bf16_block']:.2f}x bf16 block, "
+          f"re-encoding ahead {t_ahead:.3f} ms = {r['w4a8_ahead_block_over_bf16_block']:.2f}x (bitwise {ahead_bitwise}) | "
           f"rel err vs bf16 block {r['w4a8_rel_err']:.4f}", flush=True)
     return r
 

@@ -146,6 +146,7 @@ class TuningEnv(StrEnum):
     FP8_BACKEND = "DWDP_FP8_BACKEND"            # FP8 experts kernels on CUDA: auto | triton | cute (kernels.fp8_moe)
     FP8_DENSE = "DWDP_FP8_DENSE"                # FP8 checkpoints' dense linears kept e4m3: off | on (checkpoint.fp8_dense)
     FP4_KERNEL = "DWDP_FP4_KERNEL"              # FP4 experts on CUDA: auto | weight-only | w4a8 (kernels.w4a8_moe)
+    W4A8_OVERLAP = "DWDP_W4A8_OVERLAP"          # W4A8 re-encoding one chunk ahead on a side stream: off | on
     # the KV responses' remote_host, when neither the bound address nor the pod IP is what a decode engine
     # reaches (a NAT, a node port, a DNS name): --kv-advertise-host; a user sets it through spec.template.env
     KV_ADVERTISE_HOST = "DWDP_KV_ADVERTISE_HOST"

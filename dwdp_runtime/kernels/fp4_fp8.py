@@ -162,14 +162,14 @@ def unsupported_shape(n: int, k: int) -> str | None:
 
 
 def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None, *,
-                  split: int | None = None, sub_rows: int | None = None,
-                  fast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  split: int | None = None, sub_rows: int | None = None, fast: bool | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w [E, N, K] float8_e4m3fn, s [E, N/128, K/128] float32)`` from packed FP4 ``[E, N, K/2]`` (or
     gpt-oss's ``[E, N, K/32, 16]`` blocks) and group scales ``[E, N, K/G]``; NVFP4's ``scale_2 [E, S]``, whose
     second column applies from row ``split`` on (a fused ``[gate; up]``, ``split`` a multiple of 128). ``sub_rows``:
     rows per tile (a divisor of 128; default ``SUB_ROWS`` on the GPU, the whole block in the interpreter) — the
-    bytes do not depend on it. ``fast``: the GPU decode (default: where ``self_check`` found it right). Values:
-    module docstring."""
+    bytes do not depend on it. ``fast``: the GPU decode (default: where ``self_check`` found it right). ``out``:
+    the ``(w, s)`` to write (contiguous, of the shapes above). Values: module docstring."""
     if fmt not in SCALE_FORMATS:
         raise ValueError(f"FP4 format {fmt!r}: one of {sorted(SCALE_FORMATS)}")
     if packed.dim() == 4:
@@ -187,8 +187,15 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
         raise ValueError(f"the second global scale starts at row {split}, inside a {BLOCK}-row block")
     if fast is None:
         fast = not interpreting() and (packed.device.type != "cuda" or self_check(packed.device).fast)
-    w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=packed.device)
-    s = torch.empty(num_experts, n // BLOCK, k // BLOCK, dtype=torch.float32, device=packed.device)
+    shapes = ((num_experts, n, k), (num_experts, n // BLOCK, k // BLOCK))
+    if out is None:
+        w = torch.empty(shapes[0], dtype=torch.float8_e4m3fn, device=packed.device)
+        s = torch.empty(shapes[1], dtype=torch.float32, device=packed.device)
+    else:
+        w, s = out
+        if (tuple(w.shape), tuple(s.shape)) != shapes or w.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 \
+                or not (w.is_contiguous() and s.is_contiguous()):
+            raise ValueError(f"out must be contiguous float8_e4m3fn {shapes[0]} and float32 {shapes[1]} tensors")
     codes = w.view(torch.uint8)
     s2 = scale_2 if has_s2 else s
     grid = (num_experts, n // BLOCK, k // BLOCK)

@@ -121,9 +121,12 @@ def w4a8_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
     inter = _inter(weights)
     if _on_cute(hidden_states.device):
         gemm = functools.partial(fp8_cute.block_scaled_grouped_gemm, out_dtype=torch.bfloat16)
+        from .w4a8_reencode import CudaStreamOps, overlap_wanted
+
+        ops = CudaStreamOps(hidden_states.device) if overlap_wanted() else None
         try:
             return chunked_forward(hidden_states, topk_ids, topk_weights, weights, layout, gemm=gemm,
-                                   fused_gemm1=fp8_cute.gate_up_act_quant, budget=budget)
+                                   fused_gemm1=fp8_cute.gate_up_act_quant, budget=budget, ops=ops)
         except fp8_cute.CuteBuildError:
             # recorded by fp8_cute: a forced ``cute`` backend now refuses with the reason, ``auto`` takes Triton
             # (once per process, at the warm-up forward, as for FP8 checkpoints)
@@ -166,14 +169,66 @@ def chunk_block_map(block_expert: torch.Tensor, c0: int, c1: int, num_experts: i
     return torch.where(inside, block_expert - c0, torch.full_like(block_expert, -1))
 
 
+def _steps(num_experts: int, gate_up_bytes: int, down_bytes: int, budget: int, ahead: bool) -> list:
+    """The chunks in order: gate_up's, then down's. Ahead of the GEMMs (``w4a8_reencode.AheadReencoder``) two
+    slots share the budget and each projection is cut in ``AHEAD_CHUNKS`` chunks at least."""
+    from .w4a8_reencode import AHEAD_CHUNKS, Step
+
+    steps = []
+    for projection, each in (("gate_up", gate_up_bytes), ("down", down_bytes)):
+        if ahead:
+            per = min(w4a8_chunk_experts(num_experts, each, budget // 2), -(-num_experts // AHEAD_CHUNKS))
+            chunks = [(c0, min(num_experts, c0 + per)) for c0 in range(0, num_experts, per)]
+        else:
+            chunks = expert_chunks(num_experts, each, budget)
+        steps += [Step(projection, c0, c1) for c0, c1 in chunks]
+    return steps
+
+
+def _reencoder(steps: list, weights: Fp4Weights, layout: ExpertsLayout, device: torch.device, ops):
+    """The re-encoder for these chunks: in line, or (``ops``: ``w4a8_reencode.StreamOps``) one chunk ahead."""
+    from .w4a8_reencode import AheadReencoder, InlineReencoder
+
+    inter = _inter(weights)
+    sources = {"gate_up": (weights.gate_up, weights.gate_up_scale, weights.gate_up_scale_2,
+                           inter if layout.has_gate else None),
+               "down": (weights.down, weights.down_scale, weights.down_scale_2, None)}
+
+    def encode(step, out):
+        packed, scales, globals_, split = sources[step.projection]
+        return fp4_block_fp8(packed[step.c0:step.c1], scales[step.c0:step.c1], weights.format,
+                             None if globals_ is None else globals_[step.c0:step.c1], split=split, out=out)
+
+    if ops is None:
+        return InlineReencoder(steps, encode)
+
+    def shape(step):
+        packed = sources[step.projection][0]
+        rows, cols = packed.shape[1], packed.shape[2] * (2 if packed.dim() == 3 else 32)
+        return step.c1 - step.c0, rows, cols
+
+    def views(step, slot):
+        e, n, k = shape(step)
+        return (slot[0][:e * n * k].view(torch.float8_e4m3fn).view(e, n, k),
+                slot[1][:e * (n // 128) * (k // 128)].view(e, n // 128, k // 128))
+
+    most_w = max(e * n * k for e, n, k in map(shape, steps))
+    most_s = max(e * (n // 128) * (k // 128) for e, n, k in map(shape, steps))
+    slots = [(torch.empty(most_w, dtype=torch.uint8, device=device),
+              torch.empty(most_s, dtype=torch.float32, device=device)) for _ in range(2)]
+    return AheadReencoder(steps, encode, slots, views, ops)
+
+
 def chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     weights: Fp4Weights, layout: ExpertsLayout, *, gemm, fused_gemm1=None,
-                    budget: int = W4A8_SCRATCH_BUDGET) -> torch.Tensor:
+                    budget: int = W4A8_SCRATCH_BUDGET, ops=None) -> torch.Tensor:
     """W4A8 over plan rows (``fp8_cute.plan_rows_moe_forward``'s passes) with the re-encoding in chunks of experts:
     ``gemm(a, sa, w, ws, block_expert, out=d)`` and ``fused_gemm1(a, sa, w1, s1, block_expert, inter, out=(h, hs))``
     have the CuTe GEMMs' contract (idle blocks skipped, ``out`` written only at the live blocks; the CPU tests pass
-    the torch block math). Each projection is re-encoded ``expert_chunks`` at a time, so at most ``budget`` bytes of
-    e4m3 are held (``quant.memory.w4a8_scratch_bytes``); outputs are the same bits in one chunk or many."""
+    the torch block math). Each projection is re-encoded in chunks of experts, so at most ``budget`` bytes of
+    e4m3 are held (``quant.memory.w4a8_scratch_bytes``); ``ops`` (``w4a8_reencode.StreamOps``): each chunk is
+    re-encoded one ahead on a side stream (``AheadReencoder``), else in line. Outputs are the same bits in one
+    chunk or many, in line or ahead."""
     from .fp8_cute import FUSED_ACTIVATIONS, TILE_M
     from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, reduce_plan_rows
     from .fp8_quant import quantize_groups
@@ -187,30 +242,28 @@ def chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
     a, sa = gather_plan_rows(xq, xs, plan)
     rows = a.shape[0]
     fused = fused_gemm1 is not None and layout.has_gate and layout.activation in FUSED_ACTIVATIONS
-    gate_up_bytes, down_bytes = w4a8_projections(hidden, inter, layout.has_gate)
+    steps = _steps(num_experts, *w4a8_projections(hidden, inter, layout.has_gate), budget, ops is not None)
+    chunks = _reencoder(steps, weights, layout, device, ops)
     if fused:
         h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device)
         hs = torch.empty(inter // 128, rows, dtype=torch.float32, device=device)
     else:
         gate_up = torch.empty(rows, weights.gate_up.shape[1], dtype=torch.bfloat16, device=device)
-    for c0, c1 in expert_chunks(num_experts, gate_up_bytes, budget):
-        w1, s1 = fp4_block_fp8(weights.gate_up[c0:c1], weights.gate_up_scale[c0:c1], weights.format,
-                               None if weights.gate_up_scale_2 is None else weights.gate_up_scale_2[c0:c1],
-                               split=inter if layout.has_gate else None)
-        blocks = chunk_block_map(plan.block_expert, c0, c1, num_experts)
-        if fused:
-            fused_gemm1(a, sa, w1, s1, blocks, inter, out=(h, hs))
-        else:
-            gemm(a, sa, w1, s1, blocks, out=gate_up)
-        del w1, s1   # back to the allocator before the next chunk
-    if not fused:
-        h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=layout.has_gate, activation=layout.activation)
-        del gate_up
     y = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
-    for c0, c1 in expert_chunks(num_experts, down_bytes, budget):
-        w2, s2 = fp4_block_fp8(weights.down[c0:c1], weights.down_scale[c0:c1], weights.format,
-                               None if weights.down_scale_2 is None else weights.down_scale_2[c0:c1])
-        gemm(h, hs, w2, s2, chunk_block_map(plan.block_expert, c0, c1, num_experts), out=y)
-        del w2, s2
+    for i, step in enumerate(steps):
+        if step.projection == "down" and not fused and gate_up is not None:
+            h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=layout.has_gate, activation=layout.activation)
+            gate_up = None
+        w, ws = chunks.take(i)
+        blocks = chunk_block_map(plan.block_expert, step.c0, step.c1, num_experts)
+        if step.projection == "down":
+            gemm(h, hs, w, ws, blocks, out=y)
+        elif fused:
+            fused_gemm1(a, sa, w, ws, blocks, inter, out=(h, hs))
+        else:
+            gemm(a, sa, w, ws, blocks, out=gate_up)
+        chunks.done(i)
+        del w, ws   # in line: back to the allocator before the next chunk
+    chunks.finish()
     out = reduce_plan_rows(y, plan, topk_weights, out_dtype=out_dtype)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)

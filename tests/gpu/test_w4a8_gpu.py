@@ -89,6 +89,29 @@ def test_chunks_of_experts_on_the_cute_kernels_give_the_bits_of_one_chunk(fmt, f
     assert torch.equal(w4a8_experts(x, ids, w, packed, budget=budget), whole)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_reencoding_ahead_on_a_side_stream_gives_the_same_bits(fmt, fp8_cute, monkeypatch):
+    """``DWDP_W4A8_OVERLAP=on``: chunk i + 1 re-encoded on a side stream during chunk i's GEMM — the same output
+    as in line, eager and replayed from a CUDA graph (the side stream joins the capture)."""
+    from dwdp_runtime.kernels.w4a8_moe import w4a8_experts
+
+    h, i, e, k = SHAPES["qwen3_30b"]
+    packed, _ = fp4_experts_case(fmt, h, i, e)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4096, h, device="cuda", generator=g).bfloat16()
+    w, ids = torch.topk(torch.rand(4096, e, device="cuda", generator=g), k, dim=-1)
+    monkeypatch.setenv("DWDP_W4A8_OVERLAP", "off")
+    inline = w4a8_experts(x, ids, w, packed)
+    monkeypatch.setenv("DWDP_W4A8_OVERLAP", "on")
+    assert torch.equal(w4a8_experts(x, ids, w, packed), inline)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = w4a8_experts(x, ids, w, packed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, inline)
+
+
 def test_fp4_checkpoints_served_w4a8_agree_with_the_dequantized_twin(fp4_checkpoints, fp8_cute, monkeypatch):
     from dwdp_runtime.kernels import w4a8_moe
     from dwdp_worker.launch.oracle import Reference

@@ -331,3 +331,90 @@ def test_chunk_block_map_renumbers_one_chunk_and_idles_the_rest():
     assert w4a8_moe.chunk_block_map(blocks, 2, 4, 5).tolist() == [-1, -1, -1, 0, 1, 1, -1, -1, -1]
     assert w4a8_moe.expert_chunks(5, 10, 25) == [(0, 2), (2, 4), (4, 5)]
     assert w4a8_moe.expert_chunks(5, 10, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]   # at least one expert
+
+
+class _RecordingStreams:
+    """``w4a8_reencode.StreamOps`` on CPU: every operation runs at once and is logged in order."""
+
+    def __init__(self):
+        self.log, self.events = [], 0
+
+    def current(self):
+        return "current"
+
+    def side(self):
+        return "side"
+
+    def wait_stream(self, waiter, other):
+        self.log.append(("wait_stream", waiter, other))
+
+    def record(self, stream):
+        self.events += 1
+        self.log.append(("record", stream, self.events))
+        return self.events
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait", stream, event))
+
+    def on(self, stream):
+        import contextlib
+
+        log = self.log
+
+        @contextlib.contextmanager
+        def ctx():
+            log.append(("encode", stream))
+            yield
+        return ctx()
+
+
+def test_reencoding_ahead_gives_the_same_bits_and_orders_every_slot_reuse():
+    """One chunk ahead on a side stream (``DWDP_W4A8_OVERLAP=on``): the output is the in-line forward's, and the
+    log shows the protocol — the side stream starts after the current one, chunk i is written only after the
+    GEMM of chunk i − 2 (the slot's last reader) was recorded done, every GEMM waits for its chunk's ready
+    event, and the layer ends joining the side stream."""
+    reencode = pytest.importorskip("dwdp_runtime.kernels.w4a8_reencode")
+    g = torch.Generator().manual_seed(11)
+    e, h, i, t, k = 8, 256, 128, 40, 2
+    w = _fp4_weights("nvfp4", e, h, i, g)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    wts, ids = torch.topk(torch.rand(t, e, generator=g).softmax(-1), k, dim=-1)
+    ops = _RecordingStreams()
+    gemms = []
+
+    def logged(fn):
+        def run(*args, **kw):
+            ops.log.append(("gemm", len(gemms)))
+            gemms.append(1)
+            return fn(*args, **kw)
+        return run
+
+    inline = w4a8_moe.chunked_forward(x, ids, wts, w, moe.ExpertsLayout(), gemm=_gemm_into, fused_gemm1=_fused_into)
+    ahead = w4a8_moe.chunked_forward(x, ids, wts, w, moe.ExpertsLayout(), gemm=logged(_gemm_into),
+                                     fused_gemm1=logged(_fused_into), ops=ops)
+    assert torch.equal(ahead, inline)
+    steps = len(gemms)
+    assert steps == 2 * reencode.AHEAD_CHUNKS                     # 8 experts: 4 chunks per projection
+    assert ops.log[0] == ("wait_stream", "side", "current") and ops.log[-1] == ("wait_stream", "current", "side")
+    encodes = [n for n, entry in enumerate(ops.log) if entry == ("encode", "side")]
+    gemm_at = [n for n, entry in enumerate(ops.log) if entry[0] == "gemm"]
+    ready = [ops.log[n + 1][2] for n in encodes]                 # each encode is followed by its ready record
+    done = [ops.log[n + 1][2] for n in gemm_at]                  # each GEMM by its done record (current stream)
+    assert len(encodes) == steps and all(ops.log[n + 1][:2] == ("record", "current") for n in gemm_at)
+    for step in range(steps):
+        assert ("wait", "current", ready[step]) in ops.log[:gemm_at[step]]       # the GEMM waits for its chunk
+        if step >= 2:   # its slot's last reader, the GEMM of step - 2, is waited for before the write
+            assert ops.log[encodes[step] - 1] == ("wait", "side", done[step - 2])
+        if step >= 1:   # one ahead: chunk step is written before the GEMM of step - 1 is enqueued
+            assert encodes[step] < gemm_at[step - 1]
+
+
+def test_the_overlap_variable_is_off_by_default_and_checked(monkeypatch):
+    reencode = pytest.importorskip("dwdp_runtime.kernels.w4a8_reencode")
+    monkeypatch.delenv("DWDP_W4A8_OVERLAP", raising=False)
+    assert reencode.overlap_wanted() is False
+    monkeypatch.setenv("DWDP_W4A8_OVERLAP", "on")
+    assert reencode.overlap_wanted() is True
+    monkeypatch.setenv("DWDP_W4A8_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="off.*on"):
+        reencode.overlap_wanted()
