@@ -190,7 +190,7 @@ def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flop
     import torch
 
     from dwdp_runtime.kernels import fp8_cute
-    from dwdp_runtime.kernels.fp4_fp8 import fp4_block_fp8
+    from dwdp_runtime.kernels.fp4_fp8 import fp4_block_fp8, unpacked_columns
     from dwdp_runtime.kernels.fp8_plan_rows import gather_plan_rows
     from dwdp_runtime.kernels.fp8_quant import quantize_groups
     from dwdp_runtime.kernels.moe import ExpertsLayout
@@ -201,7 +201,7 @@ def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flop
     if why:
         print(f"[{name}] {fmt} T={x.shape[0]}: W4A8 skipped: {why}", flush=True)
         return dict(w4a8_skipped=why)
-    i = packed.down.shape[2] * 2
+    i = unpacked_columns(packed.down)
 
     def reencode():
         return (fp4_block_fp8(packed.gate_up, packed.gate_up_scale, fmt, packed.gate_up_scale_2, split=i),

@@ -58,6 +58,7 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-up
+from dwdp_runtime.contract import FP4_KERNELS, Fp4Kernel, TuningEnv  # noqa: E402
 from dwdp_worker.rank import prefill_graphs  # noqa: E402
 
 #: timed forwards of each kind: one forward's time moves by 10-25 % on a shared H200 host (2026-12-01: the same
@@ -110,7 +111,7 @@ def parse_args(argv=None):
                    help="the checkpoint's format (default fp8): mxfp4 / nvfp4 write FP4 experts (gpt-oss's / "
                         "ModelOpt's layout, checkpoint.fp4.quantize_checkpoint) and serve them on CUDA by "
                         "--fp4-kernel; the result keys keep the fp8 names (the quantized model)")
-    p.add_argument("--fp4-kernel", choices=("auto", "weight-only", "w4a8"), default=_OWN_DEFAULTS["fp4_kernel"],
+    p.add_argument("--fp4-kernel", choices=FP4_KERNELS, default=_OWN_DEFAULTS["fp4_kernel"],
                    help="DWDP_FP4_KERNEL in the rank processes (kernels.w4a8_moe; default auto)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=2048)
@@ -242,10 +243,8 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
     if args.device == "cuda":
         torch.cuda.set_device(device)
     if args.fp8_dense:  # read at load; set in this rank process only (the caller's environment is untouched)
-        from dwdp_runtime.contract import TuningEnv
-
         os.environ[TuningEnv.FP8_DENSE] = "on"
-    os.environ["DWDP_FP4_KERNEL"] = getattr(args, "fp4_kernel", "auto")   # this rank process only
+    os.environ[TuningEnv.FP4_KERNEL] = getattr(args, "fp4_kernel", Fp4Kernel.AUTO.value)   # this rank process only
     cfg = DwdpConfig.even(dwdp_size=args.dwdp_size, num_experts=num_experts_of(fp8))
     with StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=args.dwdp_size, job="fp8",
                          token="fp8", timeout_s=1800) as rdzv:

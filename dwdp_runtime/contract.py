@@ -154,6 +154,36 @@ class TuningEnv(StrEnum):
     COMPILE_CACHE_DIR = "DWDP_COMPILE_CACHE_DIR"  # kernel compile caches kept across starts (dwdp_runtime.compile_cache)
 
 
+def tuning_choice(var: TuningEnv, choices: type[StrEnum], default: StrEnum, environ=None) -> Any:
+    """The member of ``choices`` that tuning variable ``var`` names (``default`` when unset or empty, case and
+    surrounding blanks ignored); an unknown value is a ``ValueError`` naming the accepted ones."""
+    import os
+
+    raw = (os.environ if environ is None else environ).get(var, "").strip().lower() or default.value
+    try:
+        return choices(raw)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r}: expected one of {', '.join(m.value for m in choices)}") from None
+
+
+class Fp4Kernel(StrEnum):
+    """``DWDP_FP4_KERNEL``: how FP4 experts run on CUDA (``kernels.w4a8_moe``; ``dwdp plan --fp4-kernel``)."""
+
+    AUTO = "auto"                # W4A8 where it can run, else weight-only (the default)
+    WEIGHT_ONLY = "weight-only"  # the FP4 Triton kernels: the dequantized model's numbers exactly
+    W4A8 = "w4a8"                # re-encoded to e4m3 blocks, the FP8 kernels (refused where it cannot run)
+
+
+FP4_KERNELS: tuple[str, ...] = tuple(m.value for m in Fp4Kernel)
+
+
+class Switch(StrEnum):
+    """An ``off | on`` tuning variable (``DWDP_FP8_DENSE``, ``DWDP_W4A8_OVERLAP``)."""
+
+    OFF = "off"
+    ON = "on"
+
+
 class Transfer(StrEnum):
     """How a rank submits one layer's peer copies (``dwdp_runtime.cuda_streams``)."""
 

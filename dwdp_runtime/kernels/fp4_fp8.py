@@ -154,6 +154,11 @@ def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
 SCALE_FORMATS = {"mxfp4": E8M0, "fp4-ue8m0": E8M0, "nvfp4": E4M3}
 
 
+def unpacked_columns(packed: torch.Tensor) -> int:
+    """The in-features K of packed FP4 ``[E, N, K/2]`` codes (or gpt-oss's ``[E, N, K/32, 16]`` blocks)."""
+    return packed.shape[2] * (2 if packed.dim() == 3 else 32)
+
+
 def unsupported_shape(n: int, k: int) -> str | None:
     """Why an ``[N, K]`` projection cannot be re-encoded in 128×128 blocks (None when it can)."""
     if n % BLOCK or k % BLOCK:
@@ -172,9 +177,9 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
     the ``(w, s)`` to write (contiguous, of the shapes above). Values: module docstring."""
     if fmt not in SCALE_FORMATS:
         raise ValueError(f"FP4 format {fmt!r}: one of {sorted(SCALE_FORMATS)}")
+    num_experts, n, k = packed.shape[0], packed.shape[1], unpacked_columns(packed)
     if packed.dim() == 4:
         packed = packed.flatten(2)
-    num_experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
     why = unsupported_shape(n, k)
     if why:
         raise ValueError(f"FP4 weights {why}")

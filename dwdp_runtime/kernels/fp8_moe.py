@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ..contract import TuningEnv
+from ..contract import TuningEnv, tuning_choice
 from . import tuning
 from .fp8_grouped_gemm import SCALE_BLOCK, fp8_down, fp8_gate_up
 from .fp8_quant import quantize_groups
 from .reduce import reduce_topk
 from .routing import align_routing
+from .support import log_choice_once
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def _run(xq, xs, ids, topk_weights, w1, s1, w2, s2, cfg1, cfg2, *, has_gate, act
     return reduce_topk(y, ids, w1.shape[0], out_dtype=out_dtype)
 
 
-class Fp8Backend(str, enum.Enum):
+class Fp8Backend(enum.StrEnum):
     AUTO = "auto"
     TRITON = "triton"
     CUTE = "cute"
@@ -145,11 +145,7 @@ BACKEND_ENV = str(TuningEnv.FP8_BACKEND)
 
 def wanted_backend() -> Fp8Backend:
     """The backend ``BACKEND_ENV`` asks for (AUTO when unset)."""
-    raw = os.environ.get(BACKEND_ENV, Fp8Backend.AUTO.value).strip().lower() or Fp8Backend.AUTO.value
-    try:
-        return Fp8Backend(raw)
-    except ValueError:
-        raise ValueError(f"{BACKEND_ENV}={raw!r}: expected one of {[b.value for b in Fp8Backend]}") from None
+    return tuning_choice(TuningEnv.FP8_BACKEND, Fp8Backend, Fp8Backend.AUTO)
 
 
 def chosen_backend(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Backend:
@@ -165,18 +161,8 @@ def chosen_backend(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Backend:
     if why and wanted is Fp8Backend.CUTE:
         raise RuntimeError(f"{BACKEND_ENV}=cute but the CuTe FP8 kernels cannot run: {why}")
     chosen = Fp8Backend.TRITON if why else Fp8Backend.CUTE
-    _log_choice(chosen, why)
+    log_choice_once(log, "FP8 experts", f"on the {chosen.value} kernels", why)
     return chosen
-
-
-_LOGGED: set[tuple[Fp8Backend, str | None]] = set()
-
-
-def _log_choice(chosen: Fp8Backend, why: str | None) -> None:
-    """One INFO line per distinct choice and reason in a process (not one per forward)."""
-    if (chosen, why) not in _LOGGED:
-        _LOGGED.add((chosen, why))
-        log.info("FP8 experts run on the %s kernels%s", chosen.value, f" ({why})" if why else "")
 
 
 def fp8_moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

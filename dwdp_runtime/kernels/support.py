@@ -8,6 +8,7 @@ modules import it directly, so the lazily imported ``moe`` never imports the pac
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import Any
 
@@ -30,3 +31,16 @@ def available(device: Any = "cuda") -> bool:
     if kind == "cuda":
         return torch.cuda.is_available()
     return kind == "cpu" and interpreting()
+
+
+#: ``(what, chosen, why)`` of every kernel choice logged in this process (``log_choice_once``)
+LOGGED_CHOICES: set[tuple[str, str, str | None]] = set()
+
+
+def log_choice_once(logger: logging.Logger, what: str, chosen: str, why: str | None) -> None:
+    """One INFO line per distinct choice and reason in a process — the choices are made per layer and forward
+    (``fp8_moe.chosen_backend``, ``w4a8_moe.chosen_kernel``), the line is written once."""
+    key = (what, str(chosen), why)
+    if key not in LOGGED_CHOICES:
+        LOGGED_CHOICES.add(key)
+        logger.info("%s run %s%s", what, chosen, f" ({why})" if why else "")

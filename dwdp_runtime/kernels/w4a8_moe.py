@@ -10,7 +10,7 @@ is re-encoded and multiplied in chunks of experts (``chunked_forward``: each GEM
 blocks of the routing plan), so the scratch is bounded (``scratch_bytes``, which ``dwdp plan`` counts) —
 DeepSeek-R1: 1 GiB instead of 11.3 GB per layer.
 
-``FP4Kernel`` (``DWDP_FP4_KERNEL``) picks the FP4 path on CUDA: ``weight-only`` (``fp4_moe``: exact, the
+``Fp4Kernel`` (``DWDP_FP4_KERNEL``) picks the FP4 path on CUDA: ``weight-only`` (``fp4_moe``: exact, the
 dequantized model's numbers bit for bit), ``w4a8`` (this module; refused with the reason where it cannot run),
 ``auto`` (the default: W4A8 where ``unsupported`` finds nothing and the weights' format is in
 ``W4A8_AUTO_FORMATS``, weight-only elsewhere). The choice depends on the checkpoint, the machine and the
@@ -23,28 +23,21 @@ re-encoding does not write torch's bytes (``fp4_fp8.self_check``, once per proce
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
-import os
 
 import torch
 
-from ..contract import TuningEnv
+from ..contract import Fp4Kernel, TuningEnv, tuning_choice
 from ..quant.memory import W4A8_SCRATCH_BUDGET, w4a8_chunk_experts, w4a8_projections
 from ..quant.memory import w4a8_scratch_bytes as scratch_bytes  # noqa: F401 - re-exported: the scratch's size
-from .fp4_fp8 import fp4_block_fp8, self_check, unsupported_shape
+from .fp4_fp8 import fp4_block_fp8, self_check, unpacked_columns, unsupported_shape
 from .fp4_moe import SCALE_FORMATS, Fp4Weights
 from .fp8_moe import fp8_moe_forward
 from .moe import ExpertsLayout
+from .support import log_choice_once
 
 log = logging.getLogger(__name__)
-
-
-class FP4Kernel(str, enum.Enum):
-    AUTO = "auto"
-    WEIGHT_ONLY = "weight-only"
-    W4A8 = "w4a8"
 
 
 #: environment variable choosing the FP4 experts path on CUDA (module docstring)
@@ -56,12 +49,8 @@ KERNEL_ENV = str(TuningEnv.FP4_KERNEL)
 W4A8_AUTO_FORMATS = ("mxfp4", "fp4-ue8m0", "nvfp4")
 
 
-def wanted_kernel() -> FP4Kernel:
-    raw = os.environ.get(KERNEL_ENV, FP4Kernel.AUTO.value).strip().lower() or FP4Kernel.AUTO.value
-    try:
-        return FP4Kernel(raw)
-    except ValueError:
-        raise ValueError(f"{KERNEL_ENV}={raw!r}: expected one of {[k.value for k in FP4Kernel]}") from None
+def wanted_kernel() -> Fp4Kernel:
+    return tuning_choice(TuningEnv.FP4_KERNEL, Fp4Kernel, Fp4Kernel.AUTO)
 
 
 def unsupported(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device) -> str | None:
@@ -75,39 +64,29 @@ def unsupported(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device
     if layout.has_gate and not layout.is_concatenated:
         return "interleaved gate/up rows (the FP8 kernels read [gate; up] halves)"
     for name, w in (("gate_up", weights.gate_up), ("down", weights.down)):
-        why = unsupported_shape(w.shape[1], w.shape[2] * (2 if w.dim() == 3 else 32))
+        why = unsupported_shape(w.shape[1], unpacked_columns(w))
         if why:
             return f"{name} {why}"
     return self_check(device).unusable
 
 
-def chosen_kernel(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device) -> FP4Kernel:
+def chosen_kernel(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device) -> Fp4Kernel:
     """WEIGHT_ONLY or W4A8 for these experts (``KERNEL_ENV``; module docstring)."""
     wanted = wanted_kernel()
-    if wanted is FP4Kernel.WEIGHT_ONLY:
+    if wanted is Fp4Kernel.WEIGHT_ONLY:
         return wanted
     why = unsupported(weights, layout, device)
-    if why and wanted is FP4Kernel.W4A8:
+    if why and wanted is Fp4Kernel.W4A8:
         raise RuntimeError(f"{KERNEL_ENV}=w4a8 but W4A8 cannot run these FP4 experts: {why}")
     if why is None and weights.format not in W4A8_AUTO_FORMATS:
         why = f"{weights.format} runs weight-only unless {KERNEL_ENV}=w4a8"
-    chosen = FP4Kernel.WEIGHT_ONLY if why else FP4Kernel.W4A8
-    _log_choice(chosen, why)
+    chosen = Fp4Kernel.WEIGHT_ONLY if why else Fp4Kernel.W4A8
+    log_choice_once(log, "FP4 experts", chosen.value, why)
     return chosen
 
 
-_LOGGED: set[tuple[FP4Kernel, str | None]] = set()
-
-
-def _log_choice(chosen: FP4Kernel, why: str | None) -> None:
-    """One INFO line per distinct choice and reason in a process (not one per layer and forward)."""
-    if (chosen, why) not in _LOGGED:
-        _LOGGED.add((chosen, why))
-        log.info("FP4 experts run %s%s", chosen.value, f" ({why})" if why else "")
-
-
 def _inter(weights: Fp4Weights) -> int:
-    return weights.down.shape[2] * (2 if weights.down.dim() == 3 else 32)
+    return unpacked_columns(weights.down)
 
 
 def w4a8_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -204,8 +183,7 @@ def _reencoder(steps: list, weights: Fp4Weights, layout: ExpertsLayout, device: 
 
     def shape(step):
         packed = sources[step.projection][0]
-        rows, cols = packed.shape[1], packed.shape[2] * (2 if packed.dim() == 3 else 32)
-        return step.c1 - step.c0, rows, cols
+        return step.c1 - step.c0, packed.shape[1], unpacked_columns(packed)
 
     def views(step, slot):
         e, n, k = shape(step)
@@ -244,26 +222,27 @@ def chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
     fused = fused_gemm1 is not None and layout.has_gate and layout.activation in FUSED_ACTIVATIONS
     steps = _steps(num_experts, *w4a8_projections(hidden, inter, layout.has_gate), budget, ops is not None)
     chunks = _reencoder(steps, weights, layout, device, ops)
+    first_down = next(n for n, step in enumerate(steps) if step.projection == "down")
+
+    def multiply(n: int, run) -> None:   # chunk n's GEMM on its re-encoded weights
+        w, ws = chunks.take(n)
+        run(w, ws, chunk_block_map(plan.block_expert, steps[n].c0, steps[n].c1, num_experts))
+        chunks.done(n)   # in line: its weights go back to the allocator when ``w``, ``ws`` do, here
+
     if fused:
         h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device)
         hs = torch.empty(inter // 128, rows, dtype=torch.float32, device=device)
+        for n in range(first_down):
+            multiply(n, lambda w, ws, blocks: fused_gemm1(a, sa, w, ws, blocks, inter, out=(h, hs)))
     else:
         gate_up = torch.empty(rows, weights.gate_up.shape[1], dtype=torch.bfloat16, device=device)
+        for n in range(first_down):
+            multiply(n, lambda w, ws, blocks: gemm(a, sa, w, ws, blocks, out=gate_up))
+        h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=layout.has_gate, activation=layout.activation)
+        del gate_up
     y = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
-    for i, step in enumerate(steps):
-        if step.projection == "down" and not fused and gate_up is not None:
-            h, hs = act_quant_plan_rows(gate_up, plan, inter, has_gate=layout.has_gate, activation=layout.activation)
-            gate_up = None
-        w, ws = chunks.take(i)
-        blocks = chunk_block_map(plan.block_expert, step.c0, step.c1, num_experts)
-        if step.projection == "down":
-            gemm(h, hs, w, ws, blocks, out=y)
-        elif fused:
-            fused_gemm1(a, sa, w, ws, blocks, inter, out=(h, hs))
-        else:
-            gemm(a, sa, w, ws, blocks, out=gate_up)
-        chunks.done(i)
-        del w, ws   # in line: back to the allocator before the next chunk
+    for n in range(first_down, len(steps)):
+        multiply(n, lambda w, ws, blocks: gemm(h, hs, w, ws, blocks, out=y))
     chunks.finish()
     out = reduce_plan_rows(y, plan, topk_weights, out_dtype=out_dtype)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)

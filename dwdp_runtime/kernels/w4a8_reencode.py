@@ -29,26 +29,18 @@ interface (``StreamOps``) so the CPU tests drive it with a recording fake and ch
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 
-from ..contract import TuningEnv
+from ..contract import Switch, TuningEnv, tuning_choice
 
 #: chunks per projection the side stream is given at least: the first chunk's re-encoding is not hidden
 AHEAD_CHUNKS = 4
-#: ``DWDP_W4A8_OVERLAP`` values
-OVERLAP_VALUES = ("off", "on")
-
-
 def overlap_wanted() -> bool:
     """``DWDP_W4A8_OVERLAP`` (``off`` by default until measured on a GPU; an unknown value is an error)."""
-    raw = os.environ.get(TuningEnv.W4A8_OVERLAP, "off").strip().lower() or "off"
-    if raw not in OVERLAP_VALUES:
-        raise ValueError(f"{TuningEnv.W4A8_OVERLAP}={raw!r}: expected one of {list(OVERLAP_VALUES)}")
-    return raw == "on"
+    return tuning_choice(TuningEnv.W4A8_OVERLAP, Switch, Switch.OFF) is Switch.ON
 
 
 @dataclass(frozen=True)

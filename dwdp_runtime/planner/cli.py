@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from ..contract import FP4_KERNELS, Fp4Kernel
 from . import presets
 from .sweep import DEFAULT_BATCHES
 
@@ -25,7 +26,7 @@ def add_subparser(sub) -> argparse.ArgumentParser:
                    help=f"preset ({', '.join(sorted(presets.MODELS))}) or path to a HF config.json / its folder")
     p.add_argument("--dtype", default="bf16", help=f"expert weight dtype: {', '.join(presets.DTYPES)}")
     p.add_argument("--dense-dtype", default=None, help="dtype of attention/dense linears (default: --dtype)")
-    p.add_argument("--fp4-kernel", default="auto", choices=("auto", "weight-only", "w4a8"),
+    p.add_argument("--fp4-kernel", default=Fp4Kernel.AUTO.value, choices=FP4_KERNELS,
                    help="the workers' DWDP_FP4_KERNEL, for nvfp4/mxfp4 experts (default auto: W4A8 where hidden "
                         "and moe_intermediate are multiples of 128, which holds one MoE layer's experts in e4m3 "
                         "while it runs: the w4a8_scratch part)")

@@ -39,6 +39,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from .. import layout, quant
+from ..contract import FP4_KERNELS, Fp4Kernel
 from ..graph_buckets import largest_bucket_tokens
 
 from .model_shapes import ModelShape, load_model
@@ -106,15 +107,13 @@ DEQUANTIZED_DENSE = {"fp8": "bf16", "nvfp4": "bf16", "mxfp4": "bf16"}
 
 #: expert dtypes a worker serves W4A8 by default (``DWDP_FP4_KERNEL=auto``) where the shapes allow
 W4A8_DTYPES = ("nvfp4", "mxfp4")
-#: ``breakdown(fp4_kernel=...)``: the worker's FP4 kernel choices (``kernels.w4a8_moe.FP4Kernel`` values)
-FP4_KERNELS = ("auto", "weight-only", "w4a8")
 
 
 def w4a8_scratch(shape: ModelShape, *, dtype: WeightDtype, fp4_kernel: str = "auto") -> float:
     """The W4A8 re-encoding's bytes for this model and expert dtype (module docstring; 0 where it does not run)."""
-    if fp4_kernel not in FP4_KERNELS:
+    if fp4_kernel not in FP4_KERNELS:   # the workers' DWDP_FP4_KERNEL values
         raise ValueError(f"fp4_kernel {fp4_kernel!r}: one of {FP4_KERNELS}")
-    if dtype.name not in W4A8_DTYPES or fp4_kernel == "weight-only":
+    if dtype.name not in W4A8_DTYPES or fp4_kernel == Fp4Kernel.WEIGHT_ONLY:
         return 0.0
     return float(quant.w4a8_scratch_bytes(shape.num_experts, shape.hidden, shape.moe_inter))
 

@@ -56,6 +56,15 @@ def fp4_experts_case(fmt, h, i, e, dev="cuda", seed=0):
     return packed, twin
 
 
+def routed_batches(h, e, k, seed=1, tokens=(7, 512, 4096)):
+    """``(T, x [T, H] bf16, routing weights, expert ids)`` for each token count: seeded, uniformly routed."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+        w, ids = torch.topk(torch.rand(t, e, device="cuda", generator=g), k, dim=-1)
+        yield t, x, w, ids
+
+
 #: the FP4 and bf16 kernels' outputs differ by the bf16 rounding of sums taken in another order: a few bf16 ulps
 #: of the largest output (2^-8 relative is one ulp; 4 ulps leaves room, a wrong decode is off by far more)
 BF16_OUT_TOL = 4 * 2.0 ** -8
@@ -69,10 +78,7 @@ def test_fp4_kernels_equal_bf16_kernels_on_dequantized_weights(fmt, shape):
 
     h, i, e, k = SHAPES[shape]
     packed, twin = fp4_experts_case(fmt, h, i, e)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for t in (7, 512, 4096):
-        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
-        w, ids = torch.topk(torch.rand(t, e, device="cuda", generator=g), k, dim=-1)
+    for t, x, w, ids in routed_batches(h, e, k):
         got = fp4_experts(x, ids, w, packed)
         want = fused_experts(x, ids, w, twin)
         diff = float((got.float() - want.float()).abs().max())

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.test_fp4_gpu import BATCHES, SHAPES, _unsharded, fp4_checkpoints, fp4_experts_case  # noqa: F401
+from tests.gpu.test_fp4_gpu import (BATCHES, SHAPES, _unsharded, fp4_checkpoints,  # noqa: F401 - a fixture
+                                   fp4_experts_case, routed_batches)
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -56,10 +57,7 @@ def test_w4a8_experts_near_the_dequantized_weights_and_batch_invariant(fmt, shap
 
     h, i, e, k = SHAPES[shape]
     packed, twin = fp4_experts_case(fmt, h, i, e)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for t in (7, 512, 4096):
-        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
-        w, ids = torch.topk(torch.rand(t, e, device="cuda", generator=g), k, dim=-1)
+    for t, x, w, ids in routed_batches(h, e, k):
         got = w4a8_experts(x, ids, w, packed)
         want = fused_experts(x, ids, w, twin)
         rel = float((got.float() - want.float()).norm() / want.float().norm())
@@ -82,9 +80,7 @@ def test_chunks_of_experts_on_the_cute_kernels_give_the_bits_of_one_chunk(fmt, f
     gate_up_bytes, _ = w4a8_projections(h, i)
     budget = 9 * gate_up_bytes
     assert len(expert_chunks(e, gate_up_bytes, budget)) == 8
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(3000, h, device="cuda", generator=g).bfloat16()
-    w, ids = torch.topk(torch.rand(3000, e, device="cuda", generator=g), k, dim=-1)
+    ((_, x, w, ids),) = routed_batches(h, e, k, seed=2, tokens=(3000,))
     whole = w4a8_experts(x, ids, w, packed, budget=1 << 40)
     assert torch.equal(w4a8_experts(x, ids, w, packed, budget=budget), whole)
 
@@ -97,9 +93,7 @@ def test_reencoding_ahead_on_a_side_stream_gives_the_same_bits(fmt, fp8_cute, mo
 
     h, i, e, k = SHAPES["qwen3_30b"]
     packed, _ = fp4_experts_case(fmt, h, i, e)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(4096, h, device="cuda", generator=g).bfloat16()
-    w, ids = torch.topk(torch.rand(4096, e, device="cuda", generator=g), k, dim=-1)
+    ((_, x, w, ids),) = routed_batches(h, e, k, seed=3, tokens=(4096,))
     monkeypatch.setenv("DWDP_W4A8_OVERLAP", "off")
     inline = w4a8_experts(x, ids, w, packed)
     monkeypatch.setenv("DWDP_W4A8_OVERLAP", "on")
@@ -114,6 +108,7 @@ def test_reencoding_ahead_on_a_side_stream_gives_the_same_bits(fmt, fp8_cute, mo
 
 def test_fp4_checkpoints_served_w4a8_agree_with_the_dequantized_twin(fp4_checkpoints, fp8_cute, monkeypatch):
     from dwdp_runtime.kernels import w4a8_moe
+    from dwdp_runtime.kernels.support import LOGGED_CHOICES
     from dwdp_worker.launch.oracle import Reference
 
     monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "auto")
@@ -130,7 +125,7 @@ def test_fp4_checkpoints_served_w4a8_agree_with_the_dequantized_twin(fp4_checkpo
             total += got.shape[0]
             print(f"{name}: W4A8 vs dequantized twin: last-position logits rel err {rel:.4f}")
             assert rel < 2 * W4A8_REL_TOL, rel                   # through 4 layers
-        assert (w4a8_moe.FP4Kernel.W4A8, None) in w4a8_moe._LOGGED, "the W4A8 path did not run"
+        assert ("FP4 experts", "w4a8", None) in LOGGED_CHOICES, "the W4A8 path did not run"
         # random-weight models have flat logits, so top-1 is printed, not asserted (the trained-model agreement is
         # the bench's: docs/KERNELS.md)
         print(f"{name}: top-1 agreement at the last positions {agree}/{total}")

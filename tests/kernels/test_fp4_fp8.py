@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dwdp_runtime.contract import Fp4Kernel
 from dwdp_runtime.quant import fp4
 
 fp4_fp8 = pytest.importorskip("dwdp_runtime.kernels.fp4_fp8")
@@ -217,9 +218,9 @@ def test_kernel_choice_follows_the_variable_and_names_what_w4a8_cannot_run(monke
     layout = moe.ExpertsLayout()
     cpu = torch.device("cpu")
     monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "weight-only")
-    assert w4a8_moe.chosen_kernel(w, layout, cpu) is w4a8_moe.FP4Kernel.WEIGHT_ONLY
+    assert w4a8_moe.chosen_kernel(w, layout, cpu) is Fp4Kernel.WEIGHT_ONLY
     monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "auto")
-    assert w4a8_moe.chosen_kernel(w, layout, cpu) is w4a8_moe.FP4Kernel.WEIGHT_ONLY   # not CUDA
+    assert w4a8_moe.chosen_kernel(w, layout, cpu) is Fp4Kernel.WEIGHT_ONLY   # not CUDA
     monkeypatch.setenv(w4a8_moe.KERNEL_ENV, "w4a8")
     with pytest.raises(RuntimeError, match="runs on CUDA"):
         w4a8_moe.chosen_kernel(w, layout, cpu)

@@ -19,6 +19,7 @@ from tests.worker.oracle_group import assert_ranks_equal_references, one_torch_t
 from tests.worker.programs import memory_program
 
 from dwdp_runtime import quant
+from dwdp_runtime.contract import Switch
 from dwdp_runtime.layout import peer_ranges
 from dwdp_worker.checkpoint.fp8 import dequantize_checkpoint
 from dwdp_worker.checkpoint.loader import load_config
@@ -121,7 +122,7 @@ def test_a_bad_fp8_dense_mode_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="DWDP_FP8_DENSE='maybe': expected one of off, on"):
         fp8_dense.mode()
     monkeypatch.setenv("DWDP_FP8_DENSE", "")
-    assert fp8_dense.mode() is fp8_dense.Fp8DenseMode.OFF
+    assert fp8_dense.mode() is Switch.OFF
 
 
 @pytest.fixture(scope="module")

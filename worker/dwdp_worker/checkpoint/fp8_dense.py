@@ -22,11 +22,9 @@ the compute dtype the load would have given the weight is the module's ``FP8_DEN
 
 from __future__ import annotations
 
-import enum
-import os
 import types
 
-from dwdp_runtime.contract import TuningEnv
+from dwdp_runtime.contract import Switch, TuningEnv, tuning_choice
 
 from .fp4_layout import ue8m0_scale_key
 from .safetensors_index import CheckpointError
@@ -39,19 +37,9 @@ FP8_DENSE_DTYPE_ATTR = "_dwdp_fp8_dense_dtype"
 UNQUANTIZED_MODULES = ("lm_head",)
 
 
-class Fp8DenseMode(str, enum.Enum):
-    OFF = "off"
-    ON = "on"
-
-
-def mode() -> Fp8DenseMode:
+def mode() -> Switch:
     """``DWDP_FP8_DENSE``; an unknown value is an error naming the accepted ones."""
-    raw = os.environ.get(TuningEnv.FP8_DENSE, Fp8DenseMode.OFF.value).strip().lower() or Fp8DenseMode.OFF.value
-    try:
-        return Fp8DenseMode(raw)
-    except ValueError:
-        raise ValueError(f"{TuningEnv.FP8_DENSE}={raw!r}: expected one of "
-                         f"{', '.join(m.value for m in Fp8DenseMode)}") from None
+    return tuning_choice(TuningEnv.FP8_DENSE, Switch, Switch.OFF)
 
 
 def source(model, name: str, cmap, ckpt) -> tuple[str, str] | None:
@@ -79,7 +67,7 @@ def source(model, name: str, cmap, ckpt) -> tuple[str, str] | None:
 def load(model, name: str, cmap, ckpt, device, compute_dtype) -> int | None:
     """Read dense parameter ``name`` kept FP8 onto ``device`` and install it (``keep_fp8``): the bytes held, or None
     when it is not kept (``DWDP_FP8_DENSE`` off, or not eligible: ``source``) and the loader reads it as before."""
-    keys = source(model, name, cmap, ckpt) if mode() is Fp8DenseMode.ON else None
+    keys = source(model, name, cmap, ckpt) if mode() is Switch.ON else None
     if keys is None:
         return None
     weight, scale = (ckpt.get(k, device) for k in keys)

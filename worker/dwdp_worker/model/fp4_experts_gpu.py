@@ -50,7 +50,8 @@ def unsupported_reason(module, hidden_states) -> str | None:
 def forward(module, hidden_states, top_k_index, top_k_weights):
     from dwdp_runtime.kernels.fp4_moe import Fp4Weights, fp4_experts
     from dwdp_runtime.kernels.moe import ExpertsLayout
-    from dwdp_runtime.kernels.w4a8_moe import FP4Kernel, chosen_kernel, w4a8_experts
+    from dwdp_runtime.contract import Fp4Kernel
+    from dwdp_runtime.kernels.w4a8_moe import chosen_kernel, w4a8_experts
 
     spec = getattr(module, FP4_STATE_ATTR)
     up, down = spec.projections
@@ -61,6 +62,6 @@ def forward(module, hidden_states, top_k_index, top_k_weights):
                          p[down.weight], p[down.scales[0]], second(up), second(down),
                          p[f"{up.weight}_bias"] if has_bias else None, p[f"{down.weight}_bias"] if has_bias else None)
     layout = ExpertsLayout(has_gate=has_gate, is_concatenated=concatenated, has_bias=has_bias, activation=activation)
-    if chosen_kernel(weights, layout, hidden_states.device) is FP4Kernel.W4A8:
+    if chosen_kernel(weights, layout, hidden_states.device) is Fp4Kernel.W4A8:
         return w4a8_experts(hidden_states, top_k_index, top_k_weights, weights, layout)
     return fp4_experts(hidden_states, top_k_index, top_k_weights, weights, layout)
