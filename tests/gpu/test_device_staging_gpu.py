@@ -38,3 +38,23 @@ def test_reads_into_gpu_memory_equal_the_cpu_read(index, chunk):
         index.read_rows("big", 250, 750, dst)
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), index.get("big")[250:750])
+
+
+def test_many_reads_left_queued_are_complete_after_drain(index):
+    """Reads return with their copies queued (the slots rotate across reads): after ``drain`` every destination
+    holds its bytes, read from another stream than the one the copies ran on."""
+    from dwdp_worker.checkpoint.device_staging import DeviceStager
+
+    index._stagers[torch.device("cuda:0")] = DeviceStager(torch.device("cuda:0"), chunk_bytes=1 << 16)
+    side = torch.cuda.Stream()
+    dsts = []
+    with torch.cuda.stream(side):
+        for i in range(40):
+            key, rows = ("small", (0, 3)) if i % 3 == 0 else ("big", (i, i + 200))
+            dst = torch.empty(rows[1] - rows[0], *index.entries[key].shape[1:], dtype=index.entries[key].dtype,
+                              device="cuda:0")
+            index.read_rows(key, *rows, dst)
+            dsts.append((key, rows, dst))
+    index.drain()
+    for key, (a, b), dst in dsts:  # the default stream: ordered only by the drain
+        assert torch.equal(dst.cpu(), index.get(key)[a:b]), (key, a, b)

@@ -74,3 +74,36 @@ def test_a_cpu_get_is_what_safetensors_reads(index):
         for out in (index.get(key, "cpu"), index.get(key)):
             assert out.dtype == e.dtype and tuple(out.shape) == e.shape
             assert torch.equal(out, want[key]), key
+
+
+def test_consecutive_reads_rotate_the_slots_and_leave_the_last_copies_queued(index):
+    """Reads into one stager continue the rotation where the last one stopped, return with their copies still
+    queued (``drain=False``: the next ``pread`` overlaps them), never refill a slot before waiting for it, and
+    ``drain_slots`` leaves none busy."""
+    from dwdp_worker.checkpoint.device_staging import drain_slots
+
+    slots = [CountingSlot(100), CountingSlot(100)]
+    used = []
+
+    def reader(e, offset):
+        def fill(done, n, buffer):
+            which = next(i for i, s in enumerate(slots) if s.buffer.data_ptr() == buffer.data_ptr())
+            assert not slots[which].busy, "a slot was refilled before its copy finished"
+            used.append(which)
+            index._pread_into(e, offset + done, n, buffer)
+        return fill
+
+    nxt = 0
+    for key in ("a", "b", "c", "a"):
+        e = index.entries[key]
+        dst = torch.empty(e.nbytes, dtype=torch.uint8)
+        before = len(used)
+        nxt = chunked_read(reader(e, 0), e.nbytes, dst, slots, lambda part, buf: part.copy_(buf), chunk_bytes=100,
+                           first_slot=nxt, drain=False)
+        assert torch.equal(dst, index.get(key).contiguous().view(-1).view(torch.uint8)), key
+        assert used[before:] == [(used[before - 1] + 1 + i) % 2 if before else i % 2
+                                 for i in range(len(used) - before)]
+        assert nxt == (used[-1] + 1) % 2
+        assert slots[used[-1]].busy  # its copy is left queued for the next read to overlap
+    drain_slots(slots)
+    assert not any(s.busy for s in slots)

@@ -186,9 +186,16 @@ class SafetensorsIndex:
         finally:
             self.close()
 
+    def drain(self) -> None:
+        """Wait for every read into GPU memory still being copied (``device_staging``: reads return with their
+        copies queued on the stream that was current; ``close`` drains)."""
+        for stager in self._stagers.values():
+            stager.drain()
+
     def close(self) -> None:
         import os
 
+        self.drain()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
