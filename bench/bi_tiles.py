@@ -21,18 +21,36 @@ for _p in (ROOT / "worker", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bench.batch_invariant import SHAPES, _time_ms  # noqa: E402
+from bench.batch_invariant import SHAPES  # noqa: E402
 
-#: name -> (block_m, block_n, block_k, warps, stages, kernel): "persistent" (today's), "tiled" (``_tiled_mm``)
+
+def _time_ms(fn, device, iters: int) -> float:
+    """Mean ms per call over ``iters`` calls queued back to back between two events (after one warm-up call):
+    the GPU time of the kernel, not the host's launch latency (the server replays CUDA graphs)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+#: name -> (block_m, block_n, block_k, warps, stages, kernel): "persistent", "tiled" (``_tiled_mm``, pointer loads)
+#: or "tma" (``_tma_mm``, operands through TMA descriptors) — bi_matmul.Kernel
 CANDIDATES = {
-    "persistent 128x128x64/8w/3s (today)": (128, 128, 64, 8, 3, "persistent"),
-    "tiled 128x128x64/8w/3s": (128, 128, 64, 8, 3, "tiled"),
-    "tiled 128x128x64/4w/4s": (128, 128, 64, 4, 4, "tiled"),
-    "tiled 128x256x64/8w/3s": (128, 256, 64, 8, 3, "tiled"),
-    "tiled 128x256x64/8w/4s": (128, 256, 64, 8, 4, "tiled"),
-    "tiled 256x128x64/8w/3s": (256, 128, 64, 8, 3, "tiled"),
-    "tiled 64x256x64/4w/4s": (64, 256, 64, 4, 4, "tiled"),
+    "persistent 128x128x64/8w/3s (routers)": (128, 128, 64, 8, 3, "persistent"),
+    "tiled 128x256x64/8w/4s (2026-12-04)": (128, 256, 64, 8, 4, "tiled"),
+    "tma 128x256x64/8w/4s": (128, 256, 64, 8, 4, "tma"),
+    "tma 128x256x64/8w/3s": (128, 256, 64, 8, 3, "tma"),
+    "tma 128x128x64/8w/4s": (128, 128, 64, 8, 4, "tma"),
+    "tma 128x128x64/4w/5s": (128, 128, 64, 4, 5, "tma"),
+    "tma 256x128x64/8w/3s": (256, 128, 64, 8, 3, "tma"),
 }
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

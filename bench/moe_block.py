@@ -8,6 +8,9 @@ For every (shape, T), side by side in one process:
   * ``floor``            — the two grouped GEMMs alone (``torch._grouped_mm`` on pre-sorted rows,
     ``bench/moe_kernels.floor_fn``), the number issue #34's goals divide by;
   * ``router`` columns   — the routers alone (gate GEMM included): `transformers`' vs the fused one.
+With ``--cuda-graphs`` every one of them (the floor too) is also captured in a CUDA graph and timed by replay — how
+the server runs a forward by default (docs/SERVING.md): the host's launch gaps, which dominate at 1K–4K tokens
+eagerly, are gone from both sides of the ratio; the ``graphed`` columns print beside the eager ones.
 Printed: ms of each, ``÷ floor`` of both blocks (goals: ≤ 1.3× at 4K and ≤ 1.15× at 16K for Qwen3, ≤ 1.1× for
 DeepSeek-V3), the experts chosen by both routers (same set %), and max |Δ| fused vs `transformers` block.
 
@@ -117,13 +120,39 @@ def bench_one(name: str, tokens: int, args, device) -> dict:
         want, mine = tf_block(), fused_block()
         diff = (mine.float() - want.float()).abs().max().item()
         _, _, ids_floor = gate(x)
+        floor = floor_fn(experts, x, ids_floor)
         t_tf, t_fused = bench(tf_block), bench(fused_block)
-        t_floor = bench(floor_fn(experts, x, ids_floor))
+        t_floor = bench(floor)
         t_rtf, t_rfused = bench(lambda: gate(x)), bench(fused_router)
-    return dict(shape=name, experts=shape.experts, tokens=tokens, tf_router_ours_ms=t_tf, fused_ms=t_fused,
-                floor_ms=t_floor, tf_over_floor=t_tf / t_floor, fused_over_floor=t_fused / t_floor,
-                router_tf_ms=t_rtf, router_fused_ms=t_rfused, same_experts_pct=100.0 * same.float().mean().item(),
-                max_abs_diff=diff, max_abs_ref=want.float().abs().max().item())
+        row = dict(shape=name, experts=shape.experts, tokens=tokens, tf_router_ours_ms=t_tf, fused_ms=t_fused,
+                   floor_ms=t_floor, tf_over_floor=t_tf / t_floor, fused_over_floor=t_fused / t_floor,
+                   router_tf_ms=t_rtf, router_fused_ms=t_rfused, same_experts_pct=100.0 * same.float().mean().item(),
+                   max_abs_diff=diff, max_abs_ref=want.float().abs().max().item())
+        if args.cuda_graphs:
+            try:
+                g_tf, g_fused, g_floor = (bench(graphed(fn, device)) for fn in (tf_block, fused_block, floor))
+            except RuntimeError as exc:  # a block that cannot be captured is reported, not fatal to the run
+                print(f"{name} T={tokens}: CUDA graph capture failed: {exc}", flush=True)
+                return row
+            row.update(graphed_tf_ms=g_tf, graphed_fused_ms=g_fused, graphed_floor_ms=g_floor,
+                       graphed_tf_over_floor=g_tf / g_floor, graphed_fused_over_floor=g_fused / g_floor)
+    return row
+
+
+def graphed(fn, device):
+    """``fn`` captured in a CUDA graph (after warm-up calls on a side stream, as torch requires): its replay."""
+    import torch
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def main(argv=None) -> int:
@@ -133,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
     p.add_argument("--dsv3-experts", type=int, default=64)
     p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time every block captured in a CUDA graph (the server's default)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     import torch
@@ -149,8 +180,10 @@ def main(argv=None) -> int:
             print(f"{name} E={r['experts']} T={t}: tf-router+ours {r['tf_router_ours_ms']:.3f} ms "
                   f"(÷floor {r['tf_over_floor']:.3f}), fused {r['fused_ms']:.3f} ms (÷floor {r['fused_over_floor']:.3f}), "
                   f"floor {r['floor_ms']:.3f} ms; router tf {r['router_tf_ms']:.3f} / fused {r['router_fused_ms']:.3f} ms; "
-                  f"same experts {r['same_experts_pct']:.2f} %, max|Δ| {r['max_abs_diff']:.3g} (|ref| {r['max_abs_ref']:.3g})",
-                  flush=True)
+                  f"same experts {r['same_experts_pct']:.2f} %, max|Δ| {r['max_abs_diff']:.3g} (|ref| {r['max_abs_ref']:.3g})"
+                  + (f"; graphed: tf-router+ours ÷floor {r['graphed_tf_over_floor']:.3f}, fused ÷floor "
+                     f"{r['graphed_fused_over_floor']:.3f} (floor {r['graphed_floor_ms']:.3f} ms)"
+                     if "graphed_floor_ms" in r else ""), flush=True)
             torch.cuda.empty_cache()
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

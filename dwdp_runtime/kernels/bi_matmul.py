@@ -10,15 +10,21 @@ atomics, no stream-K: a row's result is the same bits whether it is computed alo
 of a packed batch. cuBLAS does not promise that: it picks another kernel (tiling, split-K) for another M, which
 is why Qwen3-MoE and Mixtral logits differed alone vs packed at ``self_attn.o_proj`` (issue #34).
 
-Two kernels, one arithmetic (which one runs is part of the M-free tiling, ``Tile.kernel``): ``_persistent_mm``, a
+Three kernels, one arithmetic (which one runs is part of the M-free tiling, ``Tile.kernel``): ``_persistent_mm``, a
 grid of at most ``NUM_PROGRAMS`` (the SM count on H200: 132) programs walking the output tiles ``pid, pid +
 NUM_PROGRAMS, …`` in GROUP_M-swizzled order, for the narrow GEMMs (routers); ``_tiled_mm``, one tile per program
-with the K loop walking pointers and the edge rows read wrapped (no row predicate on the loads), for every
-projection (faster on H200, ``bench/bi_tiles.py``). Which program computes a tile changes nothing in the tile's
-arithmetic. ``M`` and the batch strides (multiples of M) are not specialised (``do_not_specialize``): Triton
-would otherwise compile another variant for M = 1 or M divisible by 16, which must not be a second code path.
-Speed (H200, 2026-12-04): 0.35-0.39× cuBLAS on the projections of Qwen3-30B and DeepSeek-V3 at 4K-16K rows
-(0.22-0.27× for the persistent 128×128 tiling it replaced there).
+with the K loop walking pointers and the edge rows read wrapped (no row predicate on the loads); ``_tma_mm``, one
+tile per program with both operand tiles brought by the copy engine (host-side TMA descriptors, zero-filled past
+M, N and K), for every projection whose K and N rows are 16-byte multiples (``bench/bi_tiles.py`` compares them).
+Which program computes a tile, and whether its operands arrive by pointer or by TMA, changes nothing in the tile's
+arithmetic. Whether ``_tma_mm`` runs depends on ``(N, K, dtype)`` and on the weight's layout, never on the
+activations: an activation view TMA cannot describe (misaligned, K not contiguous) is copied first. ``M`` and the
+batch strides (multiples of M) are not specialised (``do_not_specialize``): Triton would otherwise compile another
+variant for M = 1 or M divisible by 16, which must not be a second code path.
+Speed (``bench/bi_tiles.py``, H100, 2026-12-07, log docs/gpu-runs/2026-12-07-h100-bi-check.log): ``_tma_mm``
+128×256 runs the projections of Qwen3-30B and DeepSeek-V3 at 0.89-1.25× cuBLAS at 4K-16K rows (0.72-0.76× for
+kv_b_proj, 0.61-0.63× for kv_a_proj's 576 columns); the pointer form ``_tiled_mm`` it replaced ran at 0.29-0.45×
+(the same tiling: the copy engine is the difference).
 
 Precision: 16-bit operands use tensor cores with fp32 accumulation; fp32 operands use ``ieee`` (torch's
 default matmul precision is full fp32, ``allow_tf32 = False``), e.g. DeepSeek-V3's fp32 router.
@@ -33,6 +39,7 @@ element the same way wherever it sits in the tile).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import triton
@@ -41,16 +48,29 @@ import triton.language as tl
 from ._cast import cast_out
 from .support import interpreting
 
+class Kernel(StrEnum):
+    """Which kernel computes a tiling (module docstring): the same arithmetic, three ways to schedule it."""
+    PERSISTENT = "persistent"   # _persistent_mm: at most NUM_PROGRAMS programs walking the tiles
+    TILED = "tiled"             # _tiled_mm: one tile per program, pointer loads
+    TMA = "tma"                 # _tma_mm: one tile per program, TMA loads (_tiled_mm where TMA cannot)
+
+
 #: persistent programs when the device count is unknown (the interpreter): H200's SM count
 DEFAULT_PROGRAMS = 132
-#: 16-bit tiling up to WIDE_N columns (routers of 128-256 experts: H200, 2026-12-04, bench/bi_tiles.py: faster
-#: than the wide tiling there): 128×128 wgmma tiles, 64-wide K steps as every other GEMM of ours, 8 warps
+#: 16-bit tiling up to WIDE_N columns (routers of 65-128 experts: on an H100, 2026-12-07, bench/bi_tiles.py, within
+#: 5 % of the best TMA tiling at 16K and faster at 4K): 128×128 wgmma tiles, 64-wide K steps as every other GEMM
+#: of ours, 8 warps
 TILE_16BIT = (128, 128, 64, 8, 3)
-#: 16-bit tiling above WIDE_N columns (every projection): 128×256 tiles, 4 stages, one tile per program
-#: (``_tiled_mm``): 1.4-1.6× the 128×128 persistent tiling on H200 (bench/bi_tiles.py, 2026-12-04: 0.35-0.39×
-#: cuBLAS against 0.22-0.27×)
-TILE_16BIT_WIDE = (128, 256, 64, 8, 4, "tiled")
-WIDE_N = 256
+#: 16-bit tiling above WIDE_N columns (every projection): 128×256 tiles, 4 stages, one tile per program, the
+#: operands through TMA (``_tma_mm``) where the rows are 16-byte multiples, else ``_tiled_mm`` (bench/bi_tiles.py,
+#: H100 2026-12-07: the best or within 2 % of it on 16 of the 20 projection and 256-expert router shapes × row counts;
+#: 5-25 % behind a 128×128 or 256×128 TMA tiling on the other four)
+TILE_16BIT_WIDE = (128, 256, 64, 8, 4, Kernel.TMA)
+#: TMA's rule for every stride but the last, and for the base address: a multiple of 16 bytes
+TMA_ALIGN = 16
+#: above this many columns the wide tiling (a 256-expert router: 0.98× cuBLAS at 16K rows with it, 0.26× with
+#: the persistent 128×128 one, H100 2026-12-07)
+WIDE_N = 128
 #: the wide tiling's K step under Triton's interpreter: its tensors hold at most 2^20 elements, and the
 #: interpreter's broadcast product (``_dot``) of a 128×256 tile at K step 64 holds 2^21 (the CPU tests check the
 #: structure of the invariant, which does not depend on the K step)
@@ -72,12 +92,12 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
-    kernel: str = "persistent"   # "persistent" (_persistent_mm) or "tiled" (_tiled_mm): same arithmetic
+    kernel: Kernel = Kernel.PERSISTENT
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> Tile:
     """The tiling of an ``[·, K] @ [K, N]`` GEMM of ``dtype`` — a function of N, K and dtype, never of M."""
-    del k  # every K uses the same step; kept in the signature: a K-dependent table must stay M-free too
+    # every K uses the same step; K (with N) decides only whether TMA can read the rows — still M-free
     if dtype == torch.float32:
         return Tile(*TILE_FP32)
     if n <= NARROW_N:
@@ -85,8 +105,10 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> Tile:
     if n <= WIDE_N:
         return Tile(*TILE_16BIT)
     wide = Tile(*TILE_16BIT_WIDE)
-    return Tile(wide.block_m, wide.block_n, INTERP_WIDE_BLOCK_K, wide.num_warps, wide.num_stages,
-                wide.kernel) if interpreting() else wide
+    esize = dtype.itemsize
+    kernel = wide.kernel if (k * esize) % TMA_ALIGN == 0 and (n * esize) % TMA_ALIGN == 0 else Kernel.TILED
+    return Tile(wide.block_m, wide.block_n, INTERP_WIDE_BLOCK_K if interpreting() else wide.block_k,
+                wide.num_warps, wide.num_stages, kernel)
 
 
 @triton.jit
@@ -190,6 +212,84 @@ def _tiled_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
              mask=(offs_m < M)[:, None] & mask_n[None, :])
 
 
+@triton.jit(do_not_specialize=["M", "s_cb"])
+def _tma_mm(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, s_cb, s_cm, s_cn,
+            HAS_BIAS: tl.constexpr, B_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INTERP: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """One output tile per program, both operand tiles through TMA descriptors of the ``[B, M, K]`` activations
+    and of the weight (``[B, N, K]`` when ``B_NK``: an ``nn.Linear`` weight's ``.t()``, else ``[B, K, N]``); the
+    copy engine zero-fills past M, N and K, so there are no predicates and a ragged K step adds exact zeros. The
+    arithmetic of an element is ``_tiled_mm``'s (same tiling, same ascending K steps)."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1)
+    pid_m, pid_n = _swizzled_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # ascending, fixed step: the reduction order of every element
+        a = tl.reshape(a_desc.load([batch, off_m, k0]), [BLOCK_M, BLOCK_K])
+        if B_NK:
+            b = tl.trans(tl.reshape(b_desc.load([batch, off_n, k0]), [BLOCK_N, BLOCK_K]))
+        else:
+            b = tl.reshape(b_desc.load([batch, k0, off_n]), [BLOCK_K, BLOCK_N])
+        acc = _dot(a, b, acc, INTERP, False)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = cast_out(acc, c_ptr.dtype.element_ty, EXACT_BF16)
+    c_ptr += batch.to(tl.int64) * s_cb
+    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn, c,
+             mask=(offs_m < M)[:, None] & mask_n[None, :])
+
+
+def _tma_describable(t: torch.Tensor) -> bool:
+    """TMA can describe this 3-D view as it lies: last axis contiguous, the other strides and the base 16-byte
+    multiples, no broadcast (stride-0) axis of more than one element."""
+    es = t.element_size()
+    return (t.stride(2) == 1 and t.data_ptr() % TMA_ALIGN == 0
+            and all((t.stride(d) * es) % TMA_ALIGN == 0 and (t.stride(d) > 0 or t.shape[d] == 1) for d in (0, 1)))
+
+
+def _weight_view(b3: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """``b3 [B, K, N]`` as TMA sees it: ``([B, N, K] view, True)`` for a transposed ``nn.Linear`` weight (K
+    contiguous), ``(b3, False)`` for a row-major one (N contiguous), None when TMA cannot describe either."""
+    transposed = b3.transpose(1, 2)
+    if b3.stride(1) == 1 and _tma_describable(transposed):
+        return transposed, True
+    if b3.stride(2) == 1 and _tma_describable(b3):
+        return b3, False
+    return None
+
+
+def _launch_tma(a3, b3, c3, bias, tile: Tile) -> bool:
+    """``_tma_mm`` on these operands; False (nothing launched) when the weight's layout is not describable —
+    a property of the weight, the same for every batch. Activations TMA cannot describe are copied first."""
+    weight = _weight_view(b3)
+    if weight is None:
+        return False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not _tma_describable(a3):
+        a3 = a3.contiguous() if not a3.is_contiguous() else a3.clone()
+        if not _tma_describable(a3):  # K's rows are not 16-byte multiples: a property of K, no copy helps
+            return False
+    b_view, b_nk = weight
+    nb, m, k = a3.shape
+    n = b3.shape[-1]
+    b_block = [1, tile.block_n, tile.block_k] if b_nk else [1, tile.block_k, tile.block_n]
+    a_desc = TensorDescriptor(a3, list(a3.shape), list(a3.stride()), [1, tile.block_m, tile.block_k])
+    b_desc = TensorDescriptor(b_view, list(b_view.shape), list(b_view.stride()), b_block)
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), nb)
+    _tma_mm[grid](a_desc, b_desc, c3, bias if bias is not None else c3, m, n, k,
+                  c3.stride(0), c3.stride(1), c3.stride(2),
+                  HAS_BIAS=bias is not None, B_NK=b_nk, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                  BLOCK_K=tile.block_k, GROUP=GROUP_M, INTERP=interpreting(), EXACT_BF16=interpreting(),
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return True
+
+
 _PROGRAMS: dict[int, int] = {}
 
 
@@ -240,14 +340,18 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def launch(a3: torch.Tensor, b3: torch.Tensor, c3: torch.Tensor, bias: torch.Tensor | None, tile: Tile,
-           programs: int, kernel: str = "persistent") -> None:
+           programs: int, kernel: Kernel | str = Kernel.PERSISTENT) -> None:
     """One kernel launch on 3-D operands with an explicit tiling and persistent grid (``matmul``'s, or a bench's
     candidate: ``bench/bi_tiles.py``; a tiling chosen from M would break the invariant). ``kernel="tiled"``:
-    ``_tiled_mm``, one tile per program."""
+    ``_tiled_mm``, one tile per program; ``"tma"``: ``_tma_mm`` where the weight's layout allows it, else
+    ``_tiled_mm`` (the same arithmetic)."""
     nb, m, k = a3.shape
     n = b3.shape[-1]
     tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
-    if kernel == "tiled":
+    kernel = Kernel(kernel)
+    if kernel is Kernel.TMA and _launch_tma(a3, b3, c3, bias, tile):
+        return
+    if kernel in (Kernel.TILED, Kernel.TMA):
         _tiled_mm[(tiles, nb)](
             a3, b3, c3, bias if bias is not None else a3, m, n, k,
             a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),

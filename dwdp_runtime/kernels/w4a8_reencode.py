@@ -38,8 +38,11 @@ from ..contract import Switch, TuningEnv, tuning_choice
 
 #: chunks per projection the side stream is given at least: the first chunk's re-encoding is not hidden
 AHEAD_CHUNKS = 4
+
+
 def overlap_wanted() -> bool:
-    """``DWDP_W4A8_OVERLAP`` (``off`` by default until measured on a GPU; an unknown value is an error)."""
+    """``DWDP_W4A8_OVERLAP`` (``off`` by default: the ahead mode's ≥ 4 chunks per projection cost more than they hide
+    where one chunk would do — H100, 2026-12-07, docs/KERNELS.md "W4A8"; an unknown value is an error)."""
     return tuning_choice(TuningEnv.W4A8_OVERLAP, Switch, Switch.OFF) is Switch.ON
 
 

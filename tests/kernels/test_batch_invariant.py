@@ -167,17 +167,41 @@ def test_the_attachment_owns_the_mode(tmp_path):
 
 
 @pytest.mark.parametrize("m", [1, 37, 300])
-def test_the_tiled_kernel_computes_the_persistent_kernels_bits(m):
-    """``_tiled_mm`` (one tile per program, rows read wrapped) is the same arithmetic as ``_persistent_mm``: same
-    bits for every M, a ragged K included (the bench chooses between them by speed alone)."""
+def test_the_three_kernels_compute_the_same_bits(m):
+    """``_tiled_mm`` (one tile per program, rows read wrapped) and ``_tma_mm`` (operands through TMA descriptors,
+    zero-filled past the edges) are the same arithmetic as ``_persistent_mm``: same bits for every M, a ragged
+    K included (the bench chooses between them by speed alone); TMA reads both weight layouts."""
     from dwdp_runtime.kernels import bi_matmul
 
-    x, w = _operands(300, 72, 100, torch.bfloat16, seed=m)
-    tile = bi_matmul.config_for(72, 100, torch.bfloat16)
+    x, w = _operands(300, 72, 104, torch.bfloat16, seed=m)   # K = 104: 16-byte rows, a ragged last K step
+    tile = bi_matmul.config_for(72, 104, torch.bfloat16)
     outs = {}
-    for kernel in ("persistent", "tiled"):
+    for kernel in bi_matmul.Kernel:
         out = torch.empty(1, m, 72, dtype=x.dtype)
         bi_matmul.launch(x[:m].unsqueeze(0), w.t().unsqueeze(0), out, None, tile, 4, kernel)
         outs[kernel] = out
-    assert torch.equal(outs["persistent"], outs["tiled"])
-    assert torch.equal(outs["tiled"][0], bi_matmul.matmul(x, w.t())[:m])
+    row_major = torch.empty(1, m, 72, dtype=x.dtype)
+    bi_matmul.launch(x[:m].unsqueeze(0), w.t().contiguous().unsqueeze(0), row_major, None, tile, 4,
+                     bi_matmul.Kernel.TMA)
+    assert torch.equal(outs[bi_matmul.Kernel.PERSISTENT], outs[bi_matmul.Kernel.TILED])
+    assert torch.equal(outs[bi_matmul.Kernel.TILED], outs[bi_matmul.Kernel.TMA])
+    assert torch.equal(row_major, outs[bi_matmul.Kernel.TMA])
+    assert torch.equal(outs[bi_matmul.Kernel.TILED][0], bi_matmul.matmul(x, w.t())[:m])
+
+
+def test_the_wide_tiling_takes_tma_only_where_the_rows_are_16_byte_multiples():
+    """The kernel is part of the M-free tiling: TMA for 16-byte K and N rows, the pointer kernel otherwise; a
+    misaligned activation view is copied (same bits as the aligned one), never sent to another kernel."""
+    from dwdp_runtime.kernels import bi_matmul
+
+    assert bi_matmul.config_for(512, 256, torch.bfloat16).kernel is bi_matmul.Kernel.TMA
+    assert bi_matmul.config_for(512, 250, torch.bfloat16).kernel is bi_matmul.Kernel.TILED
+    assert bi_matmul.config_for(500, 256, torch.bfloat16).kernel is bi_matmul.Kernel.TILED
+    x, w = _operands(65, 300, 136, torch.bfloat16, seed=7)
+    packed = bi_matmul.matmul(x, w.t())
+    buf = torch.empty(65 * 136 + 1, dtype=x.dtype)
+    shifted = buf[1:].view(65, 136)          # 2-byte offset: TMA cannot read it as it lies
+    shifted.copy_(x)
+    assert shifted.data_ptr() % bi_matmul.TMA_ALIGN
+    assert torch.equal(bi_matmul.matmul(shifted, w.t()), packed)
+    assert torch.equal(bi_matmul.matmul(shifted[3:4], w.t()), packed[3:4])
