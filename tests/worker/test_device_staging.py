@@ -107,3 +107,55 @@ def test_consecutive_reads_rotate_the_slots_and_leave_the_last_copies_queued(ind
         assert slots[used[-1]].busy  # its copy is left queued for the next read to overlap
     drain_slots(slots)
     assert not any(s.busy for s in slots)
+
+
+@pytest.mark.parametrize("n,threads", [(1, 4), (4096, 4), ((1 << 20) - 1, 4), (3 << 20, 4), ((16 << 20) + 5, 4),
+                                       (16 << 20, 1), ((5 << 20) + 123, 3)])
+def test_pieces_cover_the_chunk_in_whole_pages(n, threads):
+    from dwdp_worker.checkpoint.device_staging import MIN_PIECE_BYTES, PAGE_BYTES, pieces
+
+    parts = pieces(n, threads)
+    assert [start for start, _ in parts] == [sum(length for _, length in parts[:i]) for i in range(len(parts))]
+    assert sum(length for _, length in parts) == n and all(length > 0 for _, length in parts)
+    assert len(parts) <= max(1, min(threads, n // MIN_PIECE_BYTES))
+    assert all(start % PAGE_BYTES == 0 for start, _ in parts)
+
+
+def test_a_parallel_fill_reads_the_pieces_side_by_side_and_raises_a_pieces_error(tmp_path):
+    """Real threads and real ``preadv``s: the pieces of a 5 MiB chunk land at their offsets (the file's bytes, read
+    from an offset inside it); a failing piece's error reaches the caller after every other piece ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dwdp_worker.checkpoint.device_staging import ParallelFill
+
+    g = torch.Generator().manual_seed(1)
+    save_file({"big": torch.randint(0, 255, (6 << 20,), generator=g, dtype=torch.uint8)},
+              str(tmp_path / "model.safetensors"))
+    with SafetensorsIndex(tmp_path) as idx, ThreadPoolExecutor(3) as pool:
+        e = idx.entries["big"]
+        calls = []
+
+        def fill(done, n, buffer):
+            import threading
+
+            calls.append((done, n, threading.get_ident()))
+            idx._pread_into(e, done, n, buffer)
+
+        buffer = torch.zeros(5 << 20, dtype=torch.uint8)
+        ParallelFill(fill, pool, 4)(12345, buffer.numel(), buffer)
+        assert len(calls) == 4 and len({t for _, _, t in calls}) >= 2  # the caller's piece + the pool's
+        assert idx.bytes_read == buffer.numel()  # each byte counted once, from 4 threads
+        assert torch.equal(buffer, idx.get("big")[12345:12345 + buffer.numel()])
+        ended = []
+
+        def failing(done, n, buffer):
+            if done >= 1 << 20:
+                raise OSError("disk gone")
+            import time
+
+            time.sleep(0.05)
+            ended.append(done)
+
+        with pytest.raises(OSError, match="disk gone"):
+            ParallelFill(failing, pool, 4)(0, 4 << 20, buffer)
+        assert ended == [0]  # the caller's own piece finished before the error was raised

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,7 @@ class SafetensorsIndex:
         self._files: dict[pathlib.Path, tuple[int, int]] = {}  # (size, mtime ns) when the header was read
         self._stagers: dict[Any, DeviceStager] = {}  # pinned staging per CUDA device (reads into GPU memory)
         self.bytes_read = 0
+        self._count_lock = threading.Lock()
         try:
             for f in files:
                 self._read_header(f)
@@ -120,7 +122,8 @@ class SafetensorsIndex:
             if got <= 0:
                 raise CheckpointError(f"{e.path}: short read at byte {pos + done}")
             done += got
-        self.bytes_read += nbytes
+        with self._count_lock:  # pieces of one chunk are read by several threads (device_staging)
+            self.bytes_read += nbytes
 
     def read_rows(self, key: str, begin: int, end: int, dst) -> None:
         """``dst.copy_(tensor[begin:end])`` without materialising the tensor: a direct read when ``dst`` is a
@@ -195,7 +198,8 @@ class SafetensorsIndex:
     def close(self) -> None:
         import os
 
-        self.drain()
+        for stager in self._stagers.values():
+            stager.close()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
