@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -153,6 +154,9 @@ class DeviceStager:
     _next_slot: int = 0
     _pool: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: bytes read and seconds spent inside ``read`` and ``drain`` (the loader logs them beside its ``read_s``)
+    bytes_staged: int = 0
+    seconds: float = 0.0
 
     def read(self, fill: Callable[[int, int, Any], None], nbytes: int, dst) -> None:
         """``chunked_read`` into ``dst`` (a contiguous CUDA tensor of ``nbytes`` bytes) on the current stream: its
@@ -160,6 +164,7 @@ class DeviceStager:
         import torch
 
         flat = dst.reshape(-1).view(torch.uint8)
+        t0 = time.perf_counter()
         with self._lock:
             stream = torch.cuda.current_stream(self.device)  # the copies' stream: the caller's current one
             if not self._slots:
@@ -173,11 +178,15 @@ class DeviceStager:
             self._next_slot = chunked_read(fill, nbytes, flat, self._slots,
                                            lambda part, buf: part.copy_(buf, non_blocking=True), self.chunk_bytes,
                                            first_slot=self._next_slot, drain=False)
+            self.bytes_staged += nbytes
+            self.seconds += time.perf_counter() - t0
 
     def drain(self) -> None:
         """Wait until every queued copy has finished (the destinations are complete, the slots free)."""
+        t0 = time.perf_counter()
         with self._lock:
             drain_slots(self._slots)
+            self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         """Drain, and stop the reading threads (the pinned slots go with the stager)."""

@@ -310,7 +310,13 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
                     largest = max(largest, (b - a) * per_expert)
                     total_bytes += experts.num_experts * per_expert
                     scale_bytes += (b - a) * per_expert if p.role.value == "scale" else 0
+        index.drain()
+        staged, staged_s = index.staging_totals()
     t_map = time.monotonic()
+    if staged:
+        log.info("checkpoint reads into GPU memory: %.1f MiB in %.3f s of the %.3f s read (%.2f GB/s inside the "
+                 "reads; the rest is the loader's allocation and bookkeeping)", staged / 2**20, staged_s,
+                 t_map - t_read, staged / staged_s / 1e9 if staged_s else 0.0)
     # the same readers serve a reload of experts no survivor holds (issue #30): the files reopen for it
     manager.reload_source = ckpt.reopened
     manager.setup()

@@ -195,6 +195,11 @@ class SafetensorsIndex:
         for stager in self._stagers.values():
             stager.drain()
 
+    def staging_totals(self) -> tuple[int, float]:
+        """(bytes, seconds) of the reads into GPU memory so far: the time inside the stagers' reads and drains."""
+        return (sum(s.bytes_staged for s in self._stagers.values()),
+                sum(s.seconds for s in self._stagers.values()))
+
     def close(self) -> None:
         import os
 
