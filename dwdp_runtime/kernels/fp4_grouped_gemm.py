@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ._cast import cast_out
-from .grouped_gemm import _act, _block_tile, _grid, _mma, _tile_ids
+from .grouped_gemm import _act, _block_tile, _glu, _grid, _mma, _tile_ids, glu_constexprs
 from .routing import RoutingPlan
 from .support import ACTIVATIONS, interpreting
 from .tuning import GemmConfig
@@ -192,7 +192,8 @@ def fp4_gate_up_kernel(
     stride_be, stride_bn, stride_om,
     HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SCALE_FMT: tl.constexpr,
     HAS_S2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr, UP_SHIFT: tl.constexpr,
 ):
     # swapped operands: acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] · x_tile^T — the decoded weights are
     # the MMA's A operand, which Hopper's wgmma reads from registers, so the decode never round-trips through
@@ -230,7 +231,7 @@ def fp4_gate_up_kernel(
         if HAS_GATE:
             acc_u += tl.load(b_base + (cols + up_offset) * stride_bn).to(tl.float32)[:, None]
     if HAS_GATE:
-        act = _act(acc_g, ACT) * acc_u
+        act = _glu(acc_g, acc_u, ACT, CLAMP, LIMIT, ALPHA, UP_SHIFT)
     else:
         act = _act(acc_g, ACT)
     out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -306,8 +307,9 @@ def _s2_args(s2: torch.Tensor | None):
 
 def fp4_gate_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s2: torch.Tensor | None, plan: RoutingPlan,
                 cfg: GemmConfig, *, inter: int, up_offset: int, col_step: int, has_gate: bool, scale_fmt: int,
-                bias: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
-    """GEMM 1 over ``plan`` from FP4 weights (``grouped_gemm.gate_up``'s contract; ``w [E, 2I, H/2]``)."""
+                bias: torch.Tensor | None = None, activation: str = "silu", glu=None) -> torch.Tensor:
+    """GEMM 1 over ``plan`` from FP4 weights (``grouped_gemm.gate_up``'s contract, ``glu`` included;
+    ``w [E, 2I, H/2]``)."""
     w, s = _packed3(w), _bytes(s)
     hidden = x.shape[1]
     if w.shape[2] * 2 != hidden or s.shape[2] * GROUP[scale_fmt] != hidden:
@@ -321,7 +323,8 @@ def fp4_gate_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s2: torch.Ten
         col_step, s2_up, x.stride(0), x.stride(1), *w.stride(), *s.stride(), s2_stride, *bs, out.stride(0),
         HAS_GATE=has_gate, HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], SCALE_FMT=scale_fmt,
         HAS_S2=s2 is not None, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, UPCAST=_UPCAST, FAST=_fast(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, UPCAST=_UPCAST, FAST=_fast(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **glu_constexprs(glu))
     return out
 
 

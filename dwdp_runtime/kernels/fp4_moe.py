@@ -80,6 +80,8 @@ def fp4_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         raise ValueError(f"FP4 format {weights.format!r}: one of {sorted(SCALE_FORMATS)}")
     if layout.activation not in ACTIVATIONS:
         raise ValueError(f"activation {layout.activation!r} has no fused epilogue; have {sorted(ACTIVATIONS)}")
+    if layout.glu is not None and not layout.has_gate:
+        raise ValueError("a clamped gated activation needs gate and up projections (has_gate=False)")
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     num_experts, hidden = weights.gate_up.shape[0], x.shape[1]
     inter = _rows(weights.gate_up) // (2 if layout.has_gate else 1)
@@ -97,7 +99,7 @@ def fp4_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     plan = align_routing(topk_ids, num_experts, cfg1.block_m)
     act = fp4_gate_up(x, weights.gate_up, weights.gate_up_scale, weights.gate_up_scale_2, plan, cfg1, inter=inter,
                       up_offset=up_offset, col_step=col_step, has_gate=layout.has_gate, scale_fmt=fmt,
-                      bias=weights.gate_up_bias, activation=layout.activation)
+                      bias=weights.gate_up_bias, activation=layout.activation, glu=layout.glu)
     y = fp4_down(act, weights.down, weights.down_scale, weights.down_scale_2, topk_weights, plan, cfg2,
                  hidden=hidden, scale_fmt=fmt, bias=weights.down_bias)
     return reduce_topk(y, topk_ids, num_experts, out_dtype=x.dtype)

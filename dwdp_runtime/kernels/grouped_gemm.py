@@ -59,6 +59,25 @@ def _act(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _glu(acc_g, acc_u, ACT: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+         UP_SHIFT: tl.constexpr):
+    """GEMM 1's epilogue with a gate: ``act(g) · u``, or with ``CLAMP`` the clamped SwiGLU of ``gates.ClampedGlu``
+    (``g·sigmoid(ALPHA·g) · (u + UP_SHIFT)`` on ``g = min(g, LIMIT)``, ``u = clamp(u, −LIMIT, LIMIT)``)."""
+    if CLAMP:
+        g = tl.minimum(acc_g, LIMIT)
+        u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+        return g * tl.sigmoid(g * ALPHA) * (u + UP_SHIFT)
+    return _act(acc_g, ACT) * acc_u
+
+
+def glu_constexprs(glu) -> dict:
+    """The kernels' CLAMP / LIMIT / ALPHA / UP_SHIFT for a ``gates.ClampedGlu`` (or None: the plain gate)."""
+    if glu is None:
+        return dict(CLAMP=False, LIMIT=0.0, ALPHA=1.0, UP_SHIFT=0.0)
+    return dict(CLAMP=True, LIMIT=float(glu.limit), ALPHA=float(glu.alpha), UP_SHIFT=float(glu.up_shift))
+
+
+@triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
     # Triton's CPU interpreter multiplies bf16 operands as their raw uint16 bits (seen with triton 3.9):
     # under the interpreter only, the operands go through fp32 first (exact for bf16/fp16 values)
@@ -122,7 +141,8 @@ def gate_up_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,
     HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    UP_SHIFT: tl.constexpr,
 ):
     pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if idle:
@@ -157,7 +177,7 @@ def gate_up_kernel(
         if HAS_GATE:
             acc_u += tl.load(b_base + (cols + up_offset) * stride_bn).to(tl.float32)[None, :]
     if HAS_GATE:
-        act = _act(acc_g, ACT) * acc_u
+        act = _glu(acc_g, acc_u, ACT, CLAMP, LIMIT, ALPHA, UP_SHIFT)
     else:
         act = _act(acc_g, ACT)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -225,11 +245,11 @@ def _grid(plan: RoutingPlan, n: int, cfg: GemmConfig) -> tuple[int]:
 def gate_up(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, cfg: GemmConfig, *, inter: int,
             w_strides: tuple[int, int, int], up_offset: int, col_step: int, has_gate: bool,
             bias: torch.Tensor | None = None, bias_strides: tuple[int, int] = (0, 0),
-            activation: str = "silu") -> torch.Tensor:
+            activation: str = "silu", glu=None) -> torch.Tensor:
     """GEMM 1 over ``plan``: ``[max_rows, inter]`` activations in plan-row order (see module docstring).
 
     ``w_strides`` = (expert, output column, reduction) strides of ``w`` in elements; ``inter`` = output
-    columns after the gate (I)."""
+    columns after the gate (I); ``glu``: a ``gates.ClampedGlu`` replacing ``act(gate) · up``."""
     hidden = x.shape[1]
     out = torch.empty(plan.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     desc = _weight_descriptor(w, inter * (2 if has_gate else 1), hidden, w_strides, cfg, col_step)
@@ -240,7 +260,7 @@ def gate_up(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, cfg: GemmConfig
         HAS_GATE=has_gate, HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
         EVEN_K=hidden % cfg.block_k == 0, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, UPCAST=_UPCAST, USE_TMA=desc is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **glu_constexprs(glu))
     return out
 
 

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from . import tuning
+from .gates import ClampedGlu
 from .support import ACTIVATIONS
 from .grouped_gemm import down, gate_up
 from .reduce import reduce_topk
@@ -39,6 +40,7 @@ class ExpertsLayout:
     is_concatenated: bool = True   # gate_up halves [gate; up] vs interleaved g0 u0 g1 u1 …
     has_bias: bool = False
     activation: str = "silu"
+    glu: ClampedGlu | None = None  # a clamped SwiGLU replacing act(gate) · up (gpt-oss, DeepSeek-V4: ``gates``)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ def _plan(num_tokens: int, top_k: int, weights: ExpertWeights, layout: ExpertsLa
                          f"is_transposed={layout.is_transposed}")
     if layout.activation not in ACTIVATIONS:
         raise ValueError(f"activation {layout.activation!r} has no fused epilogue; have {sorted(ACTIVATIONS)}")
+    if layout.glu is not None and not layout.has_gate:
+        raise ValueError("a clamped gated activation needs gate and up projections (has_gate=False)")
     up_offset, col_step = (inter, 1) if layout.is_concatenated else (1, 2)
     load = tuning.load_bucket(num_tokens, top_k, num_experts)
     d = str(dtype).removeprefix("torch.")
@@ -98,7 +102,7 @@ def _stage1(x, ids, weights: ExpertWeights, layout: ExpertsLayout, p: _Plan, cfg
     return plan, gate_up(x, weights.gate_up, plan, cfg, inter=p.inter,
                          w_strides=_nk_strides(weights.gate_up, layout.is_transposed), up_offset=p.up_offset,
                          col_step=p.col_step, has_gate=layout.has_gate, activation=layout.activation,
-                         bias=weights.gate_up_bias, bias_strides=_strides2(weights.gate_up_bias))
+                         glu=layout.glu, bias=weights.gate_up_bias, bias_strides=_strides2(weights.gate_up_bias))
 
 
 def _stage2(act, topk_weights, weights: ExpertWeights, layout: ExpertsLayout, p: _Plan, plan, cfg):

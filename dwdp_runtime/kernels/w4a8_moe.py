@@ -16,9 +16,10 @@ dequantized model's numbers bit for bit), ``w4a8`` (this module; refused with th
 ``W4A8_AUTO_FORMATS``, weight-only elsewhere). The choice depends on the checkpoint, the machine and the
 variable, never on the batch; both paths are batch invariant (no split-K, fixed-order reduce).
 
-What W4A8 cannot run (``unsupported``): biases and gpt-oss's interleaved gate/up rows (the FP8 kernels take
-neither), projections that are not multiples of 128 (gpt-oss's 2880), no CUDA, and a GPU where the compiled
-re-encoding does not write torch's bytes (``fp4_fp8.self_check``, once per process at the warm-up forward).
+What W4A8 cannot run (``unsupported``): biases, gpt-oss's interleaved gate/up rows and the clamped gates of
+gpt-oss and DeepSeek-V4 (``gates.ClampedGlu``; the FP8 kernels take none of them), projections that are not
+multiples of 128 (gpt-oss's 2880), no CUDA, and a GPU where the compiled re-encoding does not write torch's
+bytes (``fp4_fp8.self_check``, once per process at the warm-up forward).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def unsupported(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device
         return "expert biases (the FP8 kernels have no bias epilogue)"
     if layout.has_gate and not layout.is_concatenated:
         return "interleaved gate/up rows (the FP8 kernels read [gate; up] halves)"
+    if layout.glu is not None:
+        return "a clamped gated activation (the FP8 kernels' epilogue is act(gate) · up)"
     for name, w in (("gate_up", weights.gate_up), ("down", weights.down)):
         why = unsupported_shape(w.shape[1], unpacked_columns(w))
         if why:

@@ -139,6 +139,40 @@ def test_fp4_forward_runs_the_kernels_and_equals_the_dequantized_twin(fp4_checkp
         torch.cuda.empty_cache()
 
 
+def test_clamped_gate_fp4_models_run_the_kernels_and_match_the_dequantized_twin(tmp_path_factory):
+    """gpt-oss (MXFP4: interleaved rows, biases, α-scaled SwiGLU + 1) and DeepSeek-V4 (FP4 + ue8m0, clamped silu):
+    the clamped gate is fused into the weight-only kernels (``kernels.gates``: no dequantizing fallback) and the
+    logits match the dequantized twin run by `transformers`' own experts forward."""
+    from dwdp_worker.checkpoint.fp4 import dequantize_checkpoint
+    from dwdp_worker.checkpoint.synth import write_synthetic
+    from dwdp_worker.launch.oracle import Reference
+    from dwdp_worker.model import fp4_experts_gpu
+    from dwdp_worker.model.registry import model_layout
+
+    base = tmp_path_factory.mktemp("gpu-fp4-clamped")
+    for name, arch, fmt, kw in (
+            ("gpt_oss-mxfp4", "gpt_oss", "mxfp4", dict(config_overrides=dict(intermediate_size=256, hidden_size=256,
+                                                                            head_dim=64))),
+            ("deepseek_v4-fp4", "deepseek_v4", "fp4-ue8m0", {})):
+        q = write_synthetic(arch, base / name, seed=5, dtype="bfloat16", quant=fmt, **kw)
+        ref_dir = dequantize_checkpoint(q, base / f"{name}-ref", dtype="bfloat16")
+        twin = Reference(ref_dir, dtype="bfloat16", device="cuda:0", experts=None)   # transformers' forward
+        want = [twin.logits(b) for b in BATCHES]
+        del twin
+        ref = _unsharded(q, ref_dir)
+        module = ref.model.get_submodule(model_layout(ref.model).experts[0].path)
+        probe = torch.zeros(1, ref.model.config.hidden_size, device="cuda:0", dtype=torch.bfloat16)
+        assert fp4_experts_gpu.unsupported_reason(module, probe) is None, name
+        assert fp4_experts_gpu.clamped_glu(module) is not None, name
+        for b, w in zip(BATCHES, want):
+            g = ref.logits(b)
+            print(f"{name}: FP4 kernels (clamped gate) vs dequantized twin on transformers' experts: "
+                  f"max|diff| {(g - w).abs().max().item()} of {w.abs().max().item():.3g}")
+            torch.testing.assert_close(g, w, rtol=1.6e-2, atol=2e-2 * max(w.abs().max().item(), 1.0), msg=name)
+        del ref
+        torch.cuda.empty_cache()
+
+
 def test_gpu_fp4_sharded_equals_unsharded_fp4(fp4_checkpoints):
     from tests.worker.oracle_group import run_oracle_group
 

@@ -2,9 +2,10 @@
 composites (``kernels.w4a8_moe.chosen_kernel``: ``DWDP_FP4_KERNEL``, default ``auto``).
 
 ``unsupported_reason(module, x)`` is None only on CUDA with the Triton kernels available, 16-bit activations
-and a module the fused epilogues cover (as for bf16: the default gate, a known activation, no post-expert
-norm, no expert-parallel sentinels; biases are fine). Anything else — gpt-oss's clamped SwiGLU among them —
-takes ``checkpoint.fp4_loading.dequantized_forward`` (dequantize, then the module's configured forward).
+and a module the fused epilogues cover: the default gate with a known activation, or a clamped SwiGLU the module's
+own ``_apply_gate`` is found to compute (``kernels.gates.match``: gpt-oss's, DeepSeek-V4's; weight-only kernels,
+W4A8 has no clamp), no post-expert norm, no expert-parallel sentinels; biases are fine. Anything else takes
+``checkpoint.fp4_loading.dequantized_forward`` (dequantize, then the module's configured forward).
 
 What the kernels read (``dwdp_runtime.kernels.fp4_moe``): the packed ``[E, out, in/2]`` codes and scales as the
 hooks bound them (DWDP's composites; no copy), the layout flags ``@use_experts_implementation`` sets
@@ -22,6 +23,24 @@ from __future__ import annotations
 FP4_STATE_ATTR = "_dwdp_fp4"
 #: activation dtypes the kernels run on CUDA (bf16/fp16 MMA with fp32 accumulation)
 _DTYPES = ("torch.bfloat16", "torch.float16")
+#: the module attribute caching ``gates.match`` (one probe per module, on the CPU, never inside a capture)
+_GLU_ATTR = "_dwdp_clamped_glu"
+_UNMATCHED = "unmatched"
+
+
+def clamped_glu(module):
+    """The ``ClampedGlu`` a custom ``_apply_gate`` computes (None: the default gate, or one we cannot fuse)."""
+    from transformers.integrations import moe
+
+    from dwdp_runtime.kernels import gates
+
+    if type(module)._apply_gate is moe._default_apply_gate:
+        return None
+    cached = module.__dict__.get(_GLU_ATTR)
+    if cached is None:
+        cached = gates.match(module, _flags(module)[1]) or _UNMATCHED
+        module.__dict__[_GLU_ATTR] = cached
+    return None if cached == _UNMATCHED else cached
 
 
 def _flags(module) -> tuple[bool, bool, bool, str]:
@@ -40,9 +59,10 @@ def unsupported_reason(module, hidden_states) -> str | None:
         return f"activations in {hidden_states.dtype}"
     if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_post_expert_norm", False):
         return "expert-parallel sentinels or post-expert norm"
-    if type(module)._apply_gate is not moe._default_apply_gate:
-        return f"custom gate {type(module).__name__}._apply_gate"
-    if _flags(module)[3] not in kernels.ACTIVATIONS:
+    custom = type(module)._apply_gate is not moe._default_apply_gate
+    if custom and clamped_glu(module) is None:
+        return f"custom gate {type(module).__name__}._apply_gate (not a clamped SwiGLU the kernels fuse)"
+    if not custom and _flags(module)[3] not in kernels.ACTIVATIONS:
         return f"activation {_flags(module)[3]!r}"
     return None
 
@@ -61,7 +81,9 @@ def forward(module, hidden_states, top_k_index, top_k_weights):
     weights = Fp4Weights(str(getattr(spec.format, "value", spec.format)), p[up.weight], p[up.scales[0]],
                          p[down.weight], p[down.scales[0]], second(up), second(down),
                          p[f"{up.weight}_bias"] if has_bias else None, p[f"{down.weight}_bias"] if has_bias else None)
-    layout = ExpertsLayout(has_gate=has_gate, is_concatenated=concatenated, has_bias=has_bias, activation=activation)
+    glu = clamped_glu(module)
+    layout = ExpertsLayout(has_gate=has_gate, is_concatenated=concatenated, has_bias=has_bias,
+                           activation="silu" if glu is not None else activation, glu=glu)
     if chosen_kernel(weights, layout, hidden_states.device) is Fp4Kernel.W4A8:
         return w4a8_experts(hidden_states, top_k_index, top_k_weights, weights, layout)
     return fp4_experts(hidden_states, top_k_index, top_k_weights, weights, layout)
