@@ -118,25 +118,35 @@ def _unsharded(q, ref_dir):
 
 def test_fp4_forward_runs_the_kernels_and_equals_the_dequantized_twin(fp4_checkpoints, monkeypatch):
     from dwdp_runtime.kernels.w4a8_moe import KERNEL_ENV
+
+    monkeypatch.setenv(KERNEL_ENV, "weight-only")   # the exact path (W4A8: tests/gpu/test_w4a8_gpu.py)
+    for name, (q, ref_dir) in fp4_checkpoints.items():
+        _kernels_serve_like_the_twin(name, q, ref_dir, twin_experts="dwdp", atol_share=1e-2)
+
+
+def _kernels_serve_like_the_twin(name, q, ref_dir, *, twin_experts, atol_share, check_module=None):
+    """The unsharded FP4 model runs the FP4 kernels (no dequantizing fallback: ``check_module`` may ask more of
+    its first experts module) and its logits match the dequantized twin's on ``twin_experts``."""
     from dwdp_worker.launch.oracle import Reference
     from dwdp_worker.model import fp4_experts_gpu
     from dwdp_worker.model.registry import model_layout
 
-    monkeypatch.setenv(KERNEL_ENV, "weight-only")   # the exact path (W4A8: tests/gpu/test_w4a8_gpu.py)
-    for name, (q, ref_dir) in fp4_checkpoints.items():
-        twin = Reference(ref_dir, dtype="bfloat16", device="cuda:0", experts="dwdp")
-        want = [twin.logits(b) for b in BATCHES]
-        del twin
-        ref = _unsharded(q, ref_dir)
-        module = ref.model.get_submodule(model_layout(ref.model).experts[0].path)
-        probe = torch.zeros(1, ref.model.config.hidden_size, device="cuda:0", dtype=torch.bfloat16)
-        assert fp4_experts_gpu.unsupported_reason(module, probe) is None, name
-        for b, w in zip(BATCHES, want):
-            g = ref.logits(b)
-            print(f"{name}: FP4 kernels vs dequantized twin on bf16 kernels: max|diff| {(g - w).abs().max().item()}")
-            torch.testing.assert_close(g, w, rtol=1.6e-2, atol=1e-2 * max(w.abs().max().item(), 1.0), msg=name)
-        del ref
-        torch.cuda.empty_cache()
+    twin = Reference(ref_dir, dtype="bfloat16", device="cuda:0", experts=twin_experts)
+    want = [twin.logits(b) for b in BATCHES]
+    del twin
+    ref = _unsharded(q, ref_dir)
+    module = ref.model.get_submodule(model_layout(ref.model).experts[0].path)
+    probe = torch.zeros(1, ref.model.config.hidden_size, device="cuda:0", dtype=torch.bfloat16)
+    assert fp4_experts_gpu.unsupported_reason(module, probe) is None, name
+    if check_module is not None:
+        check_module(module)
+    for b, w in zip(BATCHES, want):
+        g = ref.logits(b)
+        print(f"{name}: FP4 kernels vs dequantized twin ({twin_experts or 'transformers'} experts): max|diff| "
+              f"{(g - w).abs().max().item()} of {w.abs().max().item():.3g}")
+        torch.testing.assert_close(g, w, rtol=1.6e-2, atol=atol_share * max(w.abs().max().item(), 1.0), msg=name)
+    del ref, module
+    torch.cuda.empty_cache()
 
 
 def test_clamped_gate_fp4_models_run_the_kernels_and_match_the_dequantized_twin(tmp_path_factory):
@@ -145,9 +155,10 @@ def test_clamped_gate_fp4_models_run_the_kernels_and_match_the_dequantized_twin(
     logits match the dequantized twin run by `transformers`' own experts forward."""
     from dwdp_worker.checkpoint.fp4 import dequantize_checkpoint
     from dwdp_worker.checkpoint.synth import write_synthetic
-    from dwdp_worker.launch.oracle import Reference
     from dwdp_worker.model import fp4_experts_gpu
-    from dwdp_worker.model.registry import model_layout
+
+    def clamped(module):
+        assert fp4_experts_gpu.clamped_glu(module) is not None, type(module).__name__
 
     base = tmp_path_factory.mktemp("gpu-fp4-clamped")
     for name, arch, fmt, kw in (
@@ -156,21 +167,7 @@ def test_clamped_gate_fp4_models_run_the_kernels_and_match_the_dequantized_twin(
             ("deepseek_v4-fp4", "deepseek_v4", "fp4-ue8m0", {})):
         q = write_synthetic(arch, base / name, seed=5, dtype="bfloat16", quant=fmt, **kw)
         ref_dir = dequantize_checkpoint(q, base / f"{name}-ref", dtype="bfloat16")
-        twin = Reference(ref_dir, dtype="bfloat16", device="cuda:0", experts=None)   # transformers' forward
-        want = [twin.logits(b) for b in BATCHES]
-        del twin
-        ref = _unsharded(q, ref_dir)
-        module = ref.model.get_submodule(model_layout(ref.model).experts[0].path)
-        probe = torch.zeros(1, ref.model.config.hidden_size, device="cuda:0", dtype=torch.bfloat16)
-        assert fp4_experts_gpu.unsupported_reason(module, probe) is None, name
-        assert fp4_experts_gpu.clamped_glu(module) is not None, name
-        for b, w in zip(BATCHES, want):
-            g = ref.logits(b)
-            print(f"{name}: FP4 kernels (clamped gate) vs dequantized twin on transformers' experts: "
-                  f"max|diff| {(g - w).abs().max().item()} of {w.abs().max().item():.3g}")
-            torch.testing.assert_close(g, w, rtol=1.6e-2, atol=2e-2 * max(w.abs().max().item(), 1.0), msg=name)
-        del ref
-        torch.cuda.empty_cache()
+        _kernels_serve_like_the_twin(name, q, ref_dir, twin_experts=None, atol_share=2e-2, check_module=clamped)
 
 
 def test_gpu_fp4_sharded_equals_unsharded_fp4(fp4_checkpoints):
