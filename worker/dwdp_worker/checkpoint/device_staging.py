@@ -11,7 +11,9 @@ bounce buffer.
 Consecutive reads keep the pipeline full: the slots rotate across reads (``DeviceStager`` remembers the next one)
 and a read returns once its last copy is queued, not finished, so the ``pread`` of the next tensor overlaps the
 copy of this one. Waiting for every copy at the end of each tensor cost a checkpoint of many tensors up to a
-third of its read rate (pread, then copy, then pread … in series: 0.51–0.52× the page-cache rate on an H100).
+third of its read rate (pread, then copy, then pread … in series: 0.51–0.52× the page-cache rate on an H100;
+kept full: 0.63×, with the threaded preads below 5.13 GB/s = 0.60× of a faster host's page cache — H100 hosts,
+2026-12-07, docs/KERNELS.md "Issue #34").
 
 Invariants: a slot's buffer is never refilled before the copy that reads it has finished (its event); a
 destination's bytes are complete in the order of the stream that was current at its read (work queued there
