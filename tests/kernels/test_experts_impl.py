@@ -58,6 +58,27 @@ def test_auto_on_cpu_keeps_transformers_bitwise(bf16_checkpoints):
     assert torch.equal(ref.logits(PROMPTS), want)
 
 
+def test_gpt_oss_bf16_runs_the_kernels_with_its_clamped_gate(tmp_path):
+    """gpt-oss's clamped SwiGLU (interleaved rows, biases) is found from its ``_apply_gate`` and fused: the ``dwdp``
+    forward runs the kernels (no grouped_mm fallback) and the logits agree with `transformers`' to bf16 rounding."""
+    from dwdp_worker.checkpoint.synth import write_synthetic
+    from dwdp_worker.launch.oracle import Reference
+    from dwdp_worker.model import experts_impl
+    from dwdp_worker.model.registry import experts_sites
+
+    ckpt = write_synthetic("gpt_oss", tmp_path / "gpt_oss", seed=3, dtype="bfloat16",
+                           config_overrides=dict(hidden_size=64, intermediate_size=64, head_dim=16))
+    want = Reference(ckpt).logits(PROMPTS)
+    ours = Reference(ckpt, experts="dwdp")
+    module = experts_sites(ours.model)[0].module
+    assert experts_impl.unsupported_reason(module, torch.zeros(1, 64, dtype=torch.bfloat16)) is None
+    assert experts_impl.clamped_glu(module).up_shift == 1.0
+    got = ours.logits(PROMPTS)
+    scale = want.abs().max().item()
+    diff = (got - want).abs().max().item()
+    assert 0 < diff <= 2e-2 * scale, (diff, scale)   # the kernels ran (not bitwise) and agree to bf16 rounding
+
+
 def test_uncovered_module_falls_back_bitwise(bf16_checkpoints):
     """A custom ``_apply_gate`` (e.g. GPT-OSS's clamped gate) is not what the epilogue computes: fall back."""
     from transformers.integrations.moe import grouped_mm_experts_forward

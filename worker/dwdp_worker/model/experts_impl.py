@@ -10,8 +10,10 @@ The router, DeepSeek-V3's group-limited routing and its shared experts stay in t
 What the forward runs (``dwdp_experts_forward``):
   * the Triton kernels of ``dwdp_runtime.kernels`` (``fused_experts``) when they support the module and the
     input — a CUDA device (or Triton's CPU interpreter), 16-bit weights, a gate/activation the fused
-    epilogue implements, no post-expert norm, no expert parallelism — reading the module's weights as
-    bound (DWDP's composite ``[E, N, K]`` views: pointer + strides, no copy);
+    epilogue implements (the default gate with a known activation, or a clamped SwiGLU the module's own
+    ``_apply_gate`` is found to compute: ``clamped_glu``, gpt-oss's and DeepSeek-V4's), no post-expert norm, no
+    expert parallelism — reading the module's weights as bound (DWDP's composite ``[E, N, K]`` views: pointer +
+    strides, no copy);
   * otherwise `transformers`' own ``grouped_mm`` experts forward, unchanged (so a CPU run stays bitwise
     with plain `transformers`).
 
@@ -32,6 +34,7 @@ through it, run the same kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -47,6 +50,9 @@ _KERNEL_DTYPES = ("torch.bfloat16", "torch.float16")
 
 #: the experts module attribute holding its kernels' layout (set by ``attach_layouts``)
 KERNELS_ATTR = "_dwdp_kernels"
+#: the module attribute caching ``clamped_glu`` (one probe per module, on the CPU, never inside a capture)
+_GLU_ATTR = "_dwdp_clamped_glu"
+_UNMATCHED = "unmatched"
 
 _registered = False
 
@@ -82,10 +88,32 @@ def weights_of(module: Any, layout):
                          down_bias=module.down_proj_bias if layout.has_bias else None)
 
 
+def has_custom_gate(module: Any) -> bool:
+    """The module's class replaces `transformers`' default ``_apply_gate`` (``act(gate) · up``)."""
+    from transformers.integrations import moe
+
+    return type(module)._apply_gate is not moe._default_apply_gate
+
+
+def clamped_glu(module: Any, concatenated: bool | None = None):
+    """The ``kernels.gates.ClampedGlu`` a custom ``_apply_gate`` computes (None: the default gate, or a gate the
+    epilogue cannot fuse). ``concatenated``: the gate/up row layout (default: the module's own flag)."""
+    from dwdp_runtime.kernels import gates
+
+    if not has_custom_gate(module):
+        return None
+    cached = module.__dict__.get(_GLU_ATTR)
+    if cached is None:
+        if concatenated is None:
+            concatenated = bool(getattr(module, "is_concatenated", True))
+        cached = gates.match(module, concatenated) or _UNMATCHED
+        module.__dict__[_GLU_ATTR] = cached
+    return None if cached == _UNMATCHED else cached
+
+
 def unsupported_reason(module: Any, hidden_states: Any) -> str | None:
     """Why the kernels cannot run this module on this input (None when they can)."""
     from dwdp_runtime import kernels
-    from transformers.integrations import moe
 
     if not kernels.available(hidden_states.device):
         return f"Triton kernels unavailable on {hidden_states.device}"
@@ -93,10 +121,11 @@ def unsupported_reason(module: Any, hidden_states: Any) -> str | None:
         return "expert-parallel sentinels"
     if getattr(module, "has_post_expert_norm", False):
         return "post-expert norm"
-    if type(module)._apply_gate is not moe._default_apply_gate:
-        return f"custom gate {type(module).__name__}._apply_gate"
     layout = layout_of(module)
-    if layout.activation not in kernels.ACTIVATIONS:
+    custom = has_custom_gate(module)
+    if custom and clamped_glu(module, layout.is_concatenated) is None:
+        return f"custom gate {type(module).__name__}._apply_gate (not a clamped SwiGLU the kernels fuse)"
+    if not custom and layout.activation not in kernels.ACTIVATIONS:
         return f"activation {layout.activation!r}"
     w = module.gate_up_proj if layout.has_gate else module.up_proj
     allowed = _KERNEL_DTYPES if hidden_states.device.type == "cuda" else (*_KERNEL_DTYPES, "torch.float32")
@@ -117,6 +146,9 @@ def dwdp_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     from .router_impl import COUNTS_ATTR
 
     layout = layout_of(self)
+    glu = clamped_glu(self, layout.is_concatenated)
+    if glu is not None:
+        layout = dataclasses.replace(layout, activation="silu", glu=glu)
     # the fused router's chunk counts ride on its index tensor (router_impl): the alignment then skips counting
     return fused_experts(hidden_states, top_k_index, top_k_weights, weights_of(self, layout), layout,
                          counts=getattr(top_k_index, COUNTS_ATTR, None))

@@ -23,24 +23,6 @@ from __future__ import annotations
 FP4_STATE_ATTR = "_dwdp_fp4"
 #: activation dtypes the kernels run on CUDA (bf16/fp16 MMA with fp32 accumulation)
 _DTYPES = ("torch.bfloat16", "torch.float16")
-#: the module attribute caching ``gates.match`` (one probe per module, on the CPU, never inside a capture)
-_GLU_ATTR = "_dwdp_clamped_glu"
-_UNMATCHED = "unmatched"
-
-
-def clamped_glu(module):
-    """The ``ClampedGlu`` a custom ``_apply_gate`` computes (None: the default gate, or one we cannot fuse)."""
-    from transformers.integrations import moe
-
-    from dwdp_runtime.kernels import gates
-
-    if type(module)._apply_gate is moe._default_apply_gate:
-        return None
-    cached = module.__dict__.get(_GLU_ATTR)
-    if cached is None:
-        cached = gates.match(module, _flags(module)[1]) or _UNMATCHED
-        module.__dict__[_GLU_ATTR] = cached
-    return None if cached == _UNMATCHED else cached
 
 
 def _flags(module) -> tuple[bool, bool, bool, str]:
@@ -49,9 +31,17 @@ def _flags(module) -> tuple[bool, bool, bool, str]:
             bool(getattr(module, "has_bias", False)), str(act))
 
 
+def clamped_glu(module):
+    """The ``ClampedGlu`` a custom ``_apply_gate`` computes (``experts_impl.clamped_glu`` on the packed rows)."""
+    from .experts_impl import clamped_glu as glu_of
+
+    return glu_of(module, _flags(module)[1])
+
+
 def unsupported_reason(module, hidden_states) -> str | None:
     from dwdp_runtime import kernels
-    from transformers.integrations import moe
+
+    from .experts_impl import has_custom_gate
 
     if hidden_states.device.type != "cuda" or not kernels.available(hidden_states.device):
         return f"FP4 Triton kernels unavailable on {hidden_states.device}"
@@ -59,7 +49,7 @@ def unsupported_reason(module, hidden_states) -> str | None:
         return f"activations in {hidden_states.dtype}"
     if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_post_expert_norm", False):
         return "expert-parallel sentinels or post-expert norm"
-    custom = type(module)._apply_gate is not moe._default_apply_gate
+    custom = has_custom_gate(module)
     if custom and clamped_glu(module) is None:
         return f"custom gate {type(module).__name__}._apply_gate (not a clamped SwiGLU the kernels fuse)"
     if not custom and _flags(module)[3] not in kernels.ACTIVATIONS:
