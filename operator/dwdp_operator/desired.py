@@ -41,6 +41,10 @@ Invariants:
      in the same pass with the pods it creates counted (gang complete once every pod of the attempt
      exists), exactly what ``desired_state`` over those pods would say. One ``desired_state`` per
      pass, one status write per new group, not two.
+  5a. A pass that records a pod loss (Degrade: ``lostPods`` and a new ``podRecreations`` entry) writes its
+     status first even when it only creates (the lost pod already gone): were the status written after the
+     replacement and that write failed (a conflict, the operator killed), the next pass would see every pod
+     there and the loss — and the recreation budget it spends — would be forgotten.
   6. ``Plan.requeue_after`` is the time until the next transition that no API event announces
      (a backoff ending, a drain ending, a placement dead end maturing); the reconciler sleeps that
      long instead of polling. ``None``: only an event (or the long safety resync) changes anything.
@@ -159,7 +163,8 @@ def desired_state(cr: dict[str, Any], pods: list[dict[str, Any]], *, now: float,
 
     plan.status = object_status(spec, groups, name=name, thash=thash, old=old, now=now, generation=gen)
     attempts_kept = all(st.attempt == (old_groups[st.index].attempt if st.index in old_groups else 0) for st in groups)
-    if attempts_kept and not plan.deletes and any(m["kind"] == "Pod" for m in plan.creates):
+    if attempts_kept and not plan.deletes and any(m["kind"] == "Pod" for m in plan.creates) \
+            and not _records_a_loss(groups, old_groups):
         after = [ctx.after_creates.get(st.index, st) for st in groups]
         plan.status_after_creates = object_status(spec, after, name=name, thash=thash, old=old, now=now,
                                                   generation=gen)
@@ -180,6 +185,15 @@ class _Ctx:
     # invariant 5: a group's entry with the pods this pass creates counted (only groups that create)
     after_creates: dict[int, GroupStatus] = field(default_factory=dict)
     busy: frozenset[int] = frozenset()  # invariant 6a
+
+
+def _records_a_loss(groups: list[GroupStatus], old_groups: dict[int, GroupStatus]) -> bool:
+    """This pass records a pod loss (failurePolicy Degrade: a new entry in ``podRecreations``): its status is
+    written before any create (invariant 5a), so the record and the budget survive a create or write that fails
+    after the replacement exists."""
+    def entries(st):
+        return set(st.podRecreations or ()) if st is not None else set()
+    return any(entries(st) - entries(old_groups.get(st.index)) for st in groups)
 
 
 def _new_group(g: int, thash: str) -> GroupStatus:

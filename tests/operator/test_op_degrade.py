@@ -104,3 +104,19 @@ def test_switching_the_policy_keeps_the_template_hash():
     a = DwdpGroupSpec.model_validate(spec(experts={"replicas": 2}))
     b = DwdpGroupSpec.model_validate(spec(failurePolicy="Degrade", experts={"replicas": 2}, degrade={"windowSeconds": 5}))
     assert template_hash(a) == template_hash(b)
+
+def test_a_pass_that_records_a_loss_writes_its_status_before_creating_the_replacement():
+    """The lost pod already gone when the loss is seen: the pass only creates, yet its status (lostPods, the
+    recreation budget spent) is written first (desired invariant 5a). Written after the create, a failed write
+    would leave every pod there and the loss forgotten — the replacement free of the budget."""
+    raw = degrade_spec()
+    status, pods = ready_group(raw)
+    gone = [p for p in pods if p["name"] != "r1-g0-p1"]
+    plan = desired_state(cr(raw, status), gone, now=T0 + 10)
+    assert [m["metadata"]["name"] for m in plan.creates if m["kind"] == "Pod"] == ["r1-g0-p1"]
+    assert not plan.deletes and not plan.status_last and plan.status_after_creates is None
+    g = plan.status["groups"][0]
+    assert g["phase"] == "Degraded" and len(g["podRecreations"]) == 1 and g["lostPods"][0]["pod"] == 1
+    # the next pass sees the replacement: the record written first is what it reads, the budget stays spent
+    nxt = desired_state(cr(raw, plan.status), gone + pods_from(plan), now=T0 + 11)
+    assert len(nxt.status["groups"][0]["podRecreations"]) == 1 and nxt.status["groups"][0]["groupRestarts"] == 0
