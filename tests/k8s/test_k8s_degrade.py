@@ -201,7 +201,9 @@ def test_degrade_absorbs_a_deleted_pod_until_the_budget_is_spent(cluster, ns):
                 and now.get(PODS[0]) not in (None, before[PODS[0]])):
             return st
         # wait_for shows the last exception: what was still missing, should the wait time out
-        raise AssertionError(f"state {st.get('state')}, podRecreations {g.get('podRecreations')}, "
+        raise AssertionError(f"state {st.get('state')}, podRecreations {g.get('podRecreations')}, attempt "
+                             f"{g.get('attempt')}, groupRestarts {g.get('groupRestarts')} "
+                             f"({g.get('lastRestartReason')}), "
                              f"{PODS[0]} {'replaced' if now.get(PODS[0]) not in (None, before[PODS[0]]) else 'not replaced'}"
                              f", live pods {sorted(now)}, conditions {[(k, v.get('status'), v.get('reason')) for k, v in conditions(st).items()]}")
     st = wait_for(healed, timeout=WAIT_S, what=f"{PODS[0]} recreated alone and the group Ready")
