@@ -13,9 +13,9 @@ is why Qwen3-MoE and Mixtral logits differed alone vs packed at ``self_attn.o_pr
 Three kernels, one arithmetic (which one runs is part of the M-free tiling, ``Tile.kernel``): ``_persistent_mm``, a
 grid of at most ``NUM_PROGRAMS`` (the SM count on H200: 132) programs walking the output tiles ``pid, pid +
 NUM_PROGRAMS, …`` in GROUP_M-swizzled order, for the narrow GEMMs (routers); ``_tiled_mm``, one tile per program
-with the K loop walking pointers and the edge rows read wrapped (no row predicate on the loads); ``_tma_mm``, one
-tile per program with both operand tiles brought by the copy engine (host-side TMA descriptors, zero-filled past
-M, N and K), for every projection whose K and N rows are 16-byte multiples (``bench/bi_tiles.py`` compares them).
+with the K loop walking pointers and the edge rows read wrapped (no row predicate on the loads);
+``bi_matmul_tma._tma_mm``, one tile per program with both operand tiles brought by the copy engine (host-side TMA
+descriptors, zero-filled past M, N and K), for every projection whose K and N rows are 16-byte multiples (``bench/bi_tiles.py`` compares them).
 Which program computes a tile, and whether its operands arrive by pointer or by TMA, changes nothing in the tile's
 arithmetic. Whether ``_tma_mm`` runs depends on ``(N, K, dtype)`` and on the weight's layout, never on the
 activations: an activation view TMA cannot describe (misaligned, K not contiguous) is copied first. ``M`` and the
@@ -212,84 +212,6 @@ def _tiled_mm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
              mask=(offs_m < M)[:, None] & mask_n[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "s_cb"])
-def _tma_mm(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, s_cb, s_cm, s_cn,
-            HAS_BIAS: tl.constexpr, B_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INTERP: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """One output tile per program, both operand tiles through TMA descriptors of the ``[B, M, K]`` activations
-    and of the weight (``[B, N, K]`` when ``B_NK``: an ``nn.Linear`` weight's ``.t()``, else ``[B, K, N]``); the
-    copy engine zero-fills past M, N and K, so there are no predicates and a ragged K step adds exact zeros. The
-    arithmetic of an element is ``_tiled_mm``'s (same tiling, same ascending K steps)."""
-    pid = tl.program_id(0)
-    batch = tl.program_id(1)
-    pid_m, pid_n = _swizzled_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # ascending, fixed step: the reduction order of every element
-        a = tl.reshape(a_desc.load([batch, off_m, k0]), [BLOCK_M, BLOCK_K])
-        if B_NK:
-            b = tl.trans(tl.reshape(b_desc.load([batch, off_n, k0]), [BLOCK_N, BLOCK_K]))
-        else:
-            b = tl.reshape(b_desc.load([batch, k0, off_n]), [BLOCK_K, BLOCK_N])
-        acc = _dot(a, b, acc, INTERP, False)
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c = cast_out(acc, c_ptr.dtype.element_ty, EXACT_BF16)
-    c_ptr += batch.to(tl.int64) * s_cb
-    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn, c,
-             mask=(offs_m < M)[:, None] & mask_n[None, :])
-
-
-def _tma_describable(t: torch.Tensor) -> bool:
-    """TMA can describe this 3-D view as it lies: last axis contiguous, the other strides and the base 16-byte
-    multiples, no broadcast (stride-0) axis of more than one element."""
-    es = t.element_size()
-    return (t.stride(2) == 1 and t.data_ptr() % TMA_ALIGN == 0
-            and all((t.stride(d) * es) % TMA_ALIGN == 0 and (t.stride(d) > 0 or t.shape[d] == 1) for d in (0, 1)))
-
-
-def _weight_view(b3: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-    """``b3 [B, K, N]`` as TMA sees it: ``([B, N, K] view, True)`` for a transposed ``nn.Linear`` weight (K
-    contiguous), ``(b3, False)`` for a row-major one (N contiguous), None when TMA cannot describe either."""
-    transposed = b3.transpose(1, 2)
-    if b3.stride(1) == 1 and _tma_describable(transposed):
-        return transposed, True
-    if b3.stride(2) == 1 and _tma_describable(b3):
-        return b3, False
-    return None
-
-
-def _launch_tma(a3, b3, c3, bias, tile: Tile) -> bool:
-    """``_tma_mm`` on these operands; False (nothing launched) when the weight's layout is not describable —
-    a property of the weight, the same for every batch. Activations TMA cannot describe are copied first."""
-    weight = _weight_view(b3)
-    if weight is None:
-        return False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if not _tma_describable(a3):
-        a3 = a3.contiguous() if not a3.is_contiguous() else a3.clone()
-        if not _tma_describable(a3):  # K's rows are not 16-byte multiples: a property of K, no copy helps
-            return False
-    b_view, b_nk = weight
-    nb, m, k = a3.shape
-    n = b3.shape[-1]
-    b_block = [1, tile.block_n, tile.block_k] if b_nk else [1, tile.block_k, tile.block_n]
-    a_desc = TensorDescriptor(a3, list(a3.shape), list(a3.stride()), [1, tile.block_m, tile.block_k])
-    b_desc = TensorDescriptor(b_view, list(b_view.shape), list(b_view.stride()), b_block)
-    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), nb)
-    _tma_mm[grid](a_desc, b_desc, c3, bias if bias is not None else c3, m, n, k,
-                  c3.stride(0), c3.stride(1), c3.stride(2),
-                  HAS_BIAS=bias is not None, B_NK=b_nk, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                  BLOCK_K=tile.block_k, GROUP=GROUP_M, INTERP=interpreting(), EXACT_BF16=interpreting(),
-                  num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return True
-
-
 _PROGRAMS: dict[int, int] = {}
 
 
@@ -349,8 +271,11 @@ def launch(a3: torch.Tensor, b3: torch.Tensor, c3: torch.Tensor, bias: torch.Ten
     n = b3.shape[-1]
     tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
     kernel = Kernel(kernel)
-    if kernel is Kernel.TMA and _launch_tma(a3, b3, c3, bias, tile):
-        return
+    if kernel is Kernel.TMA:
+        from .bi_matmul_tma import launch_tma
+
+        if launch_tma(a3, b3, c3, bias, tile):
+            return
     if kernel in (Kernel.TILED, Kernel.TMA):
         _tiled_mm[(tiles, nb)](
             a3, b3, c3, bias if bias is not None else a3, m, n, k,

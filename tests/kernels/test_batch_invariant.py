@@ -168,7 +168,7 @@ def test_the_attachment_owns_the_mode(tmp_path):
 
 @pytest.mark.parametrize("m", [1, 37, 300])
 def test_the_three_kernels_compute_the_same_bits(m):
-    """``_tiled_mm`` (one tile per program, rows read wrapped) and ``_tma_mm`` (operands through TMA descriptors,
+    """``_tiled_mm`` (one tile per program, rows read wrapped) and ``bi_matmul_tma._tma_mm`` (operands through TMA descriptors,
     zero-filled past the edges) are the same arithmetic as ``_persistent_mm``: same bits for every M, a ragged
     K included (the bench chooses between them by speed alone); TMA reads both weight layouts."""
     from dwdp_runtime.kernels import bi_matmul
