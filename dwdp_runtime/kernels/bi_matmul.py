@@ -17,8 +17,9 @@ with the K loop walking pointers and the edge rows read wrapped (no row predicat
 ``bi_matmul_tma._tma_mm``, one tile per program with both operand tiles brought by the copy engine (host-side TMA
 descriptors, zero-filled past M, N and K), for every projection whose K and N rows are 16-byte multiples
 (``bench/bi_tiles.py`` compares them). Which program computes a tile, and whether its operands arrive by
-pointer or by TMA, changes nothing in the tile's arithmetic. Whether ``_tma_mm`` runs depends on ``(N, K, dtype)`` and on the weight's layout, never on the
-activations: an activation view TMA cannot describe (misaligned, K not contiguous) is copied first. ``M`` and the
+pointer or by TMA, changes nothing in the tile's arithmetic. Whether ``_tma_mm`` runs depends on ``(N, K, dtype)``
+and on the weight's layout, never on the activations: an activation view TMA cannot describe (misaligned, K not
+contiguous) is copied first. ``M`` and the
 batch strides (multiples of M) are not specialised (``do_not_specialize``): Triton would otherwise compile another
 variant for M = 1 or M divisible by 16, which must not be a second code path.
 Speed (``bench/bi_tiles.py``, H100, 2026-12-07, log docs/gpu-runs/2026-12-07-h100-bi-check.log): ``_tma_mm``
