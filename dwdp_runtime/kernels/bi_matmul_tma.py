@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._cast import cast_out
-from .bi_matmul import GROUP_M, TMA_ALIGN, Tile, _dot, _swizzled_tile
+from .bi_tiling import GROUP_M, TMA_ALIGN, Tile, _dot, _swizzled_tile
 from .support import interpreting
 
 
