@@ -15,6 +15,9 @@ Invariants:
   3. Every key whose pods changed is passed to ``on_change`` (called on the informer's thread; the
      caller hops to its event loop). The index is only touched under its lock.
   4. The raw answers are parsed as JSON (``_preload_content=False``), never into client models.
+  5. No call waits forever: a list has ``rest.REQUEST_TIMEOUT``, a watch a read limit of its server-side
+     timeout plus ``WATCH_GRACE_S`` (the server closes a healthy watch by then), so a half-open connection
+     ends in a relist instead of a stream that silently never delivers another pod change.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ from kubernetes import client
 from . import labels as L
 from .observed import slim_pod
 from .refusals import describe
+from .rest import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT
 
 log = logging.getLogger("dwdp_operator.pods")
 Key = tuple[str, str]
 SELECTOR = f"{L.MANAGED_BY}={L.MANAGER},{L.COMPONENT}={L.WORKER_COMPONENT}"
 RELIST_BACKOFF_S = 1.0
 WATCH_TIMEOUT_S = 300  # the server ends a watch after this; the informer re-watches from its last version
+#: a watch's read limit past WATCH_TIMEOUT_S: the server's closing chunk may come a little late under load
+WATCH_GRACE_S = 30
 
 
 class PodInformer:
@@ -89,7 +95,7 @@ class PodInformer:
         return self.core.list_namespaced_pod(ns, label_selector=SELECTOR, _preload_content=False, **kw)
 
     def _relist(self, ns: str | None) -> str:
-        body = json.loads(self._call(ns).data)
+        body = json.loads(self._call(ns, _request_timeout=REQUEST_TIMEOUT).data)
         fresh: dict[Key, dict[str, dict]] = {}
         for item in body.get("items") or []:
             key = self._key(item)
@@ -105,7 +111,8 @@ class PodInformer:
 
     def _watch(self, ns: str | None, version: str) -> None:
         resp = self._call(ns, watch=True, resource_version=version, timeout_seconds=WATCH_TIMEOUT_S,
-                          allow_watch_bookmarks=True)
+                          allow_watch_bookmarks=True,
+                          _request_timeout=(CONNECT_TIMEOUT_S, WATCH_TIMEOUT_S + WATCH_GRACE_S))
         try:
             buf = b""
             for chunk in resp.stream(65536):

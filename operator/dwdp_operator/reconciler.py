@@ -141,7 +141,14 @@ class Reconciler:
     def _hold(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task) -> None:
+        """A held task ended: forget it, and log its error (a pass's own errors are handled inside
+        ``request``; what reaches here is an Event that could not be posted, e.g. while the server is away)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("background call failed: %s", describe(task.exception()))
 
     async def request(self, key: Key) -> None:
         st = self._state.setdefault(key, _KeyState())

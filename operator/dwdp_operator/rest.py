@@ -18,6 +18,8 @@ Invariants:
      ``refusals.classify``/``describe`` read it exactly as before.
   3. Every answer is read to the end (the connection returns to the pool) and is parsed only when
      the caller asks for the body (``want_body``); nothing is turned into client model objects.
+  4. Every request has a connect and a read limit (``REQUEST_TIMEOUT``): a silent server fails the
+     pass (the reconciler retries it) instead of holding it forever.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 AUTH_REFRESH_S = 1.0  # tokens live minutes (in-cluster: re-read every minute); a second of reuse is nothing
+#: seconds to open a connection: the API server is a local Service; longer means it is away
+CONNECT_TIMEOUT_S = 5.0
+#: seconds to wait for an answer's next bytes. Without a limit a request on a half-open connection (a server
+#: SIGKILLed or partitioned whose FIN never arrived, a request accepted during a restart and never answered)
+#: waits forever, and with it the one reconcile pass of its DwdpGroup: nothing reconciles that group again
+#: (invariant 4). Writes and gets answer in milliseconds; kube-apiserver's own limit is 60 s (--request-timeout)
+READ_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
 MERGE_PATCH = "application/merge-patch+json"
 JSON = "application/json"
 
@@ -60,7 +70,8 @@ class RawApi:
                 want_body: bool = False) -> dict | None:
         headers = {"Accept": JSON, "Content-Type": content_type, "User-Agent": self.api.user_agent,
                    **self._auth_headers()}
-        resp = self.api.rest_client.request(method, self.base + path, headers=headers, body=body)
+        resp = self.api.rest_client.request(method, self.base + path, headers=headers, body=body,
+                                            _request_timeout=REQUEST_TIMEOUT)
         data = resp.read()  # invariant 3: always drained
         if not 200 <= resp.status <= 299:
             raise ApiException.from_response(http_resp=resp, body=None, data=None)

@@ -31,6 +31,28 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.k8s)
 
 
+#: operator log lines shown under a failed k8s test (the operator runs as a subprocess: its log is the
+#: only record of why a group did not converge)
+FAILURE_LOG_LINES = 150
+#: lines left out of that excerpt: urllib3's per-attempt retry warnings (dozens per API-server restart)
+LOG_NOISE = ("urllib3.connectionpool: Retrying",)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    cluster = getattr(item, "funcargs", {}).get("cluster")
+    if rep.when != "call" or not rep.failed or cluster is None or cluster.operator is None:
+        return
+    try:
+        lines = [ln for ln in cluster.operator.log().splitlines() if not any(n in ln for n in LOG_NOISE)]
+    except OSError as e:
+        lines = [f"(operator log unreadable: {e})"]
+    rep.sections.append((f"operator log {cluster.operator.n}, last {FAILURE_LOG_LINES} lines",
+                         "\n".join(lines[-FAILURE_LOG_LINES:])))
+
+
 def _require_binaries() -> None:
     missing = [b for b in NEEDED if not (BIN / b).exists()]
     if missing:

@@ -23,6 +23,11 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 CLIQUE_LABEL = "nvidia.com/gpu.clique"
+#: seconds a list / patch / delete may wait for the API server: a request caught by an API-server restart
+#: must fail (the loops retry) rather than wait forever and leave every later pod Pending
+CALL_TIMEOUT_S = 10
+#: the pod watch's server-side timeout; its client read limit is this plus CALL_TIMEOUT_S
+WATCH_S = 30
 
 
 def make_nodes(core: client.CoreV1Api, *, cliques: int = 4, per_clique: int = 4, gpus: int = 4) -> list[str]:
@@ -121,11 +126,13 @@ class Kubelet:
             if meta.deletion_timestamp:
                 self.core.delete_namespaced_pod(meta.name, meta.namespace, grace_period_seconds=0,
                                                 body=client.V1DeleteOptions(grace_period_seconds=0,
-                                                                            preconditions={"uid": meta.uid}))
+                                                                            preconditions={"uid": meta.uid}),
+                                                _request_timeout=CALL_TIMEOUT_S)
             elif spec.node_name and (st.phase or "Pending") == "Pending" and key not in self._held:
                 # pinned to the resourceVersion we saw: a stale snapshot (the sweep's list) must not
                 # overwrite a newer status, e.g. a restart count bumped by a test (a 409 is ignored)
-                self.core.patch_namespaced_pod_status(meta.name, meta.namespace, _pinned(_running_status(pod), pod))
+                self.core.patch_namespaced_pod_status(meta.name, meta.namespace, _pinned(_running_status(pod), pod),
+                                                      _request_timeout=CALL_TIMEOUT_S)
                 self.started_at[(meta.namespace, meta.name, meta.uid)] = time.time()
         except ApiException as e:
             if e.status not in (404, 409):
@@ -135,7 +142,8 @@ class Kubelet:
         while not self._stop.is_set():
             try:
                 w = watch.Watch()
-                for ev in w.stream(self.core.list_pod_for_all_namespaces, timeout_seconds=30):
+                for ev in w.stream(self.core.list_pod_for_all_namespaces, timeout_seconds=WATCH_S,
+                                   _request_timeout=WATCH_S + CALL_TIMEOUT_S):
                     if self._stop.is_set():
                         w.stop()
                         return
@@ -146,7 +154,7 @@ class Kubelet:
     def _sweep_loop(self) -> None:
         while not self._stop.wait(1.0):
             try:
-                for pod in self.core.list_pod_for_all_namespaces().items:
+                for pod in self.core.list_pod_for_all_namespaces(_request_timeout=CALL_TIMEOUT_S).items:
                     self._handle(pod)
             except Exception:  # noqa: BLE001
                 pass
