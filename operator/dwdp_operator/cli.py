@@ -4,9 +4,11 @@ Exit codes: 0 on a clean stop, 1 on a startup error (message on stderr, no trace
 
 A transient API error that stops kopf (a kube-apiserver restarting answers 404 for custom resources
 until its CRD handlers are synced, and kopf's watcher treats that 404 as fatal; found by
-tests/k8s/test_k8s_faults.py) restarts kopf in-process after ``RESTART_DELAY_S``, at most
-``MAX_RESTARTS`` times in a row within ``RESTART_WINDOW_S``: state is rebuilt from the API server
-(level-triggered), so this is the same as a pod restart without the CrashLoopBackOff delay. That
+tests/k8s/test_k8s_faults.py) restarts kopf in-process after a delay doubling from ``RESTART_DELAY_S`` up to ``RESTART_DELAY_CAP_S``
+(``restart_delay``), at most ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``: state is rebuilt from the API
+server (level-triggered), so this is the same as a pod restart without the CrashLoopBackOff delay. The delays
+add up to ~2 minutes of tolerated outage: a fixed 1 s × 5 gave up after ~5 s, shorter than the 404 window of a
+restarted API server on a loaded 2-core machine. That
 restart needs ``kopf.run`` to return: ``kopf_fixes`` mends the kopf defect that could hang its stop.
 """
 
@@ -18,8 +20,13 @@ import sys
 import time
 
 TRANSIENT_STATUS = {404, 429, 500, 502, 503, 504}
+#: the first restart's delay: the API server's CRD handlers usually sync within a second or two
 RESTART_DELAY_S = 1.0
-MAX_RESTARTS = 5
+#: the longest delay between two restarts: an outage longer than this is seen within this many seconds of its end
+RESTART_DELAY_CAP_S = 30.0
+#: restarts within RESTART_WINDOW_S before the operator exits 1 (and its pod's restart policy takes over):
+#: delays 1 + 2 + 4 + 8 + 16 + 30 + 30 + 30 s = ~2 minutes of outage tolerated in-process
+MAX_RESTARTS = 8
 RESTART_WINDOW_S = 300.0
 log = logging.getLogger("dwdp_operator.cli")
 
@@ -32,6 +39,11 @@ def _transient(e: BaseException) -> bool:
         return isinstance(e, (aiohttp.ClientConnectionError, ConnectionError, TimeoutError))
     except ImportError:
         return isinstance(e, (ConnectionError, TimeoutError))
+
+
+def restart_delay(restarts: int) -> float:
+    """Seconds before the ``restarts``-th restart within the window (1-based): doubling, capped."""
+    return min(RESTART_DELAY_S * 2 ** max(restarts - 1, 0), RESTART_DELAY_CAP_S)
 
 
 def is_pattern(namespace: str) -> bool:
@@ -95,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
             if _transient(e) and len(restarts) < MAX_RESTARTS:
                 restarts.append(now)
+                delay = restart_delay(len(restarts))
                 log.warning("kopf stopped on a transient API error (%s); restarting it in %.0fs (%d/%d)",
-                            describe(e), RESTART_DELAY_S, len(restarts), MAX_RESTARTS)
-                time.sleep(RESTART_DELAY_S)  # a fresh memo: nothing from the stopped kopf (its pod index) is reused
+                            describe(e), delay, len(restarts), MAX_RESTARTS)
+                time.sleep(delay)  # a fresh memo: nothing from the stopped kopf (its pod index) is reused
                 continue
             print(f"dwdp-operator: {describe(e)}", file=sys.stderr)
             return 1

@@ -50,6 +50,24 @@ def test_restarts_are_bounded(monkeypatch, capsys):
     assert "404" in capsys.readouterr().err
 
 
+def test_restart_delays_double_up_to_the_cap_and_cover_minutes_of_outage(monkeypatch):
+    monkeypatch.setattr(cli, "RESTART_DELAY_S", 1.0)
+    delays = [cli.restart_delay(n) for n in range(1, cli.MAX_RESTARTS + 1)]
+    assert delays[:3] == [1.0, 2.0, 4.0] and max(delays) == cli.RESTART_DELAY_CAP_S
+    assert all(b >= a for a, b in zip(delays, delays[1:]))
+    # an API server whose CRD handlers take a minute to sync after a restart must not exhaust the restarts
+    assert sum(delays) >= 60 and sum(delays) < cli.RESTART_WINDOW_S
+
+
+def test_the_loop_waits_the_backed_off_delay(monkeypatch):
+    calls = _fake_run(monkeypatch, [_Err(404)] * 3)
+    monkeypatch.setattr(cli, "RESTART_DELAY_S", 0.01)
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    assert cli.main([]) == 0 and len(calls) == 4
+    assert slept == [0.01, 0.02, 0.04]
+
+
 @pytest.mark.parametrize("err", [_Err(403), ValueError("bad config")])
 def test_other_errors_exit_1(monkeypatch, capsys, err):
     calls = _fake_run(monkeypatch, [err])
