@@ -10,7 +10,11 @@ handles (and fd-server addresses) once at start.
     cannot even name them;
   * every value is authenticated with HMAC-SHA256 under the shared token: an entry written by a
     stranger is rejected with a message instead of being trusted;
-  * waits are bounded: a timeout names exactly the ranks that never arrived.
+  * waits are bounded: a timeout names exactly the ranks that never arrived;
+  * a rank other than the host first waits for the store's port to accept (``wait_for_port``, polled every
+    ``PORT_POLL_S``) and only then builds its ``TCPStore`` client: the client's own retry after a refused connect
+    backs off by ~0.1-1 s, so a rank arriving before rank 0 listened lost ~0.4 s per group formation (measured
+    on CPU: 28 s of a 70-model support-matrix run).
 
 ``MpiRendezvous`` — mpi4py, for ``mpirun``/Slurm launches: the world is split into groups of
 ``dwdp_size`` consecutive ranks (group = rank // dwdp_size).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import socket
 import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
@@ -28,6 +33,23 @@ from datetime import timedelta
 log = logging.getLogger(__name__)
 
 _MAC_BYTES = 32
+#: how often a joining rank retries connecting to the store's port while rank 0 is not listening yet
+PORT_POLL_S = 0.005
+#: one connection attempt's limit (a reachable host answers a connect in well under this)
+PORT_CONNECT_S = 1.0
+
+
+def wait_for_port(host: str, port: int, *, timeout_s: float) -> bool:
+    """True once ``host:port`` accepts a TCP connection (closed at once), False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=PORT_CONNECT_S).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(PORT_POLL_S)
 
 
 def token_key(token: str) -> bytes:
@@ -128,6 +150,8 @@ class StoreRendezvous(Rendezvous):
         from torch.distributed import TCPStore
 
         try:
+            if self.rank != 0 and not wait_for_port(self.host, self.port, timeout_s=self.timeout_s):
+                raise TimeoutError("nothing accepted a connection on that port")
             return TCPStore(self.host, self.port, self.world_size, is_master=(self.rank == 0),
                             timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
         except Exception as exc:  # noqa: BLE001 - rewrap with the fix

@@ -97,3 +97,24 @@ def test_granularity_choice_and_tensor_bytes_shared_by_both_backends():
     assert nbytes_of((), torch.float32) == 4 and nbytes_of((0, 7), torch.float64) == 0
     with pytest.raises(ValueError, match="positive multiple of the granularity 4096"):
         HostMemory(granularity=4096).reserve(0)
+
+
+def test_closing_an_fd_server_wakes_its_accept_instead_of_waiting_out_the_poll():
+    """A group's setup closes one server per rank: close must not cost the accept poll (fdpass docstring)."""
+    from dwdp_runtime import fdpass
+
+    r, w = os.pipe()
+    try:
+        servers = [FdServer([r], token_key=token_key("t")) for _ in range(5)]
+        time.sleep(0.05)  # every serving thread is blocked in accept
+        t0 = time.perf_counter()
+        for s in servers:
+            s.close()
+        took = time.perf_counter() - t0
+        assert took < fdpass.ACCEPT_POLL_S, f"5 closes took {took:.3f} s"
+        assert not any(s._thread.is_alive() for s in servers)
+        with pytest.raises(OSError):
+            fetch_fds(servers[0].name, token_key=token_key("t"), timeout_s=1)
+    finally:
+        os.close(r)
+        os.close(w)

@@ -93,6 +93,39 @@ def test_unreachable_store_fails_with_a_fix():
         StoreRendezvous(host="127.0.0.1", port=free_port(), rank=1, world_size=2, timeout_s=1)
 
 
+def test_a_rank_arriving_before_the_store_joins_as_soon_as_it_listens():
+    """The TCPStore client's own retry of a refused port backs off ~0.1-1 s; the rendezvous polls the port
+    itself (``wait_for_port``), so a joining rank is in as soon as rank 0 hosts the store."""
+    import time
+
+    from dwdp_runtime import rendezvous
+
+    port, host_delay_s = free_port(), 0.3
+    started = threading.Event()
+    joined = {}
+
+    def join():
+        started.set()
+        t0 = time.monotonic()
+        with StoreRendezvous(host="127.0.0.1", port=port, rank=1, world_size=2, job="j", token="tok",
+                             timeout_s=10) as rdzv:
+            joined["after_s"] = time.monotonic() - t0
+            joined["got"] = rdzv.allgather("hello", b"r1")
+
+    client = threading.Thread(target=join)
+    client.start()
+    started.wait(5)
+    time.sleep(host_delay_s)
+    with StoreRendezvous(host="127.0.0.1", port=port, rank=0, world_size=2, job="j", token="tok",
+                         timeout_s=10) as rdzv:
+        got = rdzv.allgather("hello", b"r0")
+    client.join(20)
+    assert got == joined["got"] == [b"r0", b"r1"]
+    late_s = joined["after_s"] - host_delay_s
+    assert late_s < host_delay_s / 2, f"rank 1 joined {late_s:.3f} s after the store listened"
+    assert rendezvous.wait_for_port("127.0.0.1", free_port(), timeout_s=0.05) is False
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no MPI launcher (pip install mpich)")
 def test_mpi_rendezvous_under_mpirun():
     out = subprocess.run(["mpirun", "-n", "3", sys.executable, "-m", "tests.runtime.mpi_program", "3"],
