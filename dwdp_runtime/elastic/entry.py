@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 EXCLUSION_WAIT_S = 30.0
 #: a replacement's wait for its standby port, held by its predecessor until that process has exited
 STANDBY_PORT_WAIT_S = 10.0
+#: how often a replacement re-checks those two waits: both end on events of seconds (a process exiting, a loss
+#: declared after 3 s of silence), so a finer poll would only load the store
+JOIN_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def _standby_when_free(port: int, rank: int, wait_s: float) -> StandbyStore:
                 raise JoinRefused(f"rank {rank}'s standby store port {port} is still in use on this host after "
                                   f"{wait_s:g} s: another process (its predecessor?) holds it; this one is refused"
                                   ) from exc
-            time.sleep(0.2)
+            time.sleep(JOIN_POLL_S)
 
 
 def _join_point(rdzv: StoreRendezvous, fingerprint: GroupFingerprint, incarnation: str, wait_s: float) -> JoinPoint:
@@ -125,7 +128,7 @@ def _join_point(rdzv: StoreRendezvous, fingerprint: GroupFingerprint, incarnatio
             raise JoinRefused(f"rank {rdzv.rank} is still a member of the running {rdzv.where} (incarnation "
                               f"{latest.incarnations[rdzv.rank]}, epoch {latest.epoch}) after {wait_s:g} s: another "
                               f"process serves it; this one ({incarnation}) is refused")
-        time.sleep(0.2)
+        time.sleep(JOIN_POLL_S)
     records = {}
     for r in sorted(latest.alive):
         rec = rdzv.store_get_verified_nowait(member_key(r))
