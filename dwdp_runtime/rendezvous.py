@@ -39,17 +39,24 @@ PORT_POLL_S = 0.005
 PORT_CONNECT_S = 1.0
 
 
+def port_accepts(host: str, port: int, *, connect_s: float = PORT_CONNECT_S) -> bool:
+    """Whether ``host:port`` accepts a TCP connection now (closed at once): a refused port answers at once, before
+    any TCPStore client, whose own connect retries a refused port with back-off."""
+    try:
+        socket.create_connection((host, port), timeout=connect_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_for_port(host: str, port: int, *, timeout_s: float) -> bool:
-    """True once ``host:port`` accepts a TCP connection (closed at once), False after ``timeout_s``."""
+    """True once ``host:port`` accepts a TCP connection, False after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=PORT_CONNECT_S).close()
-            return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(PORT_POLL_S)
+    while not port_accepts(host, port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(PORT_POLL_S)
+    return True
 
 
 def token_key(token: str) -> bytes:

@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from ..contract import standby_store_port
-from ..rendezvous import GroupKeys, RendezvousError
+from ..rendezvous import GroupKeys, RendezvousError, port_accepts
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +139,11 @@ def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return value
 
 
-def _listening(endpoint: Endpoint) -> bool:
-    try:
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=TCP_CONNECT_TIMEOUT_S):
-            return True
-    except OSError:
-        return False
-
-
 def connect(endpoint: Endpoint, *, timeout_s: float = PROBE_TIMEOUT_S):
     """A TCPStore client of ``endpoint``; ``StoreUnreachable`` when nothing listens or it does not answer in time."""
     from torch.distributed import TCPStore
 
-    if not _listening(endpoint):
+    if not port_accepts(endpoint.host, endpoint.port, connect_s=TCP_CONNECT_TIMEOUT_S):
         raise StoreUnreachable(f"{endpoint.describe()}: nothing listens")
     try:
         return bounded(lambda: TCPStore(endpoint.host, endpoint.port, None, is_master=False,
