@@ -45,12 +45,11 @@ import triton.language as tl
 
 from ._cast import cast_out
 from .bi_matmul_tma import launch_tma
-from .bi_tiling import (DEFAULT_PROGRAMS, GROUP_M, NARROW_N, SUPPORTED, TMA_ALIGN, WIDE_N, Kernel, Tile,
-                        _dot, _swizzled_tile, config_for)
+from .bi_tiling import DEFAULT_PROGRAMS, GROUP_M, SUPPORTED, TMA_ALIGN, Kernel, Tile, _dot, _swizzled_tile, config_for
 from .support import interpreting
 
-__all__ = ["DEFAULT_PROGRAMS", "GROUP_M", "NARROW_N", "SUPPORTED", "TMA_ALIGN", "WIDE_N", "Kernel", "Tile",
-           "config_for", "launch", "matmul", "num_programs", "supports"]
+#: the tiling names callers reach through this module (``bi_tiling`` defines them)
+__all__ = ["TMA_ALIGN", "Kernel", "Tile", "config_for", "launch", "matmul", "num_programs", "supports"]
 
 
 @triton.jit(do_not_specialize=["M", "s_ab", "s_cb"])
