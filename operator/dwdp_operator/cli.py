@@ -5,11 +5,12 @@ Exit codes: 0 on a clean stop, 1 on a startup error (message on stderr, no trace
 A transient API error that stops kopf (a kube-apiserver restarting answers 404 for custom resources
 until its CRD handlers are synced, and kopf's watcher treats that 404 as fatal; found by
 tests/k8s/test_k8s_faults.py) restarts kopf in-process after a delay doubling from ``RESTART_DELAY_S``
-up to ``RESTART_DELAY_CAP_S`` (``restart_delay``), at most ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``: state is rebuilt from the API
-server (level-triggered), so this is the same as a pod restart without the CrashLoopBackOff delay. The delays
-add up to ~2 minutes of tolerated outage: a fixed 1 s × 5 gave up after ~5 s, shorter than the 404 window of a
-restarted API server on a loaded 2-core machine. That
-restart needs ``kopf.run`` to return: ``kopf_fixes`` mends the kopf defect that could hang its stop.
+up to ``RESTART_DELAY_CAP_S`` (``restart_delay``), at most ``MAX_RESTARTS`` times within
+``RESTART_WINDOW_S``: state is rebuilt from the API server (level-triggered), so this is the same as a
+pod restart without the CrashLoopBackOff delay. The delays add up to ~2 minutes of tolerated outage: a
+fixed 1 s × 5 gave up after ~5 s, shorter than the 404 window of a restarted API server on a loaded
+2-core machine. That restart needs ``kopf.run`` to return: ``kopf_fixes`` mends the kopf defect that
+could hang its stop.
 """
 
 from __future__ import annotations
