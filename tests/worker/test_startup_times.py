@@ -79,3 +79,19 @@ def test_an_engine_build_reports_its_phases(tmp_path):
         st, rep = got[r]
         assert st.read_bytes == rep.dense_bytes + rep.local_expert_bytes > 0
         assert st.read_s > 0 and st.map_s > 0 and st.model_s > 0 and st.manager_s > 0
+
+
+def test_the_background_prewarm_leaves_tritons_cache_key_computed_in_a_fresh_process():
+    """The warm-up of a start that compiles nothing then finds Triton's key already hashed."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = ("import dwdp_runtime.compile_cache as c, sys\n"
+            "from triton.runtime.cache import triton_key\n"
+            "assert triton_key.cache_info().currsize == 0\n"
+            "c.prewarm_in_background().join()\n"
+            "assert triton_key.cache_info().currsize == 1, triton_key.cache_info()\n"
+            "assert 'triton.experimental.gluon' in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

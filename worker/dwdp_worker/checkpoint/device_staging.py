@@ -44,9 +44,10 @@ from typing import Any, Callable
 CHUNK_BYTES = 16 * 2**20
 #: slots: two is double buffering (read chunk i + 1 while chunk i is copied); more does not help a serial reader
 SLOTS = 2
-#: threads reading the pieces of one chunk: a page-cache read is one core's memcpy, so a few cores read faster;
-#: four keep eight ranks of a node within the host's cores
-READ_THREADS = min(4, os.cpu_count() or 1)
+#: threads reading the pieces of one chunk: a page-cache read is one core's memcpy, so a second core reads faster,
+#: but the pinned copies share the host's memory bandwidth with the reads: ``bench/staging_read.py`` on an H100 host
+#: (2026-12-07) read at 0.82× the page-cache rate with 1 thread, 0.89× with 2, 0.73× with 4
+READ_THREADS = min(2, os.cpu_count() or 1)
 #: the smallest piece worth a thread (a hand-off costs tens of µs; 1 MiB takes ~150 µs to read); 4 KiB multiples
 MIN_PIECE_BYTES = 1 << 20
 PAGE_BYTES = 4096

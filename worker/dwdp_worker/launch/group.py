@@ -53,6 +53,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def cuda_count() -> int:
+    """GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applies), 0 without a driver. Asked of the driver API
+    (``cuda.bindings``: a few ms) rather than torch: the front never runs CUDA itself, and importing torch here
+    put 3 s of an H100 host's start before the first rank was spawned (``bench/cold_start.py``, 2026-12-07)."""
+    try:
+        import cuda.bindings.driver as driver
+    except Exception:  # noqa: BLE001 - no cuda-python: ask torch
+        return _torch_cuda_count()
+    try:
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return 0
+        err, count = driver.cuDeviceGetCount()
+        return int(count) if err == driver.CUresult.CUDA_SUCCESS else 0
+    except Exception:  # noqa: BLE001 - a driver library that cannot be loaded: no GPU
+        return 0
+
+
+def _torch_cuda_count() -> int:
     try:
         import torch
 

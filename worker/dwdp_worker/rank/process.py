@@ -154,6 +154,8 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
     from .engine import Engine
 
     torch.set_num_threads(max(1, spec.threads))
+    if spec.device and torch.device(spec.device).type == "cuda":
+        compile_cache.prewarm_in_background()   # Triton's cache key hashed beside the load, not in the warm-up
     config = DwdpConfig(**spec.config)
     if config.elastic and spec.cuda_graphs:
         # a captured forward replays the copies of the plan it was captured with: after a re-plan it would
