@@ -78,6 +78,10 @@ def router_module(shape: BlockShape, rs: RouterShape, device):
     return mod
 
 
+#: calls per ``--profile`` table: per-kernel times averaged over a few blocks
+PROFILE_CALLS = 20
+
+
 def bench_one(name: str, tokens: int, args, device) -> dict:
     import torch
     import triton.testing
@@ -128,6 +132,13 @@ def bench_one(name: str, tokens: int, args, device) -> dict:
                    floor_ms=t_floor, tf_over_floor=t_tf / t_floor, fused_over_floor=t_fused / t_floor,
                    router_tf_ms=t_rtf, router_fused_ms=t_rfused, same_experts_pct=100.0 * same.float().mean().item(),
                    max_abs_diff=diff, max_abs_ref=want.float().abs().max().item())
+        if args.profile:
+            from bench.profiling import profile_table
+
+            for label, fn in (("fused block", fused_block), ("floor", floor)):
+                res = profile_table(lambda: [fn() for _ in range(PROFILE_CALLS)], device, rows=14)
+                print(f"--- {name} T={tokens} {label}: {PROFILE_CALLS} calls, device busy "
+                      f"{res.device_busy_s * 1e3 / PROFILE_CALLS:.3f} ms per call\n{res.table}", flush=True)
         if args.cuda_graphs:
             try:
                 g_tf, g_fused, g_floor = (bench(graphed(fn, device)) for fn in (tf_block, fused_block, floor))
@@ -164,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time every block captured in a CUDA graph (the server's default)")
+    p.add_argument("--profile", action="store_true",
+                   help="print the kernel table of the fused block and of the floor (torch.profiler)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     import torch
