@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import MutableMapping
 
 import importlib
+import logging
 import threading
 
 from .contract import TuningEnv
@@ -47,6 +48,8 @@ from .contract import TuningEnv
 TRITON_KEY_FUNCTIONS = (("triton.runtime.cache", "triton_key"), ("triton.compiler.compiler", "triton_key"))
 #: modules Triton's first compile imports (3.6: Gluon's front end, on the compile path of every kernel)
 TRITON_FIRST_COMPILE_IMPORTS = ("triton.experimental.gluon",)
+
+log = logging.getLogger(__name__)
 
 #: sub-directory → the library's own cache variable
 CACHES: dict[str, str] = {"triton": "TRITON_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR",
@@ -72,7 +75,10 @@ def count_files(path: str | os.PathLike) -> int:
 
 
 def apply(environ: MutableMapping[str, str] | None = None) -> CompileCache:
-    """Point the compile caches below ``DWDP_COMPILE_CACHE_DIR`` (module docstring); creates the directories."""
+    """Point the compile caches below ``DWDP_COMPILE_CACHE_DIR`` (module docstring); creates the directories.
+
+    A cache directory that cannot be created (a read-only or foreign-owned volume, a path through a file) is a
+    warning, never a failed start: that cache keeps its library default (the variable is left unset)."""
     env = os.environ if environ is None else environ
     raw = env.get(TuningEnv.COMPILE_CACHE_DIR.value, "")
     if not raw:
@@ -80,10 +86,18 @@ def apply(environ: MutableMapping[str, str] | None = None) -> CompileCache:
     root = pathlib.Path(raw).expanduser()
     dirs = {}
     for sub, var in CACHES.items():
-        if not env.get(var):
-            env[var] = str(root / sub)
-        pathlib.Path(env[var]).mkdir(parents=True, exist_ok=True)
-        dirs[var] = env[var]
+        ours = not env.get(var)
+        path = str(root / sub) if ours else env[var]
+        try:
+            pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("%s=%s: cannot create the %s cache directory %s (%s); that cache stays at its library "
+                        "default, so kernels may compile again at the next start", TuningEnv.COMPILE_CACHE_DIR.value,
+                        raw, sub, path, exc)
+            continue
+        if ours:
+            env[var] = path
+        dirs[var] = path
     return CompileCache(root, dirs)
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from dwdp_runtime.contract import KV_TCP_PORTS
 
 from .spec import DEGRADE_NEEDS_REPLICAS, GROUP, HGX_FIX, KIND, MAX_PORT, PLURAL, SERVING_BATCH_INVARIANT_GRAPHS, ELASTIC_GRAPHS
+from .spec import KERNEL_CACHE_ONE_SOURCE
 
 SINGULAR = KIND.lower()
 LIST_KIND = f"{KIND}List"
@@ -141,6 +142,10 @@ OBJECT_RULES = {
     # the host, which a CUDA-graph replay cannot do)
     "serving": (
         CelRule("!(self.batchInvariant && has(self.cudaGraphs) && self.cudaGraphs > 0)", SERVING_BATCH_INVARIANT_GRAPHS),
+    ),
+    # spec.kernelCache: ``spec.check_kernel_cache``'s one-volume rule (its template rules are operator-only)
+    "kernelCache": (
+        CelRule("has(self.claimName) != has(self.hostPath)", KERNEL_CACHE_ONE_SOURCE),
     ),
     "autoscaling": (
         CelRule("self.minGroups <= self.maxGroups", "autoscaling.minGroups must not be above autoscaling.maxGroups"),

@@ -15,8 +15,8 @@ Children of DwdpGroup ``<name>`` in namespace ``<ns>`` (DESIGN §5):
   5. per group g: pods ``<name>-g<g>-p<i>``, i < dwdpSize/gpusPerPod.
 Invariants:
   * every child carries one controller ownerReference to the DwdpGroup (garbage collection);
-  * the pod env is exactly docs/ENV_CONTRACT.md, then the user's template.env (DWDP_* refused by
-    validation) — tests compare the names with the contract table;
+  * the pod env is exactly docs/ENV_CONTRACT.md (+ DWDP_COMPILE_CACHE_DIR with spec.kernelCache), then the
+    user's template.env (DWDP_* refused by validation) — tests compare the names with the contract table;
   * a gang's pods are created gated (scheduling gate ``dwdp.io/gang``) and labelled
     ``dwdp.io/gang=pending``, and ``lift_gate_patch`` ungates them once every pod of the attempt
     exists; or, when the whole gang is created at once (``whole=True``, desired invariant 2a),
@@ -25,7 +25,8 @@ Invariants:
     storePort .. storePort + dwdpSize: ``DwdpGroupSpec.store_ports``) only from worker pods of the same DwdpGroup
     (same ``dwdp.io/name``), the HTTP port from anywhere, nothing else;
   * worker pods run as non-root (uid 10001) with a read-only root filesystem, no privilege
-    escalation and no capabilities; ``/tmp`` and the home directory (caches) are emptyDirs;
+    escalation and no capabilities; ``/tmp`` and the home directory (caches) are emptyDirs; with
+    ``spec.kernelCache`` the kernel compile caches are on its volume (``DWDP_COMPILE_CACHE_DIR``) instead;
   * the token is only ever referenced (``secretKeyRef``), never written into a pod spec;
   * ``template_hash`` covers every spec field that shapes a pod, and nothing else (numGroups,
     restartPolicy and rollout changes never roll pods).
@@ -38,11 +39,11 @@ import json
 from typing import Any
 
 from dwdp_runtime.contract import (KV_TCP_PORTS, LLMD_ROLE_PREFILL, POD_PLACEHOLDER, TOKEN_SECRET_KEY, Backend,
-                                   ElasticEnv, KvEnv, LayoutEnv, PortName)
+                                   ElasticEnv, KvEnv, LayoutEnv, PortName, TuningEnv)
 from dwdp_runtime.contract import PodEnvVar as E
 
 from . import labels as L
-from .spec import GROUP, KIND, VERSION, DwdpGroupSpec
+from .spec import GROUP, KERNEL_CACHE_PATH, KERNEL_CACHE_VOLUME, KIND, VERSION, DwdpGroupSpec
 
 CD_API_VERSION = "resource.nvidia.com/v1beta1"
 IP_API_VERSION = "inference.networking.k8s.io/v1"  # the Gateway API Inference Extension's InferencePool
@@ -86,11 +87,11 @@ def claim_template_name(name: str) -> str:
 
 
 def template_hash(spec: DwdpGroupSpec) -> str:
-    # kvTransfer and serving shape the pod env, but an absent section must not change existing groups' hash;
+    # kvTransfer, serving and kernelCache shape the pod, but an absent section must not change existing groups' hash;
     # inferencePool is not pod-shaping: adding or removing an InferencePool never restarts a group;
     # autoscaling only moves numGroups; failurePolicy and degrade only decide what a failure does (switching
     # them never restarts a group, and an operator upgrade that adds them keeps every group's hash)
-    unset = {k for k in ("kvTransfer", "serving") if getattr(spec, k) is None}
+    unset = {k for k in ("kvTransfer", "serving", "kernelCache") if getattr(spec, k) is None}
     shaping = spec.model_dump(mode="json", exclude={"numGroups", "restartPolicy", "rollout", "sizing",
                                                     "inferencePool", "autoscaling", "failurePolicy",
                                                     "degrade"} | unset)
@@ -179,6 +180,24 @@ def inference_pool(*, name: str, ns: str, uid: str, spec: DwdpGroupSpec) -> dict
                                            "failureMode": epp.failureMode}}}
 
 
+def _kernel_cache_volumes(spec: DwdpGroupSpec) -> list[dict]:
+    """spec.kernelCache's volume (none when absent: the caches stay in the pod's emptyDir home)."""
+    kc = spec.kernelCache
+    if kc is None:
+        return []
+    if kc.claimName is not None:
+        return [{"name": KERNEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": kc.claimName}}]
+    return [{"name": KERNEL_CACHE_VOLUME, "hostPath": {"path": kc.hostPath, "type": "DirectoryOrCreate"}}]
+
+
+def _kernel_cache_mounts(spec: DwdpGroupSpec) -> list[dict]:
+    return [{"name": KERNEL_CACHE_VOLUME, "mountPath": KERNEL_CACHE_PATH}] if spec.kernelCache else []
+
+
+def _kernel_cache_env(spec: DwdpGroupSpec) -> list[dict]:
+    return [{"name": str(TuningEnv.COMPILE_CACHE_DIR), "value": KERNEL_CACHE_PATH}] if spec.kernelCache else []
+
+
 def worker_env(*, name: str, ns: str, g: int, i: int, attempt: int, spec: DwdpGroupSpec) -> list[dict]:
     """The env of docs/ENV_CONTRACT.md, in the contract's order."""
     e, m = spec.experts, spec.model
@@ -240,14 +259,16 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
               L.LLMD_ROLE: LLMD_ROLE_PREFILL}
     container = {
         "name": "worker", "image": spec.image, "command": ["dwdp-worker", "pod"],
-        "env": worker_env(name=name, ns=ns, g=g, i=i, attempt=attempt, spec=spec) + list(spec.template.env),
+        "env": (worker_env(name=name, ns=ns, g=g, i=i, attempt=attempt, spec=spec) + _kernel_cache_env(spec)
+                + list(spec.template.env)),
         "ports": [{"name": PortName.HTTP, "containerPort": spec.httpPort},
                   {"name": PortName.STORE, "containerPort": spec.storePort}],
         "resources": _resources(spec),
         "startupProbe": _probe("/healthz", period=10, failures=STARTUP_FAILURE_THRESHOLD),
         "livenessProbe": _probe("/healthz", period=10, failures=3),
         "readinessProbe": _probe("/readyz", period=5, failures=2),
-        "volumeMounts": [{"name": v, "mountPath": path} for v, path in SCRATCH] + list(spec.template.volumeMounts),
+        "volumeMounts": ([{"name": v, "mountPath": path} for v, path in SCRATCH] + _kernel_cache_mounts(spec)
+                         + list(spec.template.volumeMounts)),
         # no extra capability: CUDA IPC, IMEX channels and pinned host memory need none
         "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
                             "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -257,7 +278,8 @@ def worker_pod(*, name: str, ns: str, uid: str, g: int, i: int, attempt: int, sp
         "hostname": pod_name(name, g, i), "subdomain": rank_service_name(name),
         "restartPolicy": "Never",  # a dead rank restarts its whole group (operator), never alone
         "containers": [container],
-        "volumes": [{"name": v, "emptyDir": {}} for v, _ in SCRATCH] + list(spec.template.volumes),
+        "volumes": ([{"name": v, "emptyDir": {}} for v, _ in SCRATCH] + _kernel_cache_volumes(spec)
+                    + list(spec.template.volumes)),
         "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
                             "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,  # workers never call the API server

@@ -31,7 +31,8 @@ from dwdp_runtime.config import sharding_errors
 from dwdp_runtime.serving_options import ServingOptions, camel, camel_field
 from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
                                    POD_ENV,
-                                   RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode, standby_store_port)
+                                   RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode, TuningEnv,
+                                   standby_store_port)
 
 GROUP = LABEL_PREFIX
 # docs/ENV_CONTRACT.md: the variables the operator sets on every worker pod (manifests.worker_env)
@@ -226,6 +227,30 @@ class Autoscaling(_Model):
                                    "groups' /v1/load and decisions")
 
 
+#: where a worker pod mounts spec.kernelCache's volume (DWDP_COMPILE_CACHE_DIR points there)
+KERNEL_CACHE_PATH = "/var/cache/dwdp/kernels"
+#: the pod volume of spec.kernelCache (a template volume may not take this name)
+KERNEL_CACHE_VOLUME = "dwdp-kernel-cache"
+
+
+KERNEL_CACHE_ONE_SOURCE = ("kernelCache: set exactly one of claimName (a PersistentVolumeClaim) or hostPath (a "
+                           "directory on each node)")
+
+
+class KernelCache(_Model):
+    """A volume that outlives the pod for the workers' kernel compile caches (``DWDP_COMPILE_CACHE_DIR``:
+    Triton, CuTe DSL, inductor — ``dwdp_runtime.compile_cache``). Worker pods never restart in place (a failed
+    pod is replaced), so without it every replacement pod — a group restart, a Degrade rejoin, a scale-up —
+    compiles its kernels again. Exactly one of claimName or hostPath (cross-field: ``check_kernel_cache``)."""
+
+    claimName: str | None = Field(default=None, min_length=1, description=(
+        "a PersistentVolumeClaim in the DwdpGroup's namespace, shared by every worker pod (ReadWriteMany when "
+        "the groups span nodes); the pods' fsGroup 10001 makes it writable"))
+    hostPath: str | None = Field(default=None, min_length=2, pattern=r"^/", description=(
+        "an absolute directory on each node (DirectoryOrCreate), writable by uid 10001: pods on one node share "
+        "it; a cache that cannot be written is skipped with a warning, never fatal"))
+
+
 class Template(_Model):
     env: list[dict[str, Any]] = Field(default_factory=list, description=(
         "extra container env (the pod contract's DWDP_* variables are set by the operator and refused here)"))
@@ -267,6 +292,10 @@ class DwdpGroupSpec(_Model):
         "the budget of failurePolicy Degrade (ignored under RestartGroup)"))
     rollout: Rollout = Field(default_factory=Rollout, description="how a template change replaces running groups")
     template: Template = Field(default_factory=Template, description="additions to every worker pod")
+    kernelCache: KernelCache | None = Field(default=None, description=(
+        "keep the workers' kernel compile caches on a volume that outlives the pod (mounted at "
+        f"{KERNEL_CACHE_PATH}, DWDP_COMPILE_CACHE_DIR set to it), so a replacement pod compiles nothing; "
+        "absent: each pod compiles into its own emptyDir home"))
     sizing: Sizing | None = Field(default=None, description=(
         "optional planner inputs; the operator refuses a group whose experts and pool slots cannot fit GPU "
         "memory and shows the predicted DWDP gain in status.sizing"))
@@ -416,6 +445,25 @@ def check_template_env(spec: DwdpGroupSpec) -> list[str]:
             out.append(f"spec.template.env[{i}]: every env entry needs a name")
         elif name in RESERVED_POD_ENV:
             out.append(f"spec.template.env[{i}]: {name} is set by the operator (docs/ENV_CONTRACT.md); remove it")
+    return out
+
+
+@register_check
+def check_kernel_cache(spec: DwdpGroupSpec) -> list[str]:
+    """spec.kernelCache names one volume, and the template does not take its name, path or variable."""
+    kc = spec.kernelCache
+    if kc is None:
+        return []
+    out = []
+    if (kc.claimName is None) == (kc.hostPath is None):
+        out.append(f"spec.{KERNEL_CACHE_ONE_SOURCE}")
+    if any(v.get("name") == KERNEL_CACHE_VOLUME for v in spec.template.volumes):
+        out.append(f"spec.template.volumes: the name {KERNEL_CACHE_VOLUME} is spec.kernelCache's; rename the volume")
+    if any(m.get("mountPath") == KERNEL_CACHE_PATH for m in spec.template.volumeMounts):
+        out.append(f"spec.template.volumeMounts: {KERNEL_CACHE_PATH} is spec.kernelCache's mount; use another path")
+    if any(e.get("name") == str(TuningEnv.COMPILE_CACHE_DIR) for e in spec.template.env):
+        out.append(f"spec.template.env: {TuningEnv.COMPILE_CACHE_DIR} is set from spec.kernelCache; remove one "
+                   f"of them")
     return out
 
 

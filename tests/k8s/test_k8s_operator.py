@@ -264,6 +264,9 @@ INVALID_SPECS = {
                                                "numPrefetchExperts": 128},
                           sizing={"model": "deepseek-r1", "hardware": "h100-hgx"}),
     "bad-sizing-dtype": _with(sizing={"model": "deepseek-r1", "weightDtype": "int3"}),
+    "kernel-cache-two-sources": _with(kernelCache={"claimName": "c", "hostPath": "/var/cache/k"}),
+    "kernel-cache-env-twice": _with(kernelCache={"claimName": "c"},
+                                    template={"env": [{"name": "DWDP_COMPILE_CACHE_DIR", "value": "/x"}]}),
 }
 
 
@@ -328,3 +331,18 @@ def test_kv_transfer_defaults_env_and_ucx_ports(cluster, ns):
     assert pod_ip.value is None and pod_ip.value_from.field_ref.field_path == "status.podIP"  # the downward API
     ports = [p.port for r in c.net.read_namespaced_network_policy("kv", ns).spec.ingress for p in r.ports]
     assert 30000 in ports
+
+
+def test_kernel_cache_volume_and_variable_on_every_pod(cluster, ns):
+    """spec.kernelCache: the API server takes the pods with the volume, mounted where DWDP_COMPILE_CACHE_DIR says."""
+    c = cluster
+    c.create_group(ns, group_body("kc", numGroups=1, kernelCache={"hostPath": "/var/cache/dwdp-kernels"}))
+    pods = wait_for(lambda: len(c.live_pods(ns)) == 4 and c.live_pods(ns), timeout=60, what="4 pods")
+    for pod in pods:
+        container = pod.spec.containers[0]
+        env = {e.name: e.value for e in container.env}
+        mount = next(m for m in container.volume_mounts if m.name == "dwdp-kernel-cache")
+        volume = next(v for v in pod.spec.volumes if v.name == "dwdp-kernel-cache")
+        assert env["DWDP_COMPILE_CACHE_DIR"] == mount.mount_path == "/var/cache/dwdp/kernels"
+        assert volume.host_path.path == "/var/cache/dwdp-kernels" and volume.host_path.type == "DirectoryOrCreate"
+

@@ -95,3 +95,14 @@ def test_the_background_prewarm_leaves_tritons_cache_key_computed_in_a_fresh_pro
             "assert 'triton.experimental.gluon' in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_warning_not_a_failed_start(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = {"DWDP_COMPILE_CACHE_DIR": str(blocker / "cache"), "CUTE_DSL_CACHE_DIR": str(tmp_path / "mine")}
+    with caplog.at_level("WARNING", logger="dwdp_runtime.compile_cache"):
+        cache = compile_cache.apply(env)
+    assert "TRITON_CACHE_DIR" not in env and "TORCHINDUCTOR_CACHE_DIR" not in env  # library defaults kept
+    assert cache.dirs == {"CUTE_DSL_CACHE_DIR": str(tmp_path / "mine")}
+    assert sum("cannot create the" in r.getMessage() for r in caplog.records) == 2
