@@ -43,14 +43,14 @@ class Reference:
                  batch_invariant: bool = False, fused_router: bool = False):
         import torch
 
-        from ..model import norm_dtype
+        from ..model.layers_impl import install_dtype_keeping_norms
         from ..model.synth_config import serving_auto_class
 
         config = load_config(model_dir)
         self.device = torch.device(device)
         self.model = serving_auto_class(config).from_pretrained(str(model_dir), dtype=resolve_dtype(config, dtype))
         self.model.to(self.device).eval()
-        norm_dtype.install(self.model)   # as the engine's meta model: float32-kept norms cast back (5.17)
+        install_dtype_keeping_norms(self.model)   # as the engine's meta model: float32-kept norms cast back (5.17)
         realign(self.model)
         # e.g. experts="dwdp": the unsharded model on the same experts kernels as the engine
         self.attachment = attach(self.model, device=self.device, experts=experts, batch_invariant=batch_invariant,

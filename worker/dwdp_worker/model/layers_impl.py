@@ -21,6 +21,17 @@ What is swapped, and how (the same in transformers 5.17 and 5.24):
     **bitwise equal** to the original (tests/gpu/test_layers_gpu.py). Only when the original's AST is
     the known one (``_CANONICAL_ROPE``); DeepSeek-V3's ``apply_rotary_pos_emb_interleave`` stays.
 
+  * **float32-kept RMSNorms** (a compatibility fix, on CPU too; ``install_dtype_keeping_norms``, called where a
+    model is built: ``meta_model.build_meta_model`` and ``launch.oracle.Reference``). A model may keep norms in
+    float32 inside a bf16 model (``_keep_in_fp32_modules(_strict)``; DeepSeek-V4 keeps every RMSNorm), and
+    transformers 5.17 writes their forward as the canonical one above, ``self.weight * hidden_states.to(
+    input_dtype)`` — float32 — which the next bf16 linear refuses (``expected mat1 and mat2 to have the same
+    dtype``): a bf16 DeepSeek-V4 does not run on 5.17 at all. 5.24 returns ``(self.weight * hidden_states).to(
+    input_dtype)``; that forward goes on every module the model's keep lists name, holding a float32 weight, whose
+    class forward is the canonical one. Nothing else changes: norms following the model's dtype keep their class
+    forward (the two spellings round differently there), releases that already cast back are left alone (the AST
+    differs), and with a float32 input both spellings are the same arithmetic.
+
 ``install(model)`` is called by ``attach.attach`` when it picks DWDP's kernels on CUDA — for the
 engine *and* the unsharded oracle (``Reference(experts="auto")``), so both run the same kernels and stay
 bitwise with each other. CPU models are never installed by the engine (the CPU path stays bitwise with
@@ -213,3 +224,55 @@ def uninstall(model: Any) -> None:
     uninstall_norms(model)
     for name in _rope_modules_of(model):
         uninstall_rope(name, id(model))
+
+
+#: the class attributes in which `transformers` names the modules it keeps in float32
+KEEP_FP32_ATTRS = ("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules")
+
+
+@functools.cache
+def _norm_returns_float32(cls: type) -> bool:
+    """``cls.forward`` is the canonical norm (which, with a float32 weight, returns float32 for a bf16 input)."""
+    return _same_code(cls.forward, _CANONICAL_NORM)
+
+
+def dtype_keeping_norm_forward(self, hidden_states):
+    """transformers 5.24's RMSNorm forward: the product in float32, one rounding to the input's dtype."""
+    import torch
+
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)
+
+
+def kept_fp32_names(model: Any) -> frozenset[str]:
+    """The module-name pieces the model's class keeps in float32 (empty for most models)."""
+    names: set[str] = set()
+    for attr in KEEP_FP32_ATTRS:
+        names.update(getattr(model, attr, None) or ())
+    return frozenset(names)
+
+
+def _is_kept(qualified: str, kept: frozenset[str]) -> bool:
+    """``transformers``' own rule for the keep lists: a listed piece matches whole dotted components."""
+    padded = f".{qualified}."
+    return any(f".{k}." in padded for k in kept)
+
+
+def install_dtype_keeping_norms(model: Any) -> int:
+    """Put ``dtype_keeping_norm_forward`` on the kept-float32 canonical norms of ``model``; returns how many."""
+    import torch
+
+    kept = kept_fp32_names(model)
+    if not kept:
+        return 0
+    n = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if name and _is_kept(name, kept) and hasattr(module, "variance_epsilon") and weight is not None \
+                and weight.dtype == torch.float32 and _norm_returns_float32(type(module)):
+            module.forward = types.MethodType(dtype_keeping_norm_forward, module)
+            n += 1
+    return n

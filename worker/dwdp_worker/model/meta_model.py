@@ -12,11 +12,11 @@ def build_meta_model(config, dtype):
     """The model on the meta device with the kernels ``from_pretrained`` would select."""
     import torch
 
-    from . import norm_dtype
+    from .layers_impl import install_dtype_keeping_norms
     from .synth_config import serving_auto_class
 
     with torch.device("meta"):
         model = serving_auto_class(config).from_config(config, dtype=dtype)
     model.eval()
-    norm_dtype.install(model)   # float32-kept norms cast back to the model's dtype (transformers 5.17)
+    install_dtype_keeping_norms(model)   # float32-kept norms cast back to the model's dtype (transformers 5.17)
     return model

@@ -1,4 +1,4 @@
-"""Float32-kept RMSNorms in a bf16 model (``model.norm_dtype``): transformers 5.17's canonical norm forward hands
+"""Float32-kept RMSNorms in a bf16 model (``model.layers_impl.install_dtype_keeping_norms``): transformers 5.17's canonical norm forward hands
 float32 to the next bf16 linear; the installed forward casts back, as later releases do."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from dwdp_worker.model import norm_dtype
+from dwdp_worker.model import layers_impl
 from dwdp_worker.model.meta_model import build_meta_model
 from dwdp_worker.model.synth_config import serving_auto_class, tiny_config
 
@@ -25,7 +25,7 @@ def _kept_norms_model():
     config = tiny_config("qwen3_moe")
     model = KeptNormsQwen3Moe(config).to(torch.bfloat16).eval()
     for name, module in model.named_modules():
-        if norm_dtype._is_kept(name, norm_dtype.kept_fp32_names(model)):
+        if layers_impl._is_kept(name, layers_impl.kept_fp32_names(model)):
             module.to(torch.float32)
             torch.nn.init.uniform_(module.weight, 0.5, 1.5)
     return model
@@ -35,7 +35,7 @@ def test_a_float32_kept_canonical_norm_breaks_a_bf16_forward_until_installed():
     model = _kept_norms_model()
     with pytest.raises(RuntimeError, match="dtype"):
         model(input_ids=IDS)
-    n = norm_dtype.install(model)
+    n = layers_impl.install_dtype_keeping_norms(model)
     layers = model.config.num_hidden_layers
     assert n == 2 * layers + 1
     logits = model(input_ids=IDS).logits
@@ -44,7 +44,7 @@ def test_a_float32_kept_canonical_norm_breaks_a_bf16_forward_until_installed():
 
 def test_the_installed_forward_is_the_later_release_math():
     model = _kept_norms_model()
-    norm_dtype.install(model)
+    layers_impl.install_dtype_keeping_norms(model)
     norm = model.model.norm
     x = torch.randn(4, model.config.hidden_size, dtype=torch.bfloat16)
     h = x.float()
@@ -59,7 +59,7 @@ def test_the_installed_forward_is_the_later_release_math():
 def test_norms_that_follow_the_model_dtype_keep_their_class_forward():
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(tiny_config("qwen3_moe")).to(torch.bfloat16)
-    assert norm_dtype.install(model) == 0
+    assert layers_impl.install_dtype_keeping_norms(model) == 0
     assert all("forward" not in vars(m) for m in model.modules())
 
 
@@ -69,10 +69,10 @@ def test_a_bf16_deepseek_v4_meta_model_and_oracle_build_run_on_this_transformers
     config = tiny_config("deepseek_v4")
     meta = build_meta_model(config, torch.bfloat16)
     kept = sum("forward" in vars(m) for m in meta.modules())
-    canonical = norm_dtype._forward_drops_back_to_float32(type(meta.model.norm))
+    canonical = layers_impl._norm_returns_float32(type(meta.model.norm))
     assert (kept > 0) == canonical
     torch.manual_seed(0)
     model = serving_auto_class(config).from_config(config, dtype=torch.bfloat16).eval()
-    norm_dtype.install(model)
+    layers_impl.install_dtype_keeping_norms(model)
     logits = model(input_ids=IDS).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
