@@ -54,22 +54,43 @@ def test_promotion_skips_a_dead_candidate_first_arrival_wins_and_the_search_find
                 s.close()
 
 
+#: probes of live standbys here are about trust, not speed: a loaded machine's slow connect must not skip one
+PATIENT_S = 10.0
+
+
 def test_a_store_a_stranger_filled_is_never_taken_and_no_answer_is_named():
+    """Entries of another token live under that token's names, sealed with its key: this group never finds or
+    adopts them — the failover promotes that standby for this group, at this group's generation, beside the
+    stranger's untouched entries. An entry under this group's names sealed with another key is refused, and the
+    standby holding it is skipped."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from dwdp_runtime.elastic.store_chain import ACTIVE_KEY, FORMED_KEY, RendezvousError, read_active
+
     base = free_port_block(3)
     keys = GroupKeys(job="c", group=0, attempt=0, token="t")
     stranger = GroupKeys(job="c", group=0, attempt=0, token="not-the-token")
     eps = [Endpoint("127.0.0.1", base + 1 + r, r) for r in range(2)]
     standbys = [StandbyStore(e.port) for e in eps]
     try:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
         client = TCPStore("127.0.0.1", eps[0].port, None, is_master=False, timeout=timedelta(seconds=5))
-        mark_formed(client, stranger, ActiveStore(7, 0))          # sealed with another token
-        assert find_active(eps, keys) is None                     # its entries fail the token check: skipped
-        won = promote_successor(eps, keys, generation=1)          # rank 0's standby is spoiled: rank 1's is taken
-        assert won.endpoint.rank == 1
+        mark_formed(client, stranger, ActiveStore(7, 0))          # a formed store of another token
+        assert find_active(eps, keys, timeout_s=PATIENT_S) is None                     # nothing of this group's anywhere
+        assert find_active(eps, stranger, timeout_s=PATIENT_S).active == ActiveStore(7, 0)
+        won = promote_successor(eps, keys, generation=1, timeout_s=PATIENT_S)          # rank 0's standby, for this group
+        assert (won.endpoint.rank, won.active) == (0, ActiveStore(1, 0))
+        assert find_active(eps, stranger, timeout_s=PATIENT_S).active == ActiveStore(7, 0)   # the stranger's entries untouched
+        # a forgery under this group's names (sealed with the stranger's key) on rank 1's standby
+        forger = TCPStore("127.0.0.1", eps[1].port, None, is_master=False, timeout=timedelta(seconds=5))
+        forger.set(keys.full(ACTIVE_KEY), stranger.mac(keys.full(ACTIVE_KEY), ActiveStore(9, 1).encode())
+                   + ActiveStore(9, 1).encode())
+        forger.set(keys.full(FORMED_KEY), stranger.mac(keys.full(FORMED_KEY), b"1") + b"1")
+        with pytest.raises(RendezvousError):
+            read_active(forger, keys, "rank 1's standby")
+        with pytest.raises(StoreUnreachable, match="no standby store answered for generation 2"):
+            promote_successor([eps[1]], keys, generation=2, timeout_s=PATIENT_S)        # never adopted: skipped, and named
     finally:
         for s in standbys:
             s.close()
