@@ -131,8 +131,10 @@ def test_load_scales_up_then_down_after_the_window(cluster, scaler, worker):
         wait_for(lambda: c.get_group(ns, "auto")["spec"]["numGroups"] >= 2, timeout=90, interval=0.5,
                  what="numGroups raised by the autoscaler under load")
         t_up = time.time() - t_load
-        st = _auto(c, ns)
-        assert st["reason"] in ("PanicScaleUp", "ScaleUp") and st["desiredGroups"] >= 2, st
+        # the pass scales first and writes its status after: the numGroups above can be seen before its decision
+        st = wait_for(lambda: (s := _auto(c, ns)).get("reason") in ("PanicScaleUp", "ScaleUp")
+                      and s.get("desiredGroups", 0) >= 2 and s, timeout=15, interval=0.2,
+                      what="status.autoscaling of the scale-up decision")
         assert st["signals"]["pods"] == 1 and st["signals"]["offeredLoad"] > 0 and st["loadErlangs"] > 0, st
         assert st["lastScaleTime"] and st["waitBudgetSeconds"] > 0
         up = wait_for(lambda: _events(c, ns, "AutoscaleUp"), timeout=30, what="an AutoscaleUp Event")
