@@ -33,14 +33,13 @@ anything missing (another Triton, no Triton) is skipped.
 
 from __future__ import annotations
 
-import os
-import pathlib
-from dataclasses import dataclass
-from typing import MutableMapping
-
 import importlib
 import logging
+import os
+import pathlib
 import threading
+from dataclasses import dataclass
+from typing import MutableMapping
 
 from .contract import TuningEnv
 

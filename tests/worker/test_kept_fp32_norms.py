@@ -69,7 +69,7 @@ def test_a_bf16_deepseek_v4_meta_model_and_oracle_build_run_on_this_transformers
     config = tiny_config("deepseek_v4")
     meta = build_meta_model(config, torch.bfloat16)
     kept = sum("forward" in vars(m) for m in meta.modules())
-    canonical = layers_impl._norm_returns_float32(type(meta.model.norm))
+    canonical = layers_impl._forward_is_canonical_norm(type(meta.model.norm))
     assert (kept > 0) == canonical
     torch.manual_seed(0)
     model = serving_auto_class(config).from_config(config, dtype=torch.bfloat16).eval()

@@ -128,10 +128,16 @@ def _module_function_is(mod: Any, name: str, canonical: str) -> bool:
 
 
 @functools.cache
+def _forward_is_canonical_norm(cls: type) -> bool:
+    """``cls.forward`` is the T5/Llama RMSNorm math (decided once per class: a model holds a few norms per layer,
+    all of the same class, and the check reads and parses the source). With a float32 weight and a bf16 input it
+    returns float32 (``install_dtype_keeping_norms``)."""
+    return _same_code(cls.forward, _CANONICAL_NORM)
+
+
 def norm_is_canonical(cls: type) -> bool:
-    """``cls`` is a known RMSNorm class whose forward is the T5/Llama math (decided once per class: a model
-    holds a few norms per layer, all of the same class, and the check reads and parses the source)."""
-    return cls.__name__ in NORM_CLASSES and _same_code(cls.forward, _CANONICAL_NORM)
+    """``cls`` is a known RMSNorm class whose forward is the T5/Llama math."""
+    return cls.__name__ in NORM_CLASSES and _forward_is_canonical_norm(cls)
 
 
 def fused_norm_forward(self, hidden_states):
@@ -230,12 +236,6 @@ def uninstall(model: Any) -> None:
 KEEP_FP32_ATTRS = ("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules")
 
 
-@functools.cache
-def _norm_returns_float32(cls: type) -> bool:
-    """``cls.forward`` is the canonical norm (which, with a float32 weight, returns float32 for a bf16 input)."""
-    return _same_code(cls.forward, _CANONICAL_NORM)
-
-
 def dtype_keeping_norm_forward(self, hidden_states):
     """transformers 5.24's RMSNorm forward: the product in float32, one rounding to the input's dtype."""
     import torch
@@ -272,7 +272,7 @@ def install_dtype_keeping_norms(model: Any) -> int:
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if name and _is_kept(name, kept) and hasattr(module, "variance_epsilon") and weight is not None \
-                and weight.dtype == torch.float32 and _norm_returns_float32(type(module)):
+                and weight.dtype == torch.float32 and _forward_is_canonical_norm(type(module)):
             module.forward = types.MethodType(dtype_keeping_norm_forward, module)
             n += 1
     return n
