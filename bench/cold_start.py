@@ -28,7 +28,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 from dwdp_runtime.contract import TuningEnv  # noqa: E402 - stdlib only, after the path set-up
+from dwdp_runtime.ports import free_port  # noqa: E402
 from dwdp_worker.rank.startup import STEP, StartupTimes  # noqa: E402
 
 POLL_S = 0.05
@@ -51,12 +51,6 @@ LOAD_LINE = re.compile(r"rank (\d+) \(group \d+, DWDP rank (\d+).*? load: (\w+):
 #: how much of the page-cache rate the checkpoint read must reach (issue #34)
 READ_GOAL = 0.8
 COMPILE_GOAL = 0.05
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_model(args) -> pathlib.Path:
@@ -93,7 +87,7 @@ def page_cache_rate(model_dir: pathlib.Path) -> tuple[float, int]:
 
 
 def one_start(args, model_dir: pathlib.Path, cache_dir: str, index: int) -> dict:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "dwdp_worker.launch.cli", "--local", "--model", str(model_dir), "--groups", "1",
            "--dwdp-size", str(args.dwdp_size), "--backend", args.backend, "--port", str(port), "--log-level", "info",
            *(["--cuda-graphs", str(args.cuda_graphs)] if args.cuda_graphs else []),

@@ -32,7 +32,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,11 @@ import time
 import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dwdp_runtime.ports import free_port  # noqa: E402 - stdlib only, after the path set-up
+
 #: how often the front's metrics are polled for the membership epoch (the time resolution of "epoch seen")
 POLL_S = 0.05
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
@@ -50,12 +54,6 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 def _metric(text: str, name: str) -> float | None:
     m = re.search(name + r'\{group="0"\} (\S+)', text)
     return float(m.group(1)) if m else None
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:
@@ -79,7 +77,7 @@ def main(argv=None) -> int:
         from dwdp_worker.checkpoint.synth import write_synthetic
 
         model = str(write_synthetic("qwen3_moe", pathlib.Path(tmp.name) / "q", seed=7, num_experts=8))
-    port = _port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "worker"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     log = open(pathlib.Path(tmp.name) / "server.log", "w")
     srv = subprocess.Popen([sys.executable, "-m", "dwdp_worker.launch.cli", "--local", "--model", model,

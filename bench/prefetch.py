@@ -28,7 +28,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import traceback
@@ -36,6 +35,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from dwdp_runtime.ports import free_port  # noqa: E402 - stdlib only, after the path set-up
 
 VARIANTS = [("copy_engine", False), ("copy_engine", True), ("batched", False), ("batched", True),
             ("sm_gather", False), ("sm_gather", True)]
@@ -414,9 +415,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     import torch
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)]

@@ -37,7 +37,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import pathlib
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 from dwdp_runtime.contract import DEFAULT_TRANSFER, TRANSFER_MODES  # noqa: E402 - stdlib only, after the path set-up
+from dwdp_runtime.ports import free_port  # noqa: E402
 
 #: ``--layers`` choices: which fused non-expert layers (worker/dwdp_worker/model/layers_impl.py) stay installed
 LAYER_CHOICES = ("all", "norms", "none")
@@ -111,12 +111,6 @@ def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     return build_parser().parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_model(args) -> pathlib.Path:
@@ -273,7 +267,7 @@ def spawn_ranks(target, world: int, *target_args) -> dict | None:
     would otherwise wait for the failed one at their last barrier until its timeout."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, *target_args, port, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()

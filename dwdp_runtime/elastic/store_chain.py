@@ -11,7 +11,8 @@ How:
      promoted, and ``formed`` once the group exists;
   3. failover (``promote_successor``): the survivors try the members of their last membership but the lost host,
      ascending — the same order on every survivor — and promote the first standby that answers by compare-and-set
-     of ``active``: the first survivor to arrive promotes it, the others find it promoted and use it too;
+     of ``active``: the first survivor to arrive promotes it, the others find it promoted and use it too; when none
+     answered, the ones that listen but were slow are tried once more with a longer limit (a loaded node);
   4. a starting rank of an elastic group asks every endpoint for ``active`` (``find_active``) and takes the highest
      generation of a formed group: a replacement joins the running group there instead of forming a new one (rank
      0's replacement would otherwise host an empty primary store and wait for a formation that never comes).
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +46,11 @@ T = TypeVar("T")
 #: and well under a second across a rack; a frozen one never does, and the next candidate must be tried before the
 #: issue's 5 s bound for serving again is spent
 PROBE_TIMEOUT_S = 1.0
+#: the second, patient pass of a failover over the candidates that did not answer within ``PROBE_TIMEOUT_S`` (not
+#: those that refused the connection, failed the token check or were promoted before): a live standby on a loaded
+#: node can take longer to accept — over 1.5 s measured on a 2-core CI machine running a dozen ranks — and a failover
+#: that gives up loses the whole group (minutes of reload) where a few more seconds keep it serving
+PATIENT_PROBE_TIMEOUT_S = 4.0
 #: the raw TCP connect that tells "nothing listens" (refused at once) from "something listens" before the TCPStore
 #: client, whose own connect retries a refused port until its timeout
 TCP_CONNECT_TIMEOUT_S = 0.5
@@ -55,6 +60,10 @@ FORMED_KEY = "store/formed"
 
 class StoreUnreachable(RendezvousError):
     """No endpoint of the chain answered in time."""
+
+
+class StoreSlow(StoreUnreachable):
+    """Something listens at the endpoint but did not answer in time (frozen, or slow: a patient retry may reach it)."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +158,8 @@ def connect(endpoint: Endpoint, *, timeout_s: float = PROBE_TIMEOUT_S):
         return bounded(lambda: TCPStore(endpoint.host, endpoint.port, None, is_master=False,
                                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False),
                        timeout_s + TCP_CONNECT_TIMEOUT_S, endpoint.describe())
-    except (TimeoutError, RuntimeError) as exc:
-        raise StoreUnreachable(f"{endpoint.describe()}: {exc}") from exc
+    except (TimeoutError, RuntimeError) as exc:   # it listens: frozen, reset, or slower than timeout_s
+        raise StoreSlow(f"{endpoint.describe()}: {exc}") from exc
 
 
 def read_sealed(store, keys: GroupKeys, key: str, where: str) -> bytes | None:
@@ -206,24 +215,46 @@ def find_active(endpoints: Sequence[Endpoint], keys: GroupKeys, *, timeout_s: fl
 
 
 def promote_successor(candidates: Sequence[Endpoint], keys: GroupKeys, *, generation: int,
-                      timeout_s: float = PROBE_TIMEOUT_S) -> Found:
+                      timeout_s: float = PROBE_TIMEOUT_S, patient_s: float = PATIENT_PROBE_TIMEOUT_S) -> Found:
     """The failover: the first candidate whose standby answers becomes the store of ``generation`` (or already is,
-    promoted by a faster survivor; or is newer still, promoted by a later failover this rank missed). Raises
-    ``StoreUnreachable`` naming every candidate tried."""
-    tried = []
+    promoted by a faster survivor; or is newer still, promoted by a later failover this rank missed). Candidates
+    that listen but did not answer within ``timeout_s`` are tried once more, in the same order, within
+    ``patient_s`` (``PATIENT_PROBE_TIMEOUT_S``), when no candidate answered at all. Raises ``StoreUnreachable``
+    naming every candidate tried."""
+    tried: list[str] = []
+    slow: list[Endpoint] = []
     for ep in candidates:
-        try:
-            store = connect(ep, timeout_s=timeout_s)
-            won = bounded(lambda: mark_formed(store, keys, ActiveStore(generation, ep.rank)), timeout_s,
-                          ep.describe())
-        except (StoreUnreachable, TimeoutError, RendezvousError) as exc:
-            tried.append(f"{ep.describe()}: {exc}")
-            continue
-        if won.generation < generation:
-            tried.append(f"{ep.describe()}: already the store of the older generation {won.generation}")
-            continue
-        return Found(store, ep, won)
+        found = _promote(ep, keys, generation, timeout_s, tried, slow)
+        if found is not None:
+            return found
+    for ep in slow if patient_s > timeout_s else ():
+        log.warning("no standby store answered within %g s for generation %d: trying %s again within %g s",
+                    timeout_s, generation, ep.describe(), patient_s)
+        found = _promote(ep, keys, generation, patient_s, tried, None)
+        if found is not None:
+            return found
     raise StoreUnreachable(f"no standby store answered for generation {generation}: " + "; ".join(tried or ["none"]))
+
+
+def _promote(ep: Endpoint, keys: GroupKeys, generation: int, timeout_s: float, tried: list[str],
+             slow: list[Endpoint] | None) -> Found | None:
+    """One candidate of ``promote_successor``: its ``Found``, or None with why in ``tried`` (and the endpoint in
+    ``slow`` when it listens but did not answer in time)."""
+    try:
+        store = connect(ep, timeout_s=timeout_s)
+        won = bounded(lambda: mark_formed(store, keys, ActiveStore(generation, ep.rank)), timeout_s, ep.describe())
+    except (StoreSlow, TimeoutError) as exc:
+        tried.append(f"{ep.describe()}: {exc}")
+        if slow is not None:
+            slow.append(ep)
+        return None
+    except (StoreUnreachable, RendezvousError) as exc:
+        tried.append(f"{ep.describe()}: {exc}")
+        return None
+    if won.generation < generation:
+        tried.append(f"{ep.describe()}: already the store of the older generation {won.generation}")
+        return None
+    return Found(store, ep, won)
 
 
 class StandbyStore:
@@ -244,25 +275,3 @@ class StandbyStore:
 
     def close(self) -> None:
         self._server = None
-
-
-def free_port_block(count: int, *, host: str = "127.0.0.1", tries: int = 64) -> int:
-    """A base port p with ``p … p+count-1`` all free on ``host`` now: a local elastic group's store port and its
-    ranks' standby ports (``contract.standby_store_port``). Raises ``RendezvousError`` after ``tries`` draws."""
-    import random
-
-    for _ in range(tries):
-        base = random.randint(20000, 60000 - count)
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RendezvousError(f"no block of {count} free ports found on {host} in {tries} draws")

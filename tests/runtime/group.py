@@ -3,6 +3,10 @@
 Each rank runs ``fn(rank, world_size, port, **kw)`` in a fresh ``spawn`` process; its return
 value (picklable) or its exception text comes back through a queue. A rank may be told to die.
 
+A program that runs many jobs in turn (one store per job) may ask for ``step_barrier``: it then gets ``step``, a
+barrier of all started ranks, and waits on it before each job, so that one rank failing a job early cannot leave
+the ranks a job apart (each later job then times out on one side while the other is still in the previous one).
+
 The ranks import torch and the runtime, then meet at a start barrier before ``fn``: spawned interpreters
 importing torch side by side on a loaded 2-core machine finish seconds apart, and a rendezvous timeout of a
 few seconds (the timeout tests' own) would then name a slow *importer* as the missing rank.
@@ -11,14 +15,15 @@ few seconds (the timeout tests' own) would then name a slow *importer* as the mi
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 
+from dwdp_runtime.ports import free_port, free_ports  # noqa: F401 - free_port: the tests' local ports
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def job_ports(jobs) -> dict:
+    """One distinct free port per job (``dwdp_runtime.ports.free_ports``): job → port."""
+    jobs = list(jobs)
+    return dict(zip(jobs, free_ports(len(jobs))))
 
 
 #: how long the ranks wait for each other at the start barrier (imports only; never the test's subject)
@@ -37,16 +42,20 @@ def _entry(fn, rank, world, port, kw, q, start):
         q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def run_group(fn, world: int, *, harness_timeout_s: float = 120.0, ranks=None, **kw) -> dict[int, tuple[str, object]]:
+def run_group(fn, world: int, *, harness_timeout_s: float = 120.0, ranks=None, step_barrier: bool = False,
+              **kw) -> dict[int, tuple[str, object]]:
     """Start ranks (all by default), wait for them, return {rank: (status, value)}.
 
-    A rank that exits without reporting (killed) shows as ``("died", exitcode)``.
+    A rank that exits without reporting (killed) shows as ``("died", exitcode)``; one still running at
+    ``harness_timeout_s`` as ``("timeout", None)``. ``step_barrier``: ``fn`` gets ``step`` (module docstring).
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = kw.pop("port", None) or free_port()
     started = list(range(world) if ranks is None else ranks)
     start = ctx.Barrier(len(started))
+    if step_barrier:
+        kw["step"] = ctx.Barrier(len(started))
     procs = {r: ctx.Process(target=_entry, args=(fn, r, world, port, kw, q, start), daemon=True) for r in started}
     for p in procs.values():
         p.start()

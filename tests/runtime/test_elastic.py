@@ -20,7 +20,7 @@ import traceback
 import pytest
 
 from tests.runtime.elastic_program import elastic_rank, expected_digests
-from dwdp_runtime.elastic.store_chain import free_port_block
+from dwdp_runtime.ports import free_port_block
 
 #: the monitor's knobs in this test: detection within DEAD_AFTER_S + 2 × INTERVAL_S = 3 s (issue bound: ≤ 5 s)
 INTERVAL_S = 0.5

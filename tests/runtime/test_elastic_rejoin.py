@@ -22,7 +22,7 @@ import signal
 import time
 import traceback
 
-from dwdp_runtime.elastic.store_chain import free_port_block
+from dwdp_runtime.ports import free_port_block
 from tests.runtime.elastic_program import elastic_rank, expected_digests
 
 INTERVAL_S = 0.5

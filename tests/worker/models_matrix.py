@@ -12,7 +12,7 @@ import enum
 import pathlib
 from dataclasses import dataclass
 
-from tests.runtime.group import free_port, run_group
+from tests.runtime.group import job_ports, run_group
 from tests.worker.oracle_group import one_torch_thread
 from tests.worker.programs import matrix_program
 
@@ -23,6 +23,9 @@ SHARDING = {2: (5, 3), 3: (3, 3)}
 #: the model types the issue names: each must serve wherever transformers builds it tiny
 NAMED = ("deepseek_v4", "deepseek_v32", "qwen3_5_moe", "qwen3_next", "glm4_moe", "glm5_next", "gpt_oss",
          "mistral_large4", "minimax_m2", "kimi_linear", "ernie4_5_moe", "hunyuan_v1_moe")
+#: one d's group over every model type: ~20 s here (2 cores); two of them, the checkpoints and the references stay
+#: inside pytest's 300 s, so a stuck rank fails rows that name it instead of the whole fixture
+GROUP_TIMEOUT_S = 120.0
 #: markers around the generated table in docs/MODELS.md
 BEGIN, END = "<!-- models-matrix:begin -->", "<!-- models-matrix:end -->"
 
@@ -110,8 +113,8 @@ def build_matrix(base: pathlib.Path, model_types) -> list[Row]:
         runs = [(f"{t}-d{d}", path, k, s) for t, (path, _, _) in candidates.items()]
         if not runs:
             continue
-        res = run_group(matrix_program, d, runs=runs, batches=BATCHES, ports={r[0]: free_port() for r in runs},
-                        harness_timeout_s=120 + 15 * len(runs))
+        res = run_group(matrix_program, d, runs=runs, batches=BATCHES, ports=job_ports(r[0] for r in runs),
+                        step_barrier=True, harness_timeout_s=GROUP_TIMEOUT_S)
         results[d] = res
     from dwdp_runtime.layout import peer_ranges
 

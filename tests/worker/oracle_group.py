@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 
-from tests.runtime.group import free_port, run_group
+from tests.runtime.group import job_ports, run_group
 from tests.worker.programs import oracle_program
 
 
 def run_oracle_group(world: int, runs, batches, *, harness_timeout_s: float = 240.0, **kw) -> dict[int, dict]:
     """Serve each ``(job, model_dir, k, s, dtype)`` of ``runs`` on a ``world``-rank group (one store port per
     job), forward ``batches`` through it, assert that every rank finished, and return ``rank → {job: result}``."""
-    res = run_group(oracle_program, world, runs=runs, batches=batches, ports={r[0]: free_port() for r in runs},
+    res = run_group(oracle_program, world, runs=runs, batches=batches, ports=job_ports(r[0] for r in runs),
                     harness_timeout_s=harness_timeout_s, **kw)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad

@@ -166,9 +166,21 @@ def engine_api_program(rank, world, port, *, model_dir):
     return out
 
 
-def matrix_program(rank, world, port, *, runs, batches, ports, rendezvous_timeout_s=30.0):
+#: how long a matrix rank waits for its peers between runs: past one run's rendezvous timeout (30 s), so a run that
+#: failed on one rank and timed out on the other still meets at the next step
+MATRIX_STEP_S = 90.0
+
+
+def matrix_program(rank, world, port, *, runs, batches, ports, step, rendezvous_timeout_s=30.0,
+                   step_timeout_s=MATRIX_STEP_S):
     """``oracle_program`` for the support matrix: many model types in one process set, one failure per run
-    recorded (``{"error": text}``) instead of ending the rank, so one architecture cannot hide the others."""
+    recorded (``{"error": text}``) instead of ending the rank, so one architecture cannot hide the others.
+
+    Every rank waits on ``step`` (``run_group(step_barrier=True)``) before each run: a run that fails early on one
+    rank must not leave the ranks a run apart. A rank that does not come within ``step_timeout_s`` ends the
+    program: that run and every later one are recorded as not started, naming the run a peer did not finish."""
+    import threading
+
     import torch
 
     torch.set_num_threads(1)
@@ -176,7 +188,15 @@ def matrix_program(rank, world, port, *, runs, batches, ports, rendezvous_timeou
     from dwdp_worker.rank.engine import Engine, num_experts_of
 
     out = {}
-    for job, model_dir, k, s in runs:
+    for i, (job, model_dir, k, s) in enumerate(runs):
+        try:
+            step.wait(step_timeout_s)
+        except threading.BrokenBarrierError:
+            previous = runs[i - 1][0] if i else "the start"
+            for later, *_ in runs[i:]:
+                out[later] = {"error": f"not started: a peer rank did not finish {previous} within "
+                                       f"{step_timeout_s:g} s of rank {rank}"}
+            return out
         try:
             cfg = DwdpConfig(dwdp_size=world, num_experts=num_experts_of(model_dir), num_experts_per_worker=k,
                              num_prefetch_experts=s)

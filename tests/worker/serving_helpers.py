@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,9 +23,10 @@ for _p in (ROOT / "worker", ROOT):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local port free now, outside the kernel's ephemeral ports (``dwdp_runtime.ports``)."""
+    from dwdp_runtime.ports import free_port as draw
+
+    return draw()
 
 
 def child_env(extra: dict | None = None) -> dict:

@@ -9,7 +9,7 @@ import pytest
 
 from dwdp_worker.kv.nixl_api import nixl_installed
 
-from ..runtime.group import free_port, run_group
+from ..runtime.group import job_ports, run_group
 from .kv_programs import decode_program, prefill_program
 
 # the kv extra installs nixl-cu13, whose module is nixl_cu13 (only the `nixl` meta package provides `nixl`)
@@ -34,7 +34,7 @@ def test_round_trip_every_arch(world, checkpoints, tmp_path):
                                                              result=str(result)))
     decoder.start()
     try:
-        res = run_group(prefill_program, world, runs=runs, store_ports={job: free_port() for job, _ in runs},
+        res = run_group(prefill_program, world, runs=runs, store_ports=job_ports(job for job, _ in runs),
                         prompts=PROMPTS, exchange=str(exchange), new_tokens=NEW_TOKENS, harness_timeout_s=240)
     finally:
         decoder.join(timeout=60)

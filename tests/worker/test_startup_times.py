@@ -50,7 +50,7 @@ def test_an_engine_build_reports_its_phases(tmp_path):
     from dwdp_runtime.config import DwdpConfig
     from dwdp_runtime.rendezvous import StoreRendezvous
     from dwdp_worker.checkpoint.synth import write_synthetic
-    from dwdp_worker.launch.group import free_port
+    from dwdp_runtime.ports import free_port
     from dwdp_worker.rank.engine import Engine
 
     ckpt = write_synthetic("qwen3_moe", tmp_path / "m", seed=0, num_experts=4, num_layers=2, hidden_size=64,

@@ -70,7 +70,7 @@ def _say(msg: str) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     import httpx
 
-    from .group import free_port
+    from dwdp_runtime.ports import free_port
     from ..checkpoint.synth import write_synthetic
     from ..front.text import encode, load_tokenizer
 

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import dataclasses
 import pathlib
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -44,12 +43,6 @@ class FrontPlan:
     banner: str = ""
     kv: KvSettings = KvSettings()     # KV handoff of every rank (flags, or the pod's contract.KvEnv)
     kv_advertise_host: str | None = None  # remote_host of KV responses (kv.address; None with KV off)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def cuda_count() -> int:

@@ -22,12 +22,12 @@ import pathlib
 import secrets
 
 from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
-from dwdp_runtime.elastic.store_chain import free_port_block
+from dwdp_runtime import ports
 from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, Backend, ModelDtype, Transfer
 
 from ..rank import timeouts
 from ..kv.options import advertise_host_for, settings_from_args
-from .group import (FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, free_port, run_front,
+from .group import (FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, run_front,
                      synthetic_checkpoint)
 from ..rank.prefill_graphs import ELASTIC_GRAPHS_REASON, rank_cuda_graphs
 from ..rank.protocol import RankSpec
@@ -94,10 +94,14 @@ def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_pe
     check_batch_invariant(batch_invariant, gpus, cuda_graphs)
     n = groups * dwdp_size
     threads = threads_per_rank or (1 if gpus else max(1, (os.cpu_count() or 1) // n))
+    # one store port per group, no two groups' apart (ports.free_port_blocks); an elastic group also needs every
+    # rank's standby store port next to its store's (one host: a block of D + 1)
+    try:
+        store_ports = ports.free_port_blocks(groups, dwdp_size + 1 if config.elastic else 1)
+    except ports.NoFreePorts as exc:
+        raise ValueError(f"{exc}: free some local ports or run fewer groups") from None
     specs = []
-    for g in range(groups):
-        # an elastic group also needs every rank's standby store port next to its store's (one host: distinct)
-        port = free_port_block(dwdp_size + 1) if config.elastic else free_port()
+    for g, port in enumerate(store_ports):
         token = secrets.token_hex(16)
         for r in range(dwdp_size):
             gid = g * dwdp_size + r
