@@ -10,7 +10,8 @@ up to ``RESTART_DELAY_CAP_S`` (``restart_delay``), at most ``MAX_RESTARTS`` time
 pod restart without the CrashLoopBackOff delay. The delays add up to ~2 minutes of tolerated outage: a
 fixed 1 s × 5 gave up after ~5 s, shorter than the 404 window of a restarted API server on a loaded
 2-core machine. That restart needs ``kopf.run`` to return: ``kopf_fixes`` mends the kopf defect that
-could hang its stop.
+could hang its stop. Every start of kopf waits until discovery lists DwdpGroups (``served``): a kopf started
+while a restarted server's discovery still lags would watch nothing, silently.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         import kopf
 
         from . import handlers  # noqa: F401 — registers the kopf handlers
+        from .handlers import kube_client
         from .reconciler import Settings
         from .refusals import describe
+        from .served import wait_until_served
     except ImportError as e:
         print(f"dwdp-operator: missing dependency ({e}); install with: pip install 'dwdp-k8s[operator]'",
               file=sys.stderr)
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     restarts: list[float] = []
     while True:
         try:
+            # kopf discovers DwdpGroups once per start: never start it blind (served.py says why)
+            wait_until_served(kube_client())
             kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
                      liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings))
         except KeyboardInterrupt:

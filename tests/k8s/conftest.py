@@ -77,6 +77,50 @@ def wait_for(fn, *, timeout: float = 30.0, interval: float = 0.1, what: str = "c
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
+def group_seen(c: "Cluster", ns: str, name: str) -> str:
+    """One line of what a DwdpGroup and its pods look like now: the status's counts, then each live pod's
+    phase, node and readiness (a wait that times out says this instead of "None")."""
+    st = c.get_group(ns, name).get("status") or {}
+    pods = c.live_pods(ns, f"dwdp.io/name={name}")
+
+    def pod_line(p) -> str:
+        conds = {x.type: x for x in (p.status.conditions or [])}
+        line = f"{p.metadata.name}:{p.status.phase}@{p.spec.node_name or '-'}"
+        if conds.get("Ready") is not None and conds["Ready"].status == "True":
+            line += "+ready"
+        if p.spec.scheduling_gates:
+            line += "+gated"
+        unscheduled = conds.get("PodScheduled")
+        if unscheduled is not None and unscheduled.status == "False":
+            line += f" ({unscheduled.reason}: {(unscheduled.message or '')[:120]})"
+        return line
+    return (f"readyGroups={st.get('readyGroups')} groups={len(st.get('groups') or [])} pods={len(pods)} "
+            f"{sorted(pod_line(p) for p in pods)}")
+
+
+def operator_said(op: "Operator") -> str:
+    """Whether the operator process is alive, and its log's last lines (timestamped ones only)."""
+    state = "running" if op.proc is not None and op.proc.poll() is None else f"exited {op.proc.returncode}"
+    tail = "\n".join(line for line in op.log().splitlines()[-400:] if line[:4].isdigit())[-4000:]
+    return f"operator {state}; its log's last lines:\n{tail}"
+
+
+def wait_seen(c: "Cluster", ns: str, name: str, check, *, timeout: float, what: str,
+              operator: "Operator | None" = None):
+    """``wait_for(check)``; on a timeout the error also says what the group last looked like (``group_seen``)
+    and what the operator was doing (``operator_said``)."""
+    try:
+        return wait_for(check, timeout=timeout, what=what)
+    except AssertionError as e:
+        try:
+            seen = group_seen(c, ns, name)
+        except Exception as read_error:  # noqa: BLE001 — the server may be away: say so, keep the timeout
+            seen = f"(unreadable: {read_error})"
+        unbound = "Pending@-" in seen  # a pod the scheduler has not placed: its log says why
+        sched = f"\nkube-scheduler's last lines:\n{c.component_log('scheduler', 15)}" if unbound else ""
+        raise AssertionError(f"{e}\nlast seen: {seen}\n{operator_said(operator or c.operator)}{sched}") from None
+
+
 class Operator:
     """The real ``dwdp-operator`` console script as a subprocess."""
 
@@ -133,6 +177,13 @@ class Cluster:
                    HELM_CONFIG_HOME=str(self.tmp / "helm-config"), HELM_DATA_HOME=str(self.tmp / "helm-data"))
         return subprocess.run([str(BIN / "helm"), *args], capture_output=True, text=True, check=check,
                               timeout=120, env=env)
+
+    def component_log(self, name: str, lines: int) -> str:
+        """The last ``lines`` lines of a control-plane component's log (``scripts/test-cluster``'s ``start``)."""
+        try:
+            return "\n".join((self.tmp / "state" / "run" / f"{name}.log").read_text().splitlines()[-lines:])
+        except OSError as e:
+            return f"(unreadable: {e})"
 
     def restart_apiserver(self) -> float:
         """SIGKILL kube-apiserver and start it again on the same etcd data; seconds it was away."""
@@ -230,7 +281,32 @@ def ns(cluster):
     name = f"{NS_PREFIX}{uuid.uuid4().hex[:6]}"
     cluster.core.create_namespace({"metadata": {"name": name}})
     yield name
+    release_namespace(cluster, name)
+
+
+#: how long a test's teardown waits for its namespace's pods to be gone (force-deleted: normally at once)
+RELEASE_WAIT_S = 15.0
+
+
+def release_namespace(cluster: "Cluster", name: str) -> None:
+    """Delete a test's namespace and its pods now, so the next test starts on free GPUs.
+
+    Why: the namespace controller removes a deleted namespace's pods seconds later, and until then they hold
+    their nodes' GPUs. A next test's groups then competed with them: seen locally and on CI (2026-12-07), a
+    group's first pod bound in a clique whose other nodes were full of the previous test's pods, a placement
+    dead end the operator resolves only after ``restartPolicy.unschedulableSeconds`` (300 s). The namespace
+    is deleted first (it refuses new content from then on: the operator cannot recreate a pod there), then its
+    pods are force-deleted (grace 0, as the test kubelet confirms deletions anyway)."""
     try:
         cluster.core.delete_namespace(name)
-    except Exception:  # noqa: BLE001
-        pass
+        cluster.core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
+    except Exception:  # noqa: BLE001 — best effort: the namespace controller removes them anyway
+        return
+    deadline = time.time() + RELEASE_WAIT_S
+    while time.time() < deadline:
+        try:
+            if not cluster.core.list_namespaced_pod(name).items:
+                return
+        except Exception:  # noqa: BLE001
+            return
+        time.sleep(0.1)

@@ -21,7 +21,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from ..worker.serving_helpers import Server
-from .conftest import Operator, group_body, wait_for
+from .conftest import Operator, group_body, release_namespace, wait_for
 
 AUTO = {"minGroups": 1, "maxGroups": 3, "targetTTFTSeconds": 0.3, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 10, "panicHoldSeconds": 10, "intervalSeconds": 1, "maxStep": 2}
@@ -93,10 +93,7 @@ def scaler(cluster, tmp_path):
     finally:
         op.stop()
         router.close()
-        try:
-            c.core.delete_namespace(ns)
-        except ApiException:
-            pass
+        release_namespace(c, ns)
 
 
 def _auto(c, ns, name="auto") -> dict:

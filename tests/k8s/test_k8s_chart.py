@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .conftest import ROOT, Operator, group_body, wait_for
+from .conftest import Operator, ROOT, group_body, release_namespace, wait_for
 
 CHART = str(ROOT / "charts/dwdp-operator")
 
@@ -221,4 +221,4 @@ def test_literal_namespace_reconciles_at_once_with_namespaced_roles_and_no_403(c
         print(f"literal namespace: first reconcile {started:.1f}s after start, {n} audited requests, no 403")
     finally:
         c.helm("uninstall", rel, "-n", ns, check=False)
-        c.core.delete_namespace(ns)
+        release_namespace(c, ns)

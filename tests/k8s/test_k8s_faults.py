@@ -20,21 +20,23 @@ from pathlib import Path
 import pytest
 from kubernetes.client.rest import ApiException
 
-from .conftest import Operator, group_body, wait_for
+from .conftest import Operator, group_body, wait_for, wait_seen
 
 PER = 4  # pods per group in group_body (dwdpSize 4, gpusPerPod 1)
 FAULTS_DIR = Path(__file__).parent / "faultinject"
 
 
-def converged(c, ns: str, name: str, n: int, *, timeout: float = 60.0, attempts: list[int] | None = None) -> dict:
-    """Wait until DwdpGroup ``name`` is whole (see module docstring), then return its status."""
+def converged(c, ns: str, name: str, n: int, *, timeout: float = 60.0, attempts: list[int] | None = None,
+              operator: Operator | None = None) -> dict:
+    """Wait until DwdpGroup ``name`` is whole (see module docstring), then return its status; on a timeout,
+    say what was last seen and end with the log of ``operator`` (default: the cluster's)."""
     def check():
         st = c.get_group(ns, name).get("status") or {}
         pods = c.live_pods(ns, f"dwdp.io/name={name}")
         if st.get("readyGroups") != n or len(st.get("groups") or []) != n or len(pods) != n * PER:
             return None
         return st
-    st = wait_for(check, timeout=timeout, what=f"{name}: {n} whole ready groups")
+    st = wait_seen(c, ns, name, check, timeout=timeout, what=f"{name}: {n} whole ready groups", operator=operator)
     uid = c.get_group(ns, name)["metadata"]["uid"]
     pods = c.pods(ns, f"dwdp.io/name={name}")
     names = sorted(p.metadata.name for p in pods)
@@ -73,7 +75,10 @@ def test_pod_killed_during_rendezvous_and_during_serving(cluster, ns):
     c.kubelet.hold(ns, "rv-g0-p3")
     c.create_group(ns, group_body("rv", numGroups=1))
     wait_for(lambda: _ready_pods(c, ns, "rv", 0) == 3, timeout=30, what="3 of 4 ranks up")
-    assert c.get_group(ns, "rv")["status"]["groups"][0]["phase"] == "Pending"
+    # the operator writes the status after the kubelet may have started the 3 pods: wait for it, then check
+    groups = wait_for(lambda: (c.get_group(ns, "rv").get("status") or {}).get("groups"), timeout=10,
+                      what="the group's status")
+    assert groups[0]["phase"] == "Pending", groups
     t0 = time.time()
     c.core.delete_namespaced_pod("rv-g0-p1", ns, grace_period_seconds=0)
     wait_for(lambda: {p.metadata.labels["dwdp.io/attempt"] for p in c.pods(ns)} == {"1"}
@@ -172,14 +177,14 @@ def test_api_faults_and_conflicting_writers_during_reconcile(cluster, ns, tmp_pa
         c.create_group(ns, group_body("fz", numGroups=3))
         writer.start()
         t0 = time.time()
-        converged(c, ns, "fz", 3, attempts=[0, 0, 0])
+        converged(c, ns, "fz", 3, attempts=[0, 0, 0], operator=faulty)
         t_create = time.time() - t0
         t0 = time.time()
         c.core.delete_namespaced_pod("fz-g1-p0", ns, grace_period_seconds=0)
         wait_for(lambda: c.get_group(ns, "fz")["status"]["groups"][1]["attempt"] == 1, timeout=30,
                  what="group 1 restarted")
         c.patch_spec(ns, "fz", {"numGroups": 4})
-        st = converged(c, ns, "fz", 4, attempts=[0, 1, 0, 0])
+        st = converged(c, ns, "fz", 4, attempts=[0, 1, 0, 0], operator=faulty)
         t_more = time.time() - t0
         assert [g["groupRestarts"] for g in st["groups"]] == [0, 1, 0, 0], "faults cost no extra restart"
         _alive(faulty)
@@ -220,6 +225,24 @@ def test_apiserver_restart_mid_reconcile(cluster, ns):
     _alive(c.operator)
     print(f"\nFIGURE apiserver-restart: killed at {n_at}/24 pods, server away {down:.1f}s, "
           f"converged {t:.1f}s after the kill")
+
+
+def test_operator_started_during_an_apiserver_restart(cluster, ns):
+    """An operator (kopf) started while the API server restarts, then again at each of its restarts, must
+    not come up blind: a kopf whose discovery ran while the restarted server did not list DwdpGroups yet
+    never watches them (served.py). Afterwards a scale-up must converge."""
+    c = cluster
+    c.create_group(ns, group_body("os", numGroups=1))
+    converged(c, ns, "os", 1, attempts=[0])
+    c.operator.stop()
+    restart = threading.Thread(target=c.restart_apiserver)
+    restart.start()
+    time.sleep(0.3)  # the server is down: the operator's first starts fail and back off, into the window
+    c.operator.start()
+    restart.join(120)
+    c.patch_spec(ns, "os", {"numGroups": 2})
+    converged(c, ns, "os", 2, timeout=60, attempts=[0, 0])
+    _alive(c.operator)
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -15,7 +15,7 @@ from dwdp_operator.spec import validate_spec
 from kubernetes.client.rest import ApiException
 
 from ..operator.dwdp_fuzz import specs
-from .conftest import wait_for
+from .conftest import release_namespace, wait_for
 
 N = 15
 
@@ -70,4 +70,4 @@ def test_generated_invalid_specs_refused_or_marked_invalid(cluster):
         print(f"\nFIGURE fuzz-k8s: {len(refused) + len(stored)} generated invalid specs: {len(refused)} refused "
               f"(4xx), {len(stored)} marked Invalid, {len(normalized)} made valid by server pruning/defaults; 0 crashes")
     finally:
-        c.core.delete_namespace(ns)
+        release_namespace(c, ns)

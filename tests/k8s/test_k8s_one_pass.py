@@ -18,7 +18,7 @@ from dwdp_operator.health import HealthReader
 from dwdp_operator.observed import slim_pod
 from dwdp_operator.rest import RawApi
 
-from .conftest import group_body, wait_for
+from .conftest import group_body, release_namespace, wait_for
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def own_ns(cluster):
     name = f"dwdp-u-{uuid.uuid4().hex[:6]}"  # outside the operator's --namespace dwdp-t-*
     cluster.core.create_namespace({"metadata": {"name": name}})
     yield name
-    cluster.core.delete_namespace(name)
+    release_namespace(cluster, name)
 
 
 class Counted:

@@ -7,7 +7,7 @@ import time
 from dwdp_runtime.contract import POD_ENV
 from kubernetes.client.rest import ApiException
 
-from .conftest import group_body, wait_for
+from .conftest import group_body, wait_for, wait_seen
 
 CONTRACT_ENV = [v.value for v in POD_ENV]  # dwdp_runtime.contract, pinned to docs/ENV_CONTRACT.md
 
@@ -16,7 +16,7 @@ def ready_groups(c, ns, name, n):
     def check():
         st = c.get_group(ns, name).get("status") or {}
         return st if st.get("readyGroups") == n and len(c.live_pods(ns)) == n * 4 else None
-    return wait_for(check, timeout=60, what=f"{n} ready groups")
+    return wait_seen(c, ns, name, check, timeout=60, what=f"{n} ready groups")
 
 
 def attempts(c, ns, g):

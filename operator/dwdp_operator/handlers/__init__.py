@@ -97,6 +97,12 @@ def _load_kube_config() -> None:
     client.Configuration.set_default(cfg)
 
 
+def kube_client() -> client.ApiClient:
+    """A client on the operator's credentials (``_load_kube_config``), for work outside kopf."""
+    _load_kube_config()
+    return client.ApiClient()
+
+
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_):
     for part in ("informer", "reconciler"):
