@@ -1,12 +1,14 @@
-"""gpt-oss's MXFP4 experts on the GPU: the weight-only kernels with the clamped SwiGLU fused (``kernels.gates``)
-÷ the dequantizing forward they replace (reports; issue #31).
+"""gpt-oss's MXFP4 experts on the GPU: the FP4 paths with the clamped SwiGLU fused (``kernels.gates``) — W4A8
+(the default) and weight-only — ÷ the dequantizing forward they replace and ÷ bf16 kernels (reports; issue #31).
 
 Until the clamped gate had an epilogue, a gpt-oss (or DeepSeek-V4) FP4 layer on CUDA ran
 ``checkpoint.fp4_loading.dequantized_forward``: every expert of the layer dequantized to bf16, then the module's
 own `transformers` forward. Here, side by side in one process on a real ``GptOssExperts`` module at gpt-oss's
-expert shape (hidden 2880, intermediate 2880, top-4) over ``--experts`` experts: that fallback, the fused kernels
-(``model.fp4_experts_gpu.forward``: interleaved rows, biases, α-scaled SwiGLU + 1), and the bf16 kernels on the
-dequantized weights with the same epilogue; ms, the ratios, and max |Δ| of the fused path against the fallback.
+expert shape (hidden 2880, intermediate 2880, top-4) over ``--experts`` experts: that fallback, the module's forward
+(``model.fp4_experts_gpu.forward``: interleaved rows, biases, α-scaled SwiGLU + 1) under ``DWDP_FP4_KERNEL`` =
+``weight-only`` (the FP4 kernels) and ``w4a8`` (re-encoded to e4m3 blocks, the Triton FP8 kernels with the bias
+and clamp epilogues — the CuTe ones take neither), and the bf16 kernels on the dequantized weights with the same
+epilogue; ms, the ratios, and max |Δ| of each against the fallback.
 
 Run on a GPU:   python bench/clamped_fp4.py [--tokens 1024 4096] [--experts 32] [--json out.json]
 """
@@ -67,6 +69,9 @@ def main(argv=None) -> int:
     import torch
     import triton.testing
 
+    import os
+
+    from dwdp_runtime.contract import TuningEnv
     from dwdp_runtime.kernels import gates
     from dwdp_runtime.kernels.moe import ExpertsLayout, ExpertWeights, fused_experts
     from dwdp_runtime.quant import fp4
@@ -93,19 +98,25 @@ def main(argv=None) -> int:
             x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
             w, ids = torch.topk(torch.rand(t, args.experts, device=dev, generator=g), TOP_K, dim=-1)
             w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-            fused = fp4_experts_gpu.forward(module, x, ids, w)
             fallback = dequantized_forward(module, x, ids, w)
-            t_fused = bench(lambda: fp4_experts_gpu.forward(module, x, ids, w))
             t_fallback = bench(lambda: dequantized_forward(module, x, ids, w))
             t_bf16 = bench(lambda: fused_experts(x, ids, w, twin, layout))
-            diff = float((fused.float() - fallback.float()).abs().max() / fallback.float().abs().max())
-            rows.append(dict(tokens=t, experts=args.experts, fused_ms=t_fused, dequantizing_ms=t_fallback,
-                             bf16_kernels_ms=t_bf16, speedup_over_dequantizing=t_fallback / t_fused,
-                             fused_over_bf16_kernels=t_bf16 / t_fused, max_rel_diff_vs_dequantizing=diff))
-            print(f"T={t}: fused FP4 kernels {t_fused:.3f} ms | dequantizing forward {t_fallback:.3f} ms "
-                  f"({t_fallback / t_fused:.2f}x slower) | bf16 kernels, same epilogue {t_bf16:.3f} ms "
-                  f"(fused = {t_bf16 / t_fused:.2f}x bf16) | max rel |Δ| vs the dequantizing forward {diff:.3g}",
-                  flush=True)
+            row = dict(tokens=t, experts=args.experts, dequantizing_ms=t_fallback, bf16_kernels_ms=t_bf16)
+            line = [f"T={t}: dequantizing forward {t_fallback:.3f} ms | bf16 kernels, same epilogue {t_bf16:.3f} ms"]
+            for kernel in ("weight-only", "w4a8"):
+                os.environ[TuningEnv.FP4_KERNEL] = kernel
+                out = fp4_experts_gpu.forward(module, x, ids, w)
+                ms = bench(lambda: fp4_experts_gpu.forward(module, x, ids, w))
+                diff = float((out.float() - fallback.float()).abs().max() / fallback.float().abs().max())
+                key = kernel.replace("-", "_")
+                row.update({f"{key}_ms": ms, f"{key}_over_bf16_kernels": t_bf16 / ms,
+                            f"{key}_speedup_over_dequantizing": t_fallback / ms,
+                            f"{key}_max_rel_diff_vs_dequantizing": diff})
+                line.append(f"{kernel} {ms:.3f} ms = {t_bf16 / ms:.2f}x bf16, {t_fallback / ms:.1f}x the "
+                            f"dequantizing forward, max rel |Δ| {diff:.3g}")
+            os.environ.pop(TuningEnv.FP4_KERNEL)
+            rows.append(row)
+            print(" | ".join(line), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

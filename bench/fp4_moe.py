@@ -2,8 +2,9 @@
 bytes a DWDP prefetch moves per layer.
 
 For each shape (DeepSeek-V3 experts: H 7168, I 2048, top-8, 64 of its 256 experts so the bf16 twin fits
-beside; Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8), FP4 format (``mxfp4``, ``nvfp4``) and token count T,
-uniformly random routing, all in one run:
+beside; Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8; ``--shapes deepseek_v4``: H 4096, I 2048, top-6, 64 of
+256, its SwiGLU clamped at 10 in every path — its FP4 decodes as MXFP4's, so ``--formats mxfp4``), FP4 format
+(``mxfp4``, ``nvfp4``) and token count T, uniformly random routing, all in one run:
 
   * ``bf16 grouped_mm``  — ``torch._grouped_mm`` on expert-sorted rows of the dequantized bf16 weights, gate_up
                            then down (the floor the fused-kernel issue uses; no activation, gather or scatter);
@@ -20,7 +21,9 @@ uniformly random routing, all in one run:
                            bench/fp8_moe.py times them), their ratios to bf16 ``_grouped_mm`` without and with the
                            re-encoding, the whole W4A8 block (re-encoding included) ÷ the bf16 block — in line and
                            with the re-encoding one chunk ahead on a side stream (``DWDP_W4A8_OVERLAP=on``) —, and
-                           its relative error against the bf16 block on the dequantized weights;
+                           its relative error against the bf16 block on the dequantized weights. Without CuTe DSL,
+                           or with ``DWDP_FP8_BACKEND=triton``: the re-encoding and the whole W4A8 block on the
+                           Triton FP8 kernels (the path of gpt-oss's and DeepSeek-V4's experts) ÷ the bf16 block;
   * ``prefetch bytes``   — bytes of one expert per layer, measured from the tensors themselves (packed codes +
                            scales; bf16 and FP8 twins beside), and what a d = 4 group's rank pulls per MoE layer
                            (the 3/4 of the model's experts it does not hold).
@@ -52,8 +55,20 @@ for _p in (ROOT / "worker", ROOT):
 SHAPES = {  # name: (hidden, moe_intermediate, experts here, top_k, the model's routed experts)
     "deepseek_v3": (7168, 2048, 64, 8, 256),
     "qwen3_30b": (2048, 768, 128, 8, 128),
+    "deepseek_v4": (4096, 2048, 64, 6, 256),  # `transformers`' DeepseekV4Config defaults, its clamped silu below
     "tiny": (128, 64, 8, 2, 8),  # --smoke
 }
+#: shapes whose experts clamp their SwiGLU (``gates.ClampedGlu``): DeepSeek-V4's swiglu_limit 10
+CLAMP_LIMITS = {"deepseek_v4": 10.0}
+
+
+def layout_of(name: str):
+    """The experts layout a shape's model has: DeepSeek-V4's clamped silu, else the plain SiLU gate."""
+    from dwdp_runtime.kernels.gates import ClampedGlu
+    from dwdp_runtime.kernels.moe import ExpertsLayout
+
+    limit = CLAMP_LIMITS.get(name)
+    return ExpertsLayout(glu=None if limit is None else ClampedGlu(limit))
 FORMATS = ("mxfp4", "nvfp4")
 #: the group a prefetch-bytes line describes: d ranks, each holding E/d experts and pulling the rest per layer
 PREFETCH_GROUP = 4
@@ -127,6 +142,7 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
     h, i, e, k, _ = SHAPES[name]
     dev = torch.device("cpu" if smoke else "cuda")
     packed, twin = experts(fmt, h, i, e, dev)
+    layout = layout_of(name)
     if smoke:
         bench = lambda fn: (fn(), 1.0)[1]  # noqa: E731 - runs every path once, times nothing
     else:
@@ -157,16 +173,16 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
 
         def gemm1():
             return fp4_gate_up(x, packed.gate_up, packed.gate_up_scale, packed.gate_up_scale_2, plan, c1, inter=i,
-                               up_offset=i, col_step=1, has_gate=True, scale_fmt=fmt_code)
+                               up_offset=i, col_step=1, has_gate=True, scale_fmt=fmt_code, glu=layout.glu)
 
         act = gemm1()
         t_g1 = bench(gemm1)
         t_g2 = bench(lambda: fp4_down(act, packed.down, packed.down_scale, packed.down_scale_2, w, plan, c2,
                                       hidden=h, scale_fmt=fmt_code))
-        ref = fused_experts(x, ids, w, twin)
-        got = fp4_experts(x, ids, w, packed)
-        t_bblock = bench(lambda: fused_experts(x, ids, w, twin))
-        t_fblock = bench(lambda: fp4_experts(x, ids, w, packed))
+        ref = fused_experts(x, ids, w, twin, layout)
+        got = fp4_experts(x, ids, w, packed, layout)
+        t_bblock = bench(lambda: fused_experts(x, ids, w, twin, layout))
+        t_fblock = bench(lambda: fp4_experts(x, ids, w, packed, layout))
         r = dict(shape=name, format=fmt, tokens=t, hidden=h, inter=i, experts=e, top_k=k,
                  bf16_grouped_mm_ms=t_bf16, bf16_tflops=flops / t_bf16 / 1e9, fp4_gate_up_ms=t_g1, fp4_down_ms=t_g2,
                  fp4_gemms_ms=t_g1 + t_g2, fp4_tflops=flops / (t_g1 + t_g2) / 1e9,
@@ -175,7 +191,7 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
                  block_max_rel_diff=float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1)),
                  cfg_gate_up=str(c1), cfg_down=str(c2), **common)
         r.update(w4a8_row(name, fmt, packed, x, ids, w, ref, bench=bench, t_bf16=t_bf16, t_bblock=t_bblock,
-                          flops=flops))
+                          flops=flops, layout=layout))
         rows.append(r)
         print(f"[{name}] {fmt} T={t}: bf16 grouped_mm {t_bf16:.3f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | FP4 "
               f"weight-only GEMMs {t_g1 + t_g2:.3f} ms ({r['fp4_tflops']:.0f} TFLOP/s) = "
@@ -185,7 +201,7 @@ def run_shape(name, fmt, tokens, *, rep_ms: int, smoke: bool = False) -> list[di
     return rows
 
 
-def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flops) -> dict:
+def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flops, layout) -> dict:
     """The W4A8 path at one shape (module docstring), or why it was skipped."""
     import torch
 
@@ -193,11 +209,11 @@ def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flop
     from dwdp_runtime.kernels.fp4_fp8 import fp4_block_fp8, unpacked_columns
     from dwdp_runtime.kernels.fp8_plan_rows import gather_plan_rows
     from dwdp_runtime.kernels.fp8_quant import quantize_groups
-    from dwdp_runtime.kernels.moe import ExpertsLayout
     from dwdp_runtime.kernels.routing import align_routing
-    from dwdp_runtime.kernels.w4a8_moe import unsupported, w4a8_experts
+    from dwdp_runtime.kernels.fp8_moe import wanted_backend
+    from dwdp_runtime.kernels.w4a8_moe import cute_refusal, unsupported, w4a8_experts
 
-    why = unsupported(packed, ExpertsLayout(), x.device) or fp8_cute.unavailable(x.device)
+    why = unsupported(packed, layout, x.device)
     if why:
         print(f"[{name}] {fmt} T={x.shape[0]}: W4A8 skipped: {why}", flush=True)
         return dict(w4a8_skipped=why)
@@ -209,18 +225,31 @@ def w4a8_row(name, fmt, packed, x, ids, w, ref, *, bench, t_bf16, t_bblock, flop
 
     (w1, s1), (w2, s2) = reencode()
     t_conv = bench(reencode)
+    forced = os.environ.get("DWDP_FP8_BACKEND", "").strip().lower() == "triton"
+    on_triton = ("DWDP_FP8_BACKEND=triton" if forced else fp8_cute.unavailable(x.device)
+                 or cute_refusal(packed, layout, wanted_backend()))   # where w4a8_experts itself goes
+    if on_triton:   # the whole W4A8 block on the Triton FP8 kernels (where DeepSeek-V4's and gpt-oss's experts run)
+        got = w4a8_experts(x, ids, w, packed, layout)
+        t_block = bench(lambda: w4a8_experts(x, ids, w, packed, layout))
+        r = dict(w4a8_backend="triton", w4a8_reencode_ms=t_conv, w4a8_block_ms=t_block,
+                 w4a8_block_over_bf16_block=t_bblock / t_block,
+                 w4a8_rel_err=float((got.float() - ref.float()).norm() / ref.float().norm()))
+        print(f"[{name}] {fmt} T={x.shape[0]}: W4A8 on the Triton FP8 kernels ({on_triton}): re-encode "
+              f"{t_conv:.3f} ms | block {t_block:.3f} ms = {r['w4a8_block_over_bf16_block']:.2f}x bf16 block | "
+              f"rel err vs bf16 block {r['w4a8_rel_err']:.4f}", flush=True)
+        return r
     plan = align_routing(ids, w1.shape[0], fp8_cute.TILE_M)
     a, sa = gather_plan_rows(*quantize_groups(x), plan)
-    h, hs = fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i)
-    t1 = bench(lambda: fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i))
+    h, hs = fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i, glu=layout.glu)
+    t1 = bench(lambda: fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, i, glu=layout.glu))
     t2 = bench(lambda: fp8_cute.block_scaled_grouped_gemm(h, hs, w2, s2, plan.block_expert))
-    got = w4a8_experts(x, ids, w, packed)
-    t_block = bench(lambda: w4a8_experts(x, ids, w, packed))
+    got = w4a8_experts(x, ids, w, packed, layout)
+    t_block = bench(lambda: w4a8_experts(x, ids, w, packed, layout))
 
     os.environ["DWDP_W4A8_OVERLAP"] = "on"   # the re-encoding one chunk ahead on a side stream (w4a8_reencode)
     try:
-        ahead_bitwise = bool(torch.equal(w4a8_experts(x, ids, w, packed), got))
-        t_ahead = bench(lambda: w4a8_experts(x, ids, w, packed))
+        ahead_bitwise = bool(torch.equal(w4a8_experts(x, ids, w, packed, layout), got))
+        t_ahead = bench(lambda: w4a8_experts(x, ids, w, packed, layout))
     finally:
         os.environ.pop("DWDP_W4A8_OVERLAP")
     r = dict(w4a8_reencode_ms=t_conv, w4a8_gate_up_ms=t1, w4a8_down_ms=t2, w4a8_gemms_ms=t1 + t2,

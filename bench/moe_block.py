@@ -18,7 +18,11 @@ Shapes: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8, softmax) and the DeepS
 I 2048, top-8, sigmoid + bias, 8 groups keep 4) over ``--dsv3-experts`` experts (default 64, as
 bench/moe_kernels.py; 256 is the real model).
 
-Run on a GPU:   python bench/moe_block.py [--tokens 1024 4096 16384] [--json out.json]
+``--tiles`` times the fused block instead under each of ``TILE_CANDIDATES``' tilings (forced through
+``tuning.remember``), eager and graphed, ÷ the floor, and checks every tiling's output is bitwise the first's (one
+BLOCK_K per GEMM: the tiling never changes a bit) — the A/B behind ``tuning.default_config``'s load boundaries.
+
+Run on a GPU:   python bench/moe_block.py [--tokens 1024 4096 16384] [--tiles] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import pathlib
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 for _p in (ROOT / "worker", ROOT):
@@ -81,13 +86,30 @@ def router_module(shape: BlockShape, rs: RouterShape, device):
 #: calls per ``--profile`` table: per-kernel times averaged over a few blocks
 PROFILE_CALLS = 20
 
+@dataclass
+class BlockCase:
+    """One (shape, T) of the bench: `transformers`' experts and router modules with seeded weights, the views our
+    kernels read, and the seeded input."""
+    shape: BlockShape
+    experts: Any
+    gate: Any
+    layout: Any
+    weights: Any
+    spec: Any
+    bias: Any
+    x: Any
 
-def bench_one(name: str, tokens: int, args, device) -> dict:
+    def fused(self):
+        """``kernels.moe.moe_block``: gate GEMM, fused router, alignment, our two GEMMs, reduction."""
+        from dwdp_runtime.kernels.moe import moe_block
+
+        return moe_block(self.x, self.gate.weight, self.spec, self.weights, self.layout, bias=self.bias)
+
+
+def block_case(name: str, tokens: int, args, device) -> BlockCase:
     import torch
-    import triton.testing
 
     from dwdp_runtime.kernels import router
-    from dwdp_runtime.kernels.moe import moe_block
     from dwdp_worker.model import experts_impl
 
     shape, rs = SHAPES[name]
@@ -96,18 +118,91 @@ def bench_one(name: str, tokens: int, args, device) -> dict:
     experts = experts_module(shape, device)
     gate = router_module(shape, rs, device)
     layout = experts_impl.layout_of(experts)
-    weights = experts_impl.weights_of(experts, layout)
-    spec = router.of_module(gate, torch.bfloat16)
-    bias = getattr(gate, "e_score_correction_bias", None)
     x = torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16,
                     generator=torch.Generator(device=device).manual_seed(tokens))
+    return BlockCase(shape, experts, gate, layout, experts_impl.weights_of(experts, layout),
+                     router.of_module(gate, torch.bfloat16), getattr(gate, "e_score_correction_bias", None), x)
+
+
+def median_ms(fn, rep_ms: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+#: ``--tiles`` candidates: (row block, GEMM 1 columns, GEMM 2 columns, warps) forced on both GEMMs of the fused
+#: block — the default table's two mid/large-load tilings and their neighbours, for the load where one hands over
+#: to the other (Qwen3 at 4K tokens and DeepSeek-V3's 64-expert shape at 2K are exactly 256 rows per expert)
+TILE_CANDIDATES = ((64, 64, 128, 4), (64, 128, 128, 4), (128, 64, 128, 4), (128, 64, 256, 8),
+                   (128, 128, 128, 8), (128, 128, 256, 8))
+
+
+def tile_ab(name: str, tokens: int, args, device) -> list[dict]:
+    """The fused block (router included) under each ``TILE_CANDIDATES`` tiling, eager and replayed from a CUDA
+    graph, ÷ the same floor, side by side in one process; the default table's choice is marked."""
+    import torch
+
+    from dwdp_runtime.kernels import tuning
+
+    case = block_case(name, tokens, args, device)
+    shape, experts, gate, x, fused_block = case.shape, case.experts, case.gate, case.x, case.fused
+    load = tuning.load_bucket(tokens, shape.top_k, shape.experts)
+    keys = (tuning.ShapeKey("gate_up", shape.inter, shape.hidden, shape.experts, shape.top_k, "bfloat16", load),
+            tuning.ShapeKey("down", shape.hidden, shape.inter, shape.experts, shape.top_k, "bfloat16", load))
+    default = tuple(tuning.default_config(k) for k in keys)
+
+    def bench(fn):
+        return median_ms(fn, args.rep_ms)
+
+    out = []
+    with torch.inference_mode():
+        _, _, ids = gate(x)
+        floor = floor_fn(experts, x, ids)
+        t_floor, g_floor = bench(floor), bench(graphed(floor, device))
+        reference = None
+        for bm, n1, n2, warps in TILE_CANDIDATES:
+            # weight tiles through TMA where the default table would use it for 128-row tiles at this load
+            cfgs = tuple(tuning.GemmConfig(block_m=bm, block_n=n, num_warps=warps, num_stages=4,
+                                           tma=bm == 128 and tuning.default_config(k).tma)
+                         for n, k in ((n1, keys[0]), (n2, keys[1])))
+            tuning.forget_all()
+            for key, cfg in zip(keys, cfgs):
+                tuning.remember(key, cfg)
+            try:
+                y = fused_block()
+                t_eager, t_graph = bench(fused_block), bench(graphed(fused_block, device))
+            except Exception as exc:  # noqa: BLE001 - a tiling that cannot compile or launch is reported
+                print(f"{name} T={tokens} tiles {bm}x{n1}/{n2} w{warps}: failed: {exc}", flush=True)
+                continue
+            reference = y if reference is None else reference
+            same = bool(torch.equal(y, reference))
+            is_default = cfgs == default
+            row = dict(shape=name, experts=shape.experts, tokens=tokens, load=load, block_m=bm, gate_up_n=n1,
+                       down_n=n2, warps=warps, default=is_default, eager_ms=t_eager, graphed_ms=t_graph,
+                       eager_over_floor=t_eager / t_floor, graphed_over_floor=t_graph / g_floor,
+                       bitwise_same_as_first=same)
+            out.append(row)
+            print(f"{name} E={shape.experts} T={tokens} load={load} tiles {bm}x{n1}/{n2} w{warps}"
+                  f"{' (default)' if is_default else ''}: eager {t_eager:.3f} ms (÷floor {row['eager_over_floor']:.3f}),"
+                  f" graphed {t_graph:.3f} ms (÷floor {row['graphed_over_floor']:.3f}); bitwise = first: {same}",
+                  flush=True)
+        tuning.forget_all()
+    return out
+
+
+def bench_one(name: str, tokens: int, args, device) -> dict:
+    import torch
+
+    from dwdp_runtime.kernels import router
+    from dwdp_worker.model import experts_impl
+
+    case = block_case(name, tokens, args, device)
+    shape, experts, gate, spec, bias, x, fused_block = (case.shape, case.experts, case.gate, case.spec, case.bias,
+                                                         case.x, case.fused)
 
     def tf_block():
         _, w, ids = gate(x)
         return experts_impl.dwdp_experts_forward(experts, x, ids, w)
-
-    def fused_block():
-        return moe_block(x, gate.weight, spec, weights, layout, bias=bias)
 
     def fused_router():
         logits = (torch.nn.functional.linear(x.float(), gate.weight.float()) if spec.score == "sigmoid"
@@ -115,7 +210,7 @@ def bench_one(name: str, tokens: int, args, device) -> dict:
         return router.route(logits, spec, bias)
 
     def bench(fn):
-        return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+        return median_ms(fn, args.rep_ms)
 
     with torch.inference_mode():
         _, w_tf, ids_tf = gate(x)
@@ -177,6 +272,8 @@ def main(argv=None) -> int:
                    help="also time every block captured in a CUDA graph (the server's default)")
     p.add_argument("--profile", action="store_true",
                    help="print the kernel table of the fused block and of the floor (torch.profiler)")
+    p.add_argument("--tiles", action="store_true",
+                   help="instead: the fused block under each TILE_CANDIDATES tiling (A/B of the default table)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     import torch
@@ -186,6 +283,14 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda", 0)
     rows = []
+    if args.tiles:
+        for name in args.shapes:
+            for t in args.tokens:
+                rows.extend(tile_ab(name, t, args, device))
+                torch.cuda.empty_cache()
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     for name in args.shapes:
         for t in args.tokens:
             rows.append(bench_one(name, t, args, device))

@@ -37,7 +37,8 @@ Why this shape on the hardware (H200, sm_90a):
     (0.865-0.880 against 0.878-0.902 ms in 4 + 4 alternated runs); a buffer per sub-tile cost the 256-column tile
     one ring stage (Qwen3's down GEMM, K = 768, 2 % faster for it);
   * ``act_inter > 0`` fuses GEMM 1's SiLU·mul and e4m3 requantisation (see ``__init__``): its epilogue also
-    writes one fp32 scale per row and 128-column group (``d_scales``, M-major like ``s_a``).
+    writes one fp32 scale per row and 128-column group (``d_scales``, M-major like ``s_a``); with ``glu`` the
+    clamped SwiGLU of DeepSeek-V4 (``gates.ClampedGlu``) instead of SiLU·mul.
 
 ``trace=True`` compiles a diagnostic build: each role (the producer warp, each math warpgroup) reads ``clock64``
 around its stage waits, its waits for its own ``wgmma`` and its epilogue, and its first thread writes the sums and
@@ -97,7 +98,7 @@ class BlockScaledGroupedGemm:
     """
 
     def __init__(self, k_tiles: int, tile_n: int = 128, raster_along_m: bool = False, swizzle_size: int = 1,
-                 cluster_n: int = 2, act_inter: int = 0, trace: bool = False):
+                 cluster_n: int = 2, act_inter: int = 0, trace: bool = False, glu=None):
         if tile_n not in (64, 128, WIDE_TILE_N):
             raise ValueError(f"BLOCK_N must be 64, 128 or {WIDE_TILE_N}, got {tile_n}")
         #: the output tile's width; 256 is two 128-column B tiles per stage through two accumulators — the fused
@@ -123,6 +124,11 @@ class BlockScaledGroupedGemm:
             raise ValueError(f"the fused gate_up needs I a multiple of {SCALE_BLOCK} and BLOCK_N = {SCALE_BLOCK}")
         #: two B tiles per stage, two accumulators (the fused gate_up, or a 256-column tile)
         self.two_b = act_inter > 0 or tile_n == WIDE_TILE_N
+        #: the fused gate_up's clamped SwiGLU (``gates.ClampedGlu``: ``_fp8_cute_steps.act_mul_amax``), its fields
+        #: compiled in as constants; None: plain SiLU
+        self.glu = glu
+        if glu is not None and not act_inter:
+            raise ValueError("a clamped gated activation is an epilogue of the fused gate_up (act_inter > 0) only")
         #: the trace build: SM-cycle counters of each role's waits and epilogue (``TRACE_FIELDS``), written once per
         #: role at its end — a diagnostic (its clock reads cost a few instructions a K step); off, it is not compiled in
         self.trace = trace
@@ -488,7 +494,7 @@ class BlockScaledGroupedGemm:
                     if cutlass.const_expr(self.act_inter > 0):
                         # silu(gate) · up, then the e4m3 quantisation of the row's 128-column group: a row's
                         # columns lie in the 4 lanes of a quad (the C fragment), so its amax is a 2-step butterfly
-                        amax_lo, amax_hi = act_mul_amax(accumulators, accumulators2)
+                        amax_lo, amax_hi = act_mul_amax(accumulators, accumulators2, self.glu)
                         for off in cutlass.range_constexpr(2):
                             amax_lo = cute.arch.fmax(amax_lo, cute.arch.shuffle_sync_bfly(amax_lo, 1 << off))
                             amax_hi = cute.arch.fmax(amax_hi, cute.arch.shuffle_sync_bfly(amax_hi, 1 << off))

@@ -38,17 +38,28 @@ def scale_products(a_lo, a_hi, w_s, w_u):
     return (a_lo * w_s, a_hi * w_s), (a_lo * w_u, a_hi * w_u)
 
 
-def act_mul_amax(gate, up):
-    """``gate ← silu(gate) · up`` element-wise (fp32); returns the thread's |·| max on its two rows.
+def act_mul_amax(gate, up, glu=None):
+    """``gate ← silu(gate) · up`` element-wise (fp32); returns the thread's |·| max on its two rows. ``glu`` (a
+    ``gates.ClampedGlu``, its fields compiled in as constants): the clamped SwiGLU instead,
+    ``g · sigmoid(alpha · g) · (u + up_shift)`` on ``g = min(gate, limit)``, ``u = clamp(up, −limit, limit)``
+    (DeepSeek-V4's limit 10, alpha 1, no shift), as the Triton kernels' ``grouped_gemm._glu``.
 
     ``silu(g) = g · rcp(1 + exp(-g))`` with the SFU's approximate reciprocal (≤ 1 ulp; the exp is the SFU's
     already): an IEEE division per element is a ~10-instruction sequence, and with the requantisation's it made
     the fused epilogue cost 20 % of GEMM 1 at Qwen3's K = 2048 (H200). g → -∞ gives rcp(∞) = 0, g · 0 = -0 as
-    the division did."""
+    the division did. The clamp adds two or three min/max per element, no division."""
     amax = [cutlass.Float32(0.0), cutlass.Float32(0.0)]
     for i in range(cute.size(gate)):
         g = gate[i]
-        h = g * cute.arch.rcp_approx(1.0 + cute.arch.exp(-g)) * up[i]
+        u = up[i]
+        if cutlass.const_expr(glu is not None):
+            limit, alpha, up_shift = glu.limit, glu.alpha, glu.up_shift
+            g = cute.arch.fmin(g, cutlass.Float32(limit))
+            u = cute.arch.fmax(cute.arch.fmin(u, cutlass.Float32(limit)), cutlass.Float32(-limit))
+            sigmoid = cute.arch.rcp_approx(1.0 + cute.arch.exp(g * cutlass.Float32(-alpha)))
+            h = g * sigmoid * (u + cutlass.Float32(up_shift))
+        else:
+            h = g * cute.arch.rcp_approx(1.0 + cute.arch.exp(-g)) * u
         gate[i] = h
         amax[(i // 2) % 2] = cute.arch.fmax(amax[(i // 2) % 2], cute.arch.fmax(h, -h))
     return amax[0], amax[1]

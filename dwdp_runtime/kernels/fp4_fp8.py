@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_grouped_gemm import E4M3, E8M0, _fp4_tile, _scale
+from .fp4_grouped_gemm import E4M3, E8M0, _bytes, _fp4_tile, _scale
 from .support import interpreting
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def _e4m3_bits(q):
 
 
 @triton.jit
-def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
+def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, N, K, split, s2_second,
                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_s2s,
                     stride_qe, stride_qn, stride_qse, stride_qsn,
                     SCALE_FMT: tl.constexpr, HAS_S2: tl.constexpr, BLOCK_: tl.constexpr, SUB: tl.constexpr,
@@ -118,9 +118,13 @@ def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
         G: tl.constexpr = 16
     # the block scale from the group scales alone (one pass over the weights): the largest |E2M1| is 6, so
     # 6 · (the block's largest group scale) bounds every value; k is the smallest integer with bound ≤ 448 · 2^k
+    # a ragged last block (N or K not a multiple of 128: gpt-oss's 2880) reads no scale past the edge: a missing
+    # scale byte is 0, the smallest of either format, so the block's largest is its real groups' largest
     srows = row_block * BLOCK_ + tl.arange(0, BLOCK_)
     sgroups = col_block * (BLOCK_ // G) + tl.arange(0, BLOCK_ // G)
-    sb = tl.load(s_ptr + expert * stride_se + srows[:, None] * stride_sn + sgroups[None, :] * stride_sk).to(tl.int32)
+    s_ok = (srows < N)[:, None] & (sgroups * G < K)[None, :]
+    sb = tl.load(s_ptr + expert * stride_se + srows[:, None] * stride_sn + sgroups[None, :] * stride_sk,
+                 mask=s_ok, other=0).to(tl.int32)
     if SCALE_FMT == 1:
         sb = sb & 0x7F     # e4m3: the magnitude (NVFP4 scales are positive; a stray sign bit is harmless)
     largest = tl.max(tl.max(sb, axis=1), axis=0)   # for non-negative codes, byte order is value order
@@ -138,16 +142,18 @@ def _fp4_fp8_kernel(w_ptr, s_ptr, s2_ptr, q_ptr, qs_ptr, K, split, s2_second,
     cols = k0 + tl.arange(0, BLOCK_)
     for r0 in range(0, BLOCK_, SUB):   # SUB rows at a time: a [SUB, 128] tile in registers
         rows = row_block * BLOCK_ + r0 + tl.arange(0, SUB)
+        rows_in = tl.minimum(rows, N - 1)   # a ragged block's missing rows read the last row; never stored
         if FAST:   # the GPU: the packed bf16 decode (exact: E2M1 × group scale), the hardware e4m3 conversion
-            v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows, k0, K, stride_we, stride_wn, stride_wk, stride_se,
+            v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows_in, k0, K, stride_we, stride_wn, stride_wk, stride_se,
                           stride_sn, stride_sk, tl.bfloat16, SCALE_FMT, False, SUB, BLOCK_, False, True)
             q = v.to(tl.float32) * down1 * down2
             codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:      # the interpreter: the float32 decode, the encode on the bits (its fp8 conversion is wrong)
-            v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows, k0, K, stride_we, stride_wn, stride_wk, stride_se,
+            v = _fp4_tile(w_ptr, s_ptr, 1.0, expert, rows_in, k0, K, stride_we, stride_wn, stride_wk, stride_se,
                           stride_sn, stride_sk, tl.float32, SCALE_FMT, False, SUB, BLOCK_, False, False)
             codes = _e4m3_bits(v * down1 * down2).to(tl.uint8)
-        tl.store(q_ptr + expert * stride_qe + rows[:, None] * stride_qn + cols[None, :], codes)
+        tl.store(q_ptr + expert * stride_qe + rows[:, None] * stride_qn + cols[None, :], codes,
+                 mask=(rows < N)[:, None] & (cols < K)[None, :])
     tl.store(qs_ptr + expert * stride_qse + row_block * stride_qsn + col_block, _pow2(k) * factor)
 
 
@@ -159,30 +165,30 @@ def unpacked_columns(packed: torch.Tensor) -> int:
     return packed.shape[2] * (2 if packed.dim() == 3 else 32)
 
 
-def unsupported_shape(n: int, k: int) -> str | None:
-    """Why an ``[N, K]`` projection cannot be re-encoded in 128×128 blocks (None when it can)."""
-    if n % BLOCK or k % BLOCK:
-        return f"[{n}, {k}] is not a multiple of {BLOCK} in both dimensions (the FP8 kernels' scale block)"
-    return None
+def scale_grid(n: int, k: int) -> tuple[int, int]:
+    """The 128×128 block-scale grid of an ``[N, K]`` projection: a ragged edge is a block of its own."""
+    return -(-n // BLOCK), -(-k // BLOCK)
 
 
 def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None, *,
                   split: int | None = None, sub_rows: int | None = None, fast: bool | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w [E, N, K] float8_e4m3fn, s [E, N/128, K/128] float32)`` from packed FP4 ``[E, N, K/2]`` (or
-    gpt-oss's ``[E, N, K/32, 16]`` blocks) and group scales ``[E, N, K/G]``; NVFP4's ``scale_2 [E, S]``, whose
-    second column applies from row ``split`` on (a fused ``[gate; up]``, ``split`` a multiple of 128). ``sub_rows``:
-    rows per tile (a divisor of 128; default ``SUB_ROWS`` on the GPU, the whole block in the interpreter) — the
-    bytes do not depend on it. ``fast``: the GPU decode (default: where ``self_check`` found it right). ``out``:
-    the ``(w, s)`` to write (contiguous, of the shapes above). Values: module docstring."""
+    """``(w [E, N, K] float8_e4m3fn, s [E, ⌈N/128⌉, ⌈K/128⌉] float32)`` from packed FP4 ``[E, N, K/2]`` (or
+    gpt-oss's ``[E, N, K/32, 16]`` blocks) and group scales ``[E, N, K/G]``, any strides (a ragged last block —
+    gpt-oss's 2880 — is scaled by its own groups); NVFP4's ``scale_2 [E, S]``, whose second column applies from
+    row ``split`` on (a fused ``[gate; up]``, ``split`` a multiple of 128). ``sub_rows``: rows per tile (a divisor
+    of 128; default ``SUB_ROWS`` on the GPU, the whole block in the interpreter) — the bytes do not depend on it.
+    ``fast``: the GPU decode (default: where ``self_check`` found it right). ``out``: the ``(w, s)`` to write, of
+    the shapes above with unit stride in their last dimension (views of a larger buffer allowed:
+    ``gate_up_block_fp8`` writes the two halves of one). Values: module docstring."""
     if fmt not in SCALE_FORMATS:
         raise ValueError(f"FP4 format {fmt!r}: one of {sorted(SCALE_FORMATS)}")
     num_experts, n, k = packed.shape[0], packed.shape[1], unpacked_columns(packed)
     if packed.dim() == 4:
         packed = packed.flatten(2)
-    why = unsupported_shape(n, k)
-    if why:
-        raise ValueError(f"FP4 weights {why}")
+    # DeepSeek-V4 stores its codes as int8: read as bytes, or the GPU decode's bit arithmetic would see the
+    # sign-extended high nibble (the interpreter's nibble masks hide it)
+    packed = _bytes(packed)
     fmt_code = SCALE_FORMATS[fmt]
     has_s2 = fmt_code == E4M3 and scale_2 is not None
     sub = sub_rows or (BLOCK if interpreting() else SUB_ROWS)
@@ -192,25 +198,50 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
         raise ValueError(f"the second global scale starts at row {split}, inside a {BLOCK}-row block")
     if fast is None:
         fast = not interpreting() and (packed.device.type != "cuda" or self_check(packed.device).fast)
-    shapes = ((num_experts, n, k), (num_experts, n // BLOCK, k // BLOCK))
+    grid = (num_experts, *scale_grid(n, k))
+    shapes = ((num_experts, n, k), grid)
     if out is None:
         w = torch.empty(shapes[0], dtype=torch.float8_e4m3fn, device=packed.device)
         s = torch.empty(shapes[1], dtype=torch.float32, device=packed.device)
     else:
         w, s = out
         if (tuple(w.shape), tuple(s.shape)) != shapes or w.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 \
-                or not (w.is_contiguous() and s.is_contiguous()):
-            raise ValueError(f"out must be contiguous float8_e4m3fn {shapes[0]} and float32 {shapes[1]} tensors")
+                or w.stride(2) != 1 or s.stride(2) != 1:
+            raise ValueError(f"out must be float8_e4m3fn {shapes[0]} and float32 {shapes[1]} tensors with unit "
+                             f"stride in their last dimension")
     codes = w.view(torch.uint8)
     s2 = scale_2 if has_s2 else s
-    grid = (num_experts, n // BLOCK, k // BLOCK)
     _fp4_fp8_kernel[grid](
-        packed, scales.view(torch.uint8), s2, codes, s, k, n if split is None else split,
+        packed, scales.view(torch.uint8), s2, codes, s, n, k, n if split is None else split,
         (s2.shape[1] - 1) if has_s2 else 0,
         packed.stride(0), packed.stride(1), packed.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
         s2.stride(0) if has_s2 else 0, s2.stride(1) if has_s2 else 0, codes.stride(0), codes.stride(1), s.stride(0),
         s.stride(1),
         SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK, SUB=sub, FAST=fast and not interpreting())
+    return w, s
+
+
+def gate_up_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None, *,
+                      inter: int, interleaved: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM 1's operands: ``(w [E, 2I, K], s [E, 2·⌈I/128⌉, ⌈K/128⌉])`` with the gate rows first and the up rows
+    after, each half in blocks of its own (the FP8 kernels read the up half's scales from row ⌈I/128⌉) —
+    whatever the checkpoint's row order: ``[gate; up]`` halves, or (``interleaved``) gpt-oss's alternating
+    gate/up rows, read through stride-2 views (the re-encoding writes them apart; nothing else is copied).
+    NVFP4's gate global is ``scale_2[:, 0]``, the up global ``scale_2[:, -1]``."""
+    num_experts, k = packed.shape[0], unpacked_columns(packed)
+    if packed.shape[1] != 2 * inter:
+        raise ValueError(f"gate_up rows {packed.shape[1]} are not 2 × {inter}")
+    halves = ((slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, inter), slice(inter, None)))
+    row_blocks, col_blocks = scale_grid(inter, k)
+    if out is None:
+        out = (torch.empty(num_experts, 2 * inter, k, dtype=torch.float8_e4m3fn, device=packed.device),
+               torch.empty(num_experts, 2 * row_blocks, col_blocks, dtype=torch.float32, device=packed.device))
+    w, s = out
+    globals_ = (None, None) if scale_2 is None else (scale_2[:, :1], scale_2[:, -1:])
+    for half, (rows, g2) in enumerate(zip(halves, globals_)):
+        fp4_block_fp8(packed[:, rows], scales[:, rows], fmt, g2,
+                      out=(w[:, half * inter:(half + 1) * inter], s[:, half * row_blocks:(half + 1) * row_blocks]))
     return w, s
 
 
@@ -287,17 +318,20 @@ def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torc
 
 
 def block_bound(scales: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``[E, N/128, K/128]`` float32: 6 × the largest group-scale magnitude of each 128×128 block (what the kernel
-    derives its block scale from) — ``scales [E, N, K/G]`` as the loaders bind them (E8M0 bytes, e4m3)."""
+    """``[E, ⌈N/128⌉, ⌈K/128⌉]`` float32: 6 × the largest group-scale magnitude of each 128×128 block (what the
+    kernel derives its block scale from) — ``scales [E, N, K/G]`` as the loaders bind them (E8M0 bytes, e4m3); a
+    ragged block's missing groups count as the zero byte, as in the kernel."""
     if fmt not in SCALE_FORMATS:
         raise ValueError(f"FP4 format {fmt!r}: one of {sorted(SCALE_FORMATS)}")
+    group = 32 if SCALE_FORMATS[fmt] == E8M0 else 16
     raw = scales.contiguous().view(torch.uint8)
+    rows, cols = scale_grid(raw.shape[1], raw.shape[2] * group)
+    raw = _zero_padded(raw, rows * BLOCK, cols * (BLOCK // group))
     if SCALE_FORMATS[fmt] == E8M0:
         value = torch.ldexp(torch.ones_like(raw, dtype=torch.float32), raw.to(torch.int32) - 127)
     else:
         value = (raw & 0x7F).view(torch.float8_e4m3fn).float()
     e, n, groups = value.shape
-    group = 32 if SCALE_FORMATS[fmt] == E8M0 else 16
     blocks = value.reshape(e, n // BLOCK, BLOCK, groups // (BLOCK // group), BLOCK // group)
     return 6.0 * blocks.amax(dim=(2, 4))
 
@@ -309,7 +343,8 @@ def fp4_fp8_reference(values: torch.Tensor, bound: torch.Tensor,
     ``block_bound``, ``factor [E, N/128]`` the global of each row block (None: 1). Per 128×128 block
     ``k = ⌈log2(bound / 448)⌉`` (floored at −126), ``w = (v · 2^-k).to(float8_e4m3fn)``, ``s = 2^k · factor``."""
     e, n, k = values.shape
-    blocks = values.reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK).float()
+    rows, cols = scale_grid(n, k)
+    blocks = _zero_padded(values, rows * BLOCK, cols * BLOCK).reshape(e, rows, BLOCK, cols, BLOCK).float()
     mant, exp = torch.frexp(bound.float())                                # bound = mant · 2^exp, mant ∈ [0.5, 1)
     kexp = (exp - 9 + (mant > E4M3_MAX / 512).to(exp.dtype)).clamp(min=_MIN_SCALE_EXP)
     kexp = torch.where(bound == 0, torch.full_like(kexp, _MIN_SCALE_EXP), kexp)
@@ -317,12 +352,19 @@ def fp4_fp8_reference(values: torch.Tensor, bound: torch.Tensor,
     if factor is not None:
         scale = scale * factor[:, :, None]
     q = torch.ldexp(blocks, -kexp[:, :, None, :, None])
-    return q.to(torch.float8_e4m3fn).reshape(e, n, k), scale
+    return q.to(torch.float8_e4m3fn).reshape(e, rows * BLOCK, cols * BLOCK)[:, :n, :k].contiguous(), scale
+
+
+def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t [E, n, k]`` with zeros appended up to ``[E, rows, cols]``."""
+    return torch.nn.functional.pad(t, (0, cols - t.shape[2], 0, rows - t.shape[1]))
 
 
 def exactness(values: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> float:
     """Fraction of the weights whose re-encoded value ``w · s`` equals ``values`` exactly (both as
     ``fp4_fp8_reference`` takes them: before NVFP4's global, so ``s`` without it)."""
     e, n, k = w.shape
-    back = (w.float().reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK) * s[:, :, None, :, None]).reshape(e, n, k)
+    rows, cols = scale_grid(n, k)
+    back = (_zero_padded(w.float(), rows * BLOCK, cols * BLOCK).reshape(e, rows, BLOCK, cols, BLOCK)
+            * s[:, :, None, :, None]).reshape(e, rows * BLOCK, cols * BLOCK)[:, :n, :k]
     return float((back == values.float()).float().mean())

@@ -41,6 +41,7 @@ from ..contract import TuningEnv
 from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, reduce_plan_rows
 from .fp8_cute_trace import TRACE_FIELDS, TRACE_ROLES
 from .fp8_quant import quantize_groups
+from .gates import ClampedGlu
 from .routing import align_routing
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,17 @@ def _kernel_module():
 
 
 def compile_gemm(k_tiles: int, cfg: CuteGemmConfig, act_inter: int, args: tuple, n: int, n_out: int,
-                 max_active_clusters: int, stream, trace: bool = False):
+                 max_active_clusters: int, stream, trace: bool = False, glu: ClampedGlu | None = None):
     """``cute.compile`` of the grouped GEMM for these operands (``gemm_arguments``) and output width ``n_out``
-    of weights with ``n`` rows (``trace``: the build with phase counters); a failure is recorded and raised as
-    ``CuteBuildError`` (what follows from it: that class's docstring)."""
+    of weights with ``n`` rows (``trace``: the build with phase counters; ``glu``: the fused gate_up's clamped
+    SwiGLU); a failure is recorded and raised as ``CuteBuildError`` (what follows from it: that class's
+    docstring)."""
     kernel_module = _kernel_module()
     try:
         import cutlass.cute as cute
 
         kernel = kernel_module.BlockScaledGroupedGemm(k_tiles, cfg.tile_n, cfg.raster_along_m, cfg.swizzle,
-                                                      cfg.cluster_n, act_inter, trace)
+                                                      cfg.cluster_n, act_inter, trace, glu)
         return cute.compile(kernel.from_pointers, *args, n, n_out, max_active_clusters, stream)
     except Exception as exc:  # noqa: BLE001 - the DSL's own errors (DSLBaseError), ptxas, API drift
         raise _record_build_failure(exc) from exc
@@ -210,7 +212,7 @@ def gemm_arguments(a, sa, w, ws, d, d_scales, block_expert, trace: torch.Tensor 
 
 
 def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_inter: int,
-            trace: torch.Tensor | None = None) -> None:
+            trace: torch.Tensor | None = None, glu: ClampedGlu | None = None) -> None:
     import cuda.bindings.driver as cuda
 
     if trace is not None:
@@ -218,12 +220,13 @@ def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_in
     k, n, n_out = a.shape[1], w.shape[1], d.shape[1]
     args = gemm_arguments(a, sa, w, ws, d, d_scales, block_expert, trace)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    key = (d.dtype, cfg, k // SCALE_BLOCK, n, n_out, act_inter, trace is not None, a.device.index)
+    key = (d.dtype, cfg, k // SCALE_BLOCK, n, n_out, act_inter, trace is not None, glu,
+           a.device.index)
     compiled = _COMPILED.get(key)
     if compiled is None:
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
         compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, n, n_out,
-                                                 sms // cfg.cluster_n, stream, trace is not None)
+                                                 sms // cfg.cluster_n, stream, trace is not None, glu)
     compiled(*args, stream)
 
 
@@ -275,11 +278,13 @@ def block_scaled_grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor
 def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
                       block_expert: torch.Tensor, inter: int, cfg: CuteGemmConfig = FUSED_CONFIG,
                       trace: torch.Tensor | None = None,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      glu: ClampedGlu | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM 1 fused with SiLU·mul and the e4m3 requantisation: ``(h [rows, I] e4m3, hs [I/128, rows] fp32)``
     from plan rows ``a`` and gate_up ``w1 [E, 2I, H]`` — what ``act_quant_plan_rows`` makes of the unfused
-    GEMM's output, without the ``[rows, 2I]`` intermediate (and its bf16 rounding). ``trace``, ``out`` (the
-    ``(h, hs)`` to write): as ``block_scaled_grouped_gemm``'s."""
+    GEMM's output, without the ``[rows, 2I]`` intermediate (and its bf16 rounding). ``glu``: the clamped SwiGLU
+    (``gates.ClampedGlu``, DeepSeek-V4's) instead of SiLU·mul. ``trace``, ``out`` (the ``(h, hs)`` to write): as
+    ``block_scaled_grouped_gemm``'s."""
     if w1.shape[1] != 2 * inter:
         raise ValueError(f"gate_up weights {tuple(w1.shape)} are not [E, 2·{inter}, H]")
     cfg = _check_operands(a, w1, inter, dataclasses.replace(cfg, tile_n=TILE_N_FUSED))
@@ -290,7 +295,7 @@ def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: t
     else:
         h = _check_out(out[0], (rows, inter), torch.float8_e4m3fn)
         hs = _check_out(out[1], (inter // SCALE_BLOCK, rows), torch.float32)
-    _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter, trace)
+    _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter, trace, glu)
     return h, hs
 
 

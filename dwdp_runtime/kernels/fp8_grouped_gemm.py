@@ -29,7 +29,9 @@ idle blocks exit, int64 weight offsets) — their ``_tile_ids`` / ``_block_rows`
     TMA descriptors of the same ``[E, N, K]`` view (``grouped_gemm._b_tile``): same operands, same bits.
 
 Batch invariance as the bf16 kernels: one row against one column, fp32 over K in ascending 128-steps, no
-split-K, no atomics; BLOCK_K is fixed at 128, so every tiling gives the same bits (tested). Under Triton's interpreter the e4m3 operands are widened to
+split-K, no atomics; BLOCK_K is fixed at 128, and the row block at 64 (``fp8_moe.ROW_BLOCK``: a 16/32-row block
+compiles to mma.sync, whose sums within a K step round otherwise on the GPU — measured, 2026-12-07), so a row's
+bits do not depend on the batch (tested; the interpreter's every tiling agrees). Under Triton's interpreter the e4m3 operands are widened to
 fp32 before the dot (its fp8 dot is wrong; the products of e4m3 values are exact in fp32).
 """
 
@@ -42,7 +44,7 @@ import triton.language as tl
 from . import ACTIVATIONS, interpreting
 from ._cast import cast_out
 from .fp8_quant import group_scale, scaled, to_e4m3
-from .grouped_gemm import _act, _b_tile, _block_rows, _grid, _tile_ids, _weight_descriptor
+from .grouped_gemm import _act, _b_tile, _block_rows, _glu, _grid, _tile_ids, _weight_descriptor, glu_constexprs
 from .routing import RoutingPlan
 
 #: the scale block of the weights and the activation group: 128 (weight_block_size [128, 128])
@@ -83,11 +85,15 @@ def _promote(acc, part, a_s, w_s, SCALAR_WS: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_cols(a_ptrs, as_ptrs, live, w_base, w_desc, e32, s_base, c0, N, K, up_offset, up_srow,
-                  stride_wn, stride_wk, stride_sn, stride_sk,
+def _gate_up_cols(a_ptrs, as_ptrs, live, w_base, w_desc, e32, s_base, b_base, c0, N, K, up_offset, up_srow,
+                  stride_wn, stride_wk, stride_sn, stride_sk, stride_bg, bias_up,
                   HAS_GATE: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                  BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """``act(x·Wg)·(x·Wu)`` of the block's rows and columns ``[c0, c0 + SUB_N)``, fp32, zero past N.
+                  BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+                  UP_SHIFT: tl.constexpr):
+    """``act(x·Wg + bg)·(x·Wu + bu)`` (or the clamped SwiGLU, ``grouped_gemm._glu``) of the block's rows and columns
+    ``[c0, c0 + SUB_N)``, fp32, zero past N. The gate bias of column c is ``b_base[c · stride_bg]``, the up bias
+    ``bias_up`` elements after it (``[gate; up]`` halves or gpt-oss's interleaved rows: the host's strides).
 
     The columns lie in one 128-row weight-scale block (``c0 // 128``): one scalar weight scale per K step."""
     offs_n = c0 + tl.arange(0, SUB_N)
@@ -113,8 +119,13 @@ def _gate_up_cols(a_ptrs, as_ptrs, live, w_base, w_desc, e32, s_base, c0, N, K, 
             u = _b_tile(u_ptrs + kb * BLOCK_K * stride_wk, w_desc, e32, c0 + up_offset, kb * BLOCK_K, k_ok, EVEN_K,
                         USE_TMA, SUB_N, BLOCK_K)
             acc_u = _promote(acc_u, _dot8(a, u, UPCAST), a_s, tl.load(us_tile + kb * stride_sk), True)
+    if HAS_BIAS:
+        b_ptrs = b_base + cols * stride_bg
+        acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
+        if HAS_GATE:
+            acc_u += tl.load(b_ptrs + bias_up).to(tl.float32)[None, :]
     if HAS_GATE:
-        act = _act(acc_g, ACT) * acc_u
+        act = _glu(acc_g, acc_u, ACT, CLAMP, LIMIT, ALPHA, UP_SHIFT)
     else:
         act = _act(acc_g, ACT)
     return tl.where((offs_n < N)[None, :], act, 0.0)
@@ -129,12 +140,14 @@ def _store_e4m3(out_ptr, r64, stride_om, c0, act, s, N, SUB_N: tl.constexpr, UPC
 
 @triton.jit
 def fp8_gate_up_kernel(
-    xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, out_ptr, outs_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, max_blocks, N, K, top_k, up_offset, up_srow,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
+    xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, outs_ptr, sorted_ptr, block_expert_ptr,
+    num_padded_ptr, num_pairs, max_blocks, N, K, top_k, up_offset, up_srow, bias_up,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bg,
+    stride_om, stride_osm,
     HAS_GATE: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    UP_SHIFT: tl.constexpr,
 ):
     # one program = BLOCK_M rows × one 128-column activation group (BLOCK_K = 128 wide), computed in
     # 128 // SUB_N passes over K (SUB_N = 64: two passes, half the accumulator registers; the first pass's
@@ -143,24 +156,28 @@ def fp8_gate_up_kernel(
     if idle:
         return
     expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    if expert < 0:   # a block of another chunk of experts (W4A8's chunked re-encoding): not this launch's
+        return
     tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
     n0 = pid_n * BLOCK_K
     a_ptrs = xq_ptr + tokens[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
     as_ptrs = xs_ptr + tokens * stride_xsm
     w_base = w_ptr + expert * stride_we
     s_base = ws_ptr + expert * stride_se
+    b_base = bias_ptr + expert * stride_be
     e32 = expert.to(tl.int32)
     r64 = rows.to(tl.int64)
-    act0 = _gate_up_cols(a_ptrs, as_ptrs, live, w_base, w_desc, e32, s_base, n0, N, K, up_offset, up_srow,
-                         stride_wn, stride_wk, stride_sn, stride_sk, HAS_GATE, ACT, EVEN_K, USE_TMA, BLOCK_M, SUB_N,
-                         BLOCK_K, UPCAST)
+    act0 = _gate_up_cols(a_ptrs, as_ptrs, live, w_base, w_desc, e32, s_base, b_base, n0, N, K, up_offset, up_srow,
+                         stride_wn, stride_wk, stride_sn, stride_sk, stride_bg, bias_up, HAS_GATE, ACT, EVEN_K,
+                         USE_TMA, BLOCK_M, SUB_N, BLOCK_K, UPCAST, HAS_BIAS, CLAMP, LIMIT, ALPHA, UP_SHIFT)
     if SUB_N == BLOCK_K:
         s = group_scale(tl.max(tl.abs(act0), axis=1))
         _store_e4m3(out_ptr, r64, stride_om, n0, act0, s, N, SUB_N, UPCAST)
     else:
-        act1 = _gate_up_cols(a_ptrs, as_ptrs, live, w_base, w_desc, e32, s_base, n0 + SUB_N, N, K, up_offset,
-                             up_srow, stride_wn, stride_wk, stride_sn, stride_sk, HAS_GATE, ACT, EVEN_K, USE_TMA,
-                             BLOCK_M, SUB_N, BLOCK_K, UPCAST)
+        act1 = _gate_up_cols(a_ptrs, as_ptrs, live, w_base, w_desc, e32, s_base, b_base, n0 + SUB_N, N, K,
+                             up_offset, up_srow, stride_wn, stride_wk, stride_sn, stride_sk, stride_bg, bias_up,
+                             HAS_GATE, ACT, EVEN_K, USE_TMA, BLOCK_M, SUB_N, BLOCK_K, UPCAST, HAS_BIAS, CLAMP, LIMIT,
+                             ALPHA, UP_SHIFT)
         s = group_scale(tl.maximum(tl.max(tl.abs(act0), axis=1), tl.max(tl.abs(act1), axis=1)))
         _store_e4m3(out_ptr, r64, stride_om, n0, act0, s, N, SUB_N, UPCAST)
         _store_e4m3(out_ptr, r64, stride_om, n0 + SUB_N, act1, s, N, SUB_N, UPCAST)
@@ -169,17 +186,20 @@ def fp8_gate_up_kernel(
 
 @triton.jit
 def fp8_down_kernel(
-    aq_ptr, as_ptr, w_ptr, w_desc, ws_ptr, weight_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, max_blocks, N, K,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ym,
+    aq_ptr, as_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, weight_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+    num_padded_ptr, num_pairs, max_blocks, N, K,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
+    stride_ym,
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, SCALAR_WS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_m, pid_n, idle = _tile_ids(max_blocks, N, num_padded_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if idle:
         return
     expert, rows, pairs, live = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    if expert < 0:   # another chunk's block (as GEMM 1)
+        return
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     cols = offs_n % N
@@ -205,6 +225,8 @@ def fp8_down_kernel(
                        SCALAR_WS)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:   # the expert's output bias, before the routing weight (as `transformers`' experts add it)
+        acc += tl.load(bias_ptr + expert * stride_be + cols * stride_bn).to(tl.float32)[None, :]
     route_w = tl.load(weight_ptr + pairs, mask=live, other=0.0).to(tl.float32)
     acc = acc * route_w[:, None]
     y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -216,44 +238,72 @@ _UPCAST = interpreting()
 
 
 def fp8_gate_up(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, plan: RoutingPlan, cfg, *,
-                inter: int, up_srow: int, has_gate: bool = True, activation: str = "silu"
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                inter: int, up_srow: int, has_gate: bool = True, activation: str = "silu",
+                bias: torch.Tensor | None = None, bias_interleaved: bool = False, glu=None,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM 1: ``(act_q [max_rows, I] e4m3, act_s [max_rows, ⌈I/128⌉] fp32)`` in plan-row order.
 
     ``w [E, 2I, H]`` (``[E, I, H]`` without a gate) e4m3, ``ws`` its scale grid; ``up_srow`` = the scale row
     where the up half starts (⌈I/128⌉). Any strides. ``cfg.block_n`` is the sub-tile width: every program
-    produces one 128-column activation group, in one pass (128) or two (64)."""
+    produces one 128-column activation group, in one pass (128) or two (64). ``bias [E, 2I]`` (``[E, I]``
+    without a gate) is added before the activation, its rows ``[gate; up]`` or, ``bias_interleaved``, gpt-oss's
+    gate/up pairs; ``glu`` a ``gates.ClampedGlu`` epilogue. ``out``: the pair to write (blocks whose expert is
+    -1 are skipped and leave it untouched: a chunk of experts per launch)."""
     if cfg.block_n not in GATE_UP_SUB_N or cfg.block_k != SCALE_BLOCK:
         raise ValueError(f"fp8 gate_up needs BLOCK_K = {SCALE_BLOCK} and BLOCK_N in {GATE_UP_SUB_N} (sub-tiles of one "
                          f"{SCALE_BLOCK}-column activation group), got {cfg.block_n}×{cfg.block_k}")
     hidden = xq.shape[1]
     rows = plan.sorted_pairs.numel()
-    out = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=xq.device)
-    outs = torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=xq.device)
+    if out is None:
+        out = (torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=xq.device),
+               torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=xq.device))
+    act_q, act_s = out
+    stride_be, stride_bg, bias_up = _gate_up_bias_strides(bias, inter, has_gate, bias_interleaved)
     desc = _weight_descriptor(w, w.shape[1], hidden, tuple(w.stride()), cfg)
     fp8_gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, SCALE_BLOCK),)](
-        xq, xs, w, desc, ws, out, outs, plan.sorted_pairs, plan.block_expert, plan.num_padded,
-        plan.num_pairs, plan.max_blocks, inter, hidden, plan.top_k, inter, up_srow,
-        xq.stride(0), xs.stride(0), *w.stride(), *ws.stride(), out.stride(0), outs.stride(0),
+        xq, xs, w, desc, ws, ws if bias is None else bias, act_q, act_s, plan.sorted_pairs, plan.block_expert,
+        plan.num_padded, plan.num_pairs, plan.max_blocks, inter, hidden, plan.top_k, inter, up_srow, bias_up,
+        xq.stride(0), xs.stride(0), *w.stride(), *ws.stride(), stride_be, stride_bg, act_q.stride(0),
+        act_s.stride(0),
         HAS_GATE=has_gate, ACT=ACTIVATIONS[activation], EVEN_K=hidden % SCALE_BLOCK == 0,
         USE_TMA=desc is not None, BLOCK_M=plan.block_m, SUB_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out, outs
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST, HAS_BIAS=bias is not None, **glu_constexprs(glu),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act_q, act_s
+
+
+def _gate_up_bias_strides(bias: torch.Tensor | None, inter: int, has_gate: bool, interleaved: bool
+                          ) -> tuple[int, int, int]:
+    """(expert stride, gate column stride, up offset) of GEMM 1's bias in elements (zeros without one)."""
+    if bias is None:
+        return 0, 0, 0
+    want = (2 if has_gate else 1) * inter
+    if bias.dim() != 2 or bias.shape[1] != want:
+        raise ValueError(f"gate_up bias {tuple(bias.shape)}: want [E, {want}]")
+    col = bias.stride(1)
+    if not has_gate:
+        return bias.stride(0), col, 0
+    return (bias.stride(0), 2 * col, col) if interleaved else (bias.stride(0), col, inter * col)
 
 
 def fp8_down(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, weights: torch.Tensor,
-             plan: RoutingPlan, cfg, *, hidden: int, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """GEMM 2: ``y [T·k, hidden]`` = routing weight × (act · Wd[e]) in (token, k) row order; ``w [E, H, I]`` e4m3."""
+             plan: RoutingPlan, cfg, *, hidden: int, out_dtype=torch.bfloat16, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """GEMM 2: ``y [T·k, hidden]`` = routing weight × (act · Wd[e] + bias[e]) in (token, k) row order;
+    ``w [E, H, I]`` e4m3, ``bias [E, H]``. ``out``: the ``y`` to write (blocks of expert -1 skipped, as GEMM 1)."""
     if cfg.block_k != SCALE_BLOCK:
         raise ValueError(f"fp8 down needs BLOCK_K = {SCALE_BLOCK}")
+    if bias is not None and (bias.dim() != 2 or bias.shape[1] != hidden):
+        raise ValueError(f"down bias {tuple(bias.shape)}: want [E, {hidden}]")
     inter = aq.shape[1]
-    y = torch.empty(plan.num_pairs, hidden, dtype=out_dtype, device=aq.device)
+    y = torch.empty(plan.num_pairs, hidden, dtype=out_dtype, device=aq.device) if out is None else out
     desc = _weight_descriptor(w, hidden, inter, tuple(w.stride()), cfg)
     fp8_down_kernel[_grid(plan, hidden, cfg)](
-        aq, a_s, w, desc, ws, weights.reshape(-1), y, plan.sorted_pairs, plan.block_expert, plan.num_padded,
-        plan.num_pairs, plan.max_blocks, hidden, inter,
-        aq.stride(0), a_s.stride(0), *w.stride(), *ws.stride(), y.stride(0),
+        aq, a_s, w, desc, ws, ws if bias is None else bias, weights.reshape(-1), y, plan.sorted_pairs,
+        plan.block_expert, plan.num_padded, plan.num_pairs, plan.max_blocks, hidden, inter,
+        aq.stride(0), a_s.stride(0), *w.stride(), *ws.stride(), *((0, 0) if bias is None else bias.stride()),
+        y.stride(0),
         EVEN_K=inter % SCALE_BLOCK == 0, USE_TMA=desc is not None, SCALAR_WS=SCALE_BLOCK % cfg.block_n == 0,
         BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

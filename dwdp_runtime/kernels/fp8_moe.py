@@ -55,6 +55,13 @@ class Fp8Key:
 TMA_MIN_HIDDEN = 4096
 
 
+#: the row block of every batch: 64 rows is one wgmma warpgroup tile, while 16/32-row blocks compile to mma.sync,
+#: whose fp32 sums over a 128-deep K step round otherwise — measured on an H100 (2026-12-07, W4A8 on these
+#: kernels): a token alone differed from the same token among 4K. One row block keeps the FP8 experts batch
+#: invariant; a decode-size batch pays the padded rows (a context server's batches fill them)
+ROW_BLOCK = 64
+
+
 def default_configs(load: int, hidden: int = 0) -> tuple[tuning.GemmConfig, tuning.GemmConfig]:
     """(gate_up, down) tiles: the H200 sweep's winners (2026-12-01, DeepSeek-V3 and Qwen3 expert shapes, 4K and
     16K tokens; docs/MODELS.md). Registers decide: every K step ends in a wait for the MMA and an FMA
@@ -63,25 +70,20 @@ def default_configs(load: int, hidden: int = 0) -> tuple[tuning.GemmConfig, tuni
     GEMM 1 in two 64-column passes per activation group (two [64, 64] accumulators + partials: 224
     registers, 2 programs per SM; the one-pass [64, 128] pair needs 8 warps and spills at 4), GEMM 2 64×128
     tiles, 3 stages, weight tiles through TMA (168 registers, 3 programs per SM: 1.2–1.5× bf16 there). 128-row
-    blocks were 5–30 % slower in both GEMMs (one program per SM). Small loads: 16/32-row blocks."""
-    bm = 16 if load <= 16 else 32 if load <= 32 else 64
-    g1 = tuning.GemmConfig(block_m=bm, block_n=64, block_k=SCALE_BLOCK, num_warps=4, num_stages=3,
-                           tma=bm == 64 and hidden >= TMA_MIN_HIDDEN)
-    g2 = tuning.GemmConfig(block_m=bm, block_n=128, block_k=SCALE_BLOCK, num_warps=4, num_stages=3, tma=bm == 64)
+    blocks were 5–30 % slower in both GEMMs (one program per SM). Every load takes the same ``ROW_BLOCK``
+    (batch invariance; ``load`` is kept for the callers' keys)."""
+    g1 = tuning.GemmConfig(block_m=ROW_BLOCK, block_n=64, block_k=SCALE_BLOCK, num_warps=4, num_stages=3,
+                           tma=hidden >= TMA_MIN_HIDDEN)
+    g2 = tuning.GemmConfig(block_m=ROW_BLOCK, block_n=128, block_k=SCALE_BLOCK, num_warps=4, num_stages=3, tma=True)
     return g1, g2
 
 
 def candidates(gemm: str, block_m: int | None, load: int) -> list[tuning.GemmConfig]:
-    """Tiles the warm-up tuner tries: BLOCK_K 128 always; prefill-size loads (≥ 256 rows per expert) 64-row
-    blocks (128-row ones lost everywhere in the sweep), smaller loads 16–64 rows. GEMM 1: one or two passes
+    """Tiles the warm-up tuner tries: BLOCK_K 128 always; ``ROW_BLOCK`` rows (128-row blocks lost everywhere in
+    the sweep; smaller ones are not batch invariant). GEMM 1: one or two passes
     per activation group (BLOCK_N 128 / 64) at 4 or 8 warps; GEMM 2: 128 columns at 4 warps, 3 or 4 stages;
     weight tiles through TMA or pointers. 8 configs per GEMM (each a compile at warm-up)."""
-    if block_m:
-        ms = [block_m]
-    elif load >= 256:
-        ms = [64]
-    else:
-        ms = [m for m in (16, 32, 64) if m <= max(16, 2 * load)]
+    ms = [block_m or ROW_BLOCK]
     if gemm == "gate_up":
         shapes = [(64, 4, 3), (64, 4, 4), (128, 8, 3), (64, 8, 3)]
     else:

@@ -34,6 +34,11 @@ TMA_MIN_LOAD = 1024
 #: TMA weight tiles 9 % faster than the best pointer-load config (1.57 vs 1.71 ms), while GEMM 1 there was
 #: 2 % faster on pointer loads (noise level: kept at ``TMA_MIN_LOAD``); H200, 2026-12-01, docs/KERNELS.md
 TMA_MIN_LOAD_DOWN = 512
+#: the largest load bucket (rows per expert) on the 64-row / 4-warp tiles; above it the 128-row / 8-warp ones
+#: (``default_config``). At 256 rows the large tiles win: ``bench/moe_block.py --tiles`` on an H100 (2026-12-07,
+#: whole block with the router, graphed): Qwen3 at 4K tokens 0.846 against 1.079 ms (1.09 against 1.39 × the
+#: two-GEMM floor), the DeepSeek-V3 shape over 64 experts at 2K 3.60 against 4.62 ms; 128 rows not measured
+MID_TILE_MAX_LOAD = 128
 #: row blocks per L2 swizzle group: 8 blocks of one expert's rows sweep its B columns while they stay in L2
 GROUP_M = 8
 
@@ -71,10 +76,11 @@ def default_config(key: ShapeKey) -> GemmConfig:
     (docs/KERNELS.md, 2026-12-01). Loads above 256 rows per expert (4K–32K tokens, Qwen3-MoE and the
     DeepSeek-V3 expert shape): the same winner everywhere; stages 3 vs 4 and swizzle 8 vs 16 were within
     2 % (noise), other tilings 5–25 % slower. At 1K tokens (64–128 rows per expert) GEMM 1 preferred
-    64 columns (3–9 % faster than 128).
+    64 columns (3–9 % faster than 128). From 256 rows the large tiling (``MID_TILE_MAX_LOAD``: re-measured
+    2026-12-07, 21–22 % faster there).
 
-    Row block as full as the average expert allows: 16/32 rows for decode-size loads, 64 up to 256 rows per
-    expert, 128 beyond (a 128-row tile = two 64-row wgmma warpgroups, padding waste under one block per
+    Row block as full as the average expert allows: 16/32 rows for decode-size loads, 64 up to
+    ``MID_TILE_MAX_LOAD`` rows per expert, 128 beyond (a 128-row tile = two 64-row wgmma warpgroups, padding waste under one block per
     expert). Large loads: GEMM 1 takes 128 columns of gate *and* of up (two 128×128 fp32 accumulators, as
     much as 8 warps hold without spilling); GEMM 2's single accumulator affords 256 columns. Four pipeline
     stages of 64-wide K steps: (128 + 256) × 64 × 2 B = 48 KiB a stage, 192 KiB of Hopper's 227 KiB.
@@ -83,7 +89,7 @@ def default_config(key: ShapeKey) -> GemmConfig:
     32K tokens (4,096 rows per expert), both shapes: TMA won both GEMMs, 3–10 % over pointer loads."""
     if key.load <= 32:
         return GemmConfig(block_m=16 if key.load <= 16 else 32, block_n=64, num_warps=4, num_stages=4)
-    if key.load <= 256:
+    if key.load <= MID_TILE_MAX_LOAD:
         return GemmConfig(block_m=64, block_n=64 if key.gemm == "gate_up" else 128, num_warps=4, num_stages=4)
     tma_from = TMA_MIN_LOAD if key.gemm == "gate_up" else TMA_MIN_LOAD_DOWN
     return GemmConfig(block_m=128, block_n=128 if key.gemm == "gate_up" else 256, num_warps=8, num_stages=4,

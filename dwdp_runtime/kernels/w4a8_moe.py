@@ -16,14 +16,24 @@ dequantized model's numbers bit for bit), ``w4a8`` (this module; refused with th
 ``W4A8_AUTO_FORMATS``, weight-only elsewhere). The choice depends on the checkpoint, the machine and the
 variable, never on the batch; both paths are batch invariant (no split-K, fixed-order reduce).
 
-What W4A8 cannot run (``unsupported``): biases, gpt-oss's interleaved gate/up rows and the clamped gates of
-gpt-oss and DeepSeek-V4 (``gates.ClampedGlu``; the FP8 kernels take none of them), projections that are not
-multiples of 128 (gpt-oss's 2880), no CUDA, and a GPU where the compiled re-encoding does not write torch's
+Which FP8 kernels: the CuTe ones (``chunked_forward``) where they can take the experts (``cute_unsupported``:
+no biases, widths that are multiples of 128, a clamped SwiGLU only in their fused gate_up — DeepSeek-V4's — and
+that one only when ``DWDP_FP8_BACKEND=cute`` asks: ``cute_refusal``; its clamped epilogue is compiled and checked
+on CPU but has not run on a GPU, so ``auto`` keeps the Triton kernels that have), else the Triton ones
+(``triton_chunked_forward``),
+whose epilogues add the biases (GEMM 1's before the activation, in the checkpoint's row order — gpt-oss's
+interleaved pairs read with a stride of 2 — and GEMM 2's before the routing weight) and compute the clamped
+SwiGLU of gpt-oss and DeepSeek-V4 (``gates.ClampedGlu``, the bf16 kernels' ``grouped_gemm._glu``), and whose
+masks take ragged widths (gpt-oss's 2880 = 22.5 blocks). Either way the re-encoding writes gate rows then up rows
+(``fp4_fp8.gate_up_block_fp8``: interleaved rows are read apart), in chunks of experts within the budget.
+
+What W4A8 cannot run (``unsupported``): no CUDA, and a GPU where the compiled re-encoding does not write torch's
 bytes (``fp4_fp8.self_check``, once per process at the warm-up forward).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -32,9 +42,8 @@ import torch
 from ..contract import Fp4Kernel, TuningEnv, tuning_choice
 from ..quant.memory import W4A8_SCRATCH_BUDGET, w4a8_chunk_experts, w4a8_projections
 from ..quant.memory import w4a8_scratch_bytes as scratch_bytes  # noqa: F401 - re-exported: the scratch's size
-from .fp4_fp8 import fp4_block_fp8, self_check, unpacked_columns, unsupported_shape
+from .fp4_fp8 import BLOCK, fp4_block_fp8, gate_up_block_fp8, self_check, unpacked_columns
 from .fp4_moe import SCALE_FORMATS, Fp4Weights
-from .fp8_moe import fp8_moe_forward
 from .moe import ExpertsLayout
 from .support import log_choice_once
 
@@ -60,17 +69,39 @@ def unsupported(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device
         return f"W4A8 runs on CUDA devices (the weights are on {device})"
     if weights.format not in SCALE_FORMATS:
         return f"FP4 format {weights.format!r}"
-    if weights.gate_up_bias is not None or weights.down_bias is not None or layout.has_bias:
-        return "expert biases (the FP8 kernels have no bias epilogue)"
-    if layout.has_gate and not layout.is_concatenated:
-        return "interleaved gate/up rows (the FP8 kernels read [gate; up] halves)"
-    if layout.glu is not None:
-        return "a clamped gated activation (the FP8 kernels' epilogue is act(gate) · up)"
-    for name, w in (("gate_up", weights.gate_up), ("down", weights.down)):
-        why = unsupported_shape(w.shape[1], unpacked_columns(w))
-        if why:
-            return f"{name} {why}"
     return self_check(device).unusable
+
+
+def cute_unsupported(weights: Fp4Weights, layout: ExpertsLayout) -> str | None:
+    """Why the CuTe FP8 kernels cannot take these experts (the Triton ones then do; None when they can): their
+    epilogues have no bias, a clamped SwiGLU only in the fused gate_up (DeepSeek-V4's), and their tiles no ragged
+    edge."""
+    from .fp8_cute import FUSED_ACTIVATIONS
+
+    if weights.gate_up_bias is not None or weights.down_bias is not None or layout.has_bias:
+        return "expert biases"
+    if layout.glu is not None and not (layout.has_gate and layout.activation in FUSED_ACTIVATIONS):
+        return f"a clamped {layout.activation} outside the fused gate_up"
+    hidden, inter = unpacked_columns(weights.gate_up), _inter(weights)
+    if hidden % BLOCK or inter % BLOCK:
+        return f"hidden {hidden} / intermediate {inter} not multiples of {BLOCK}"
+    return None
+
+
+#: why ``auto`` keeps a clamped SwiGLU off the CuTe kernels (module docstring)
+CLAMP_OPT_IN = ("clamped SwiGLU unless DWDP_FP8_BACKEND=cute (their clamped epilogue compiles and matches the "
+                "block math on CPU but is not yet measured on a GPU)")
+
+
+def cute_refusal(weights: Fp4Weights, layout: ExpertsLayout, wanted) -> str | None:
+    """Why these experts stay off the CuTe kernels under ``wanted`` (an ``fp8_moe.Fp8Backend``): what they cannot
+    take (``cute_unsupported``), or a clamped SwiGLU that only an explicit ``cute`` sends there (None: they go)."""
+    from .fp8_moe import Fp8Backend
+
+    why = cute_unsupported(weights, layout)
+    if why is None and layout.glu is not None and wanted is not Fp8Backend.CUTE:
+        return CLAMP_OPT_IN
+    return why
 
 
 def chosen_kernel(weights: Fp4Weights, layout: ExpertsLayout, device: torch.device) -> Fp4Kernel:
@@ -95,13 +126,16 @@ def _inter(weights: Fp4Weights) -> int:
 def w4a8_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  weights: Fp4Weights, layout: ExpertsLayout = ExpertsLayout(),
                  budget: int = W4A8_SCRATCH_BUDGET) -> torch.Tensor:
-    """The routed experts' output ``[T, H]`` through W4A8 (module docstring): on the CuTe kernels in chunks of
-    experts of at most ``budget`` re-encoded bytes (``chunked_forward``), elsewhere (the Triton FP8 kernels: no
-    sm_90 or no CuTe DSL, and the CPU tests under the interpreter) the whole layer re-encoded at once."""
+    """The routed experts' output ``[T, H]`` through W4A8 (module docstring), in chunks of experts of at most
+    ``budget`` re-encoded bytes: on the CuTe kernels (``chunked_forward``) where they run and take these experts,
+    else on the Triton FP8 kernels (``triton_chunked_forward``: no sm_90 or no CuTe DSL, biases, ragged widths
+    — gpt-oss's —, and the CPU tests under the interpreter)."""
     from . import fp8_cute
+    from .fp8_moe import wanted_backend
 
-    inter = _inter(weights)
-    if _on_cute(hidden_states.device):
+    wanted = wanted_backend()
+    why = cute_refusal(weights, layout, wanted)
+    if why is None and _on_cute(hidden_states.device, wanted):
         gemm = functools.partial(fp8_cute.block_scaled_grouped_gemm, out_dtype=torch.bfloat16)
         from .w4a8_reencode import CudaStreamOps, overlap_wanted
 
@@ -112,22 +146,20 @@ def w4a8_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
         except fp8_cute.CuteBuildError:
             # recorded by fp8_cute: a forced ``cute`` backend now refuses with the reason, ``auto`` takes Triton
             # (once per process, at the warm-up forward, as for FP8 checkpoints)
-            if _on_cute(hidden_states.device):
+            if _on_cute(hidden_states.device, wanted):
                 raise
-    w1, s1 = fp4_block_fp8(weights.gate_up, weights.gate_up_scale, weights.format, weights.gate_up_scale_2,
-                           split=inter if layout.has_gate else None)
-    w2, s2 = fp4_block_fp8(weights.down, weights.down_scale, weights.format, weights.down_scale_2)
-    return fp8_moe_forward(hidden_states, topk_ids, topk_weights, w1, s1, w2, s2, has_gate=layout.has_gate,
-                           activation=layout.activation)
+    elif why is not None and hidden_states.device.type == "cuda":
+        log_choice_once(log, "W4A8 FP4 experts", "on the Triton FP8 kernels", f"the CuTe ones take no {why}")
+    return triton_chunked_forward(hidden_states, topk_ids, topk_weights, weights, layout, budget=budget)
 
 
-def _on_cute(device: torch.device) -> bool:
-    """Whether the re-encoded weights (contiguous, 128-multiples by construction) run on the CuTe kernels here:
-    ``DWDP_FP8_BACKEND`` as for FP8 checkpoints (``cute`` where they cannot run is an error naming why)."""
+def _on_cute(device: torch.device, wanted) -> bool:
+    """Whether the re-encoded weights (contiguous, 128-multiples by construction) run on the CuTe kernels here
+    under ``wanted`` (``DWDP_FP8_BACKEND``, as for FP8 checkpoints: ``cute`` where they cannot run is an error
+    naming why)."""
     from . import fp8_cute
-    from .fp8_moe import BACKEND_ENV, Fp8Backend, wanted_backend
+    from .fp8_moe import BACKEND_ENV, Fp8Backend
 
-    wanted = wanted_backend()
     if wanted is Fp8Backend.TRITON or device.type != "cuda":
         return False
     why = fp8_cute.unavailable(device)
@@ -178,8 +210,11 @@ def _reencoder(steps: list, weights: Fp4Weights, layout: ExpertsLayout, device: 
 
     def encode(step, out):
         packed, scales, globals_, split = sources[step.projection]
-        return fp4_block_fp8(packed[step.c0:step.c1], scales[step.c0:step.c1], weights.format,
-                             None if globals_ is None else globals_[step.c0:step.c1], split=split, out=out)
+        chunk = (packed[step.c0:step.c1], scales[step.c0:step.c1], weights.format,
+                 None if globals_ is None else globals_[step.c0:step.c1])
+        if split is None:
+            return fp4_block_fp8(*chunk, out=out)
+        return gate_up_block_fp8(*chunk, inter=split, interleaved=not layout.is_concatenated, out=out)
 
     if ops is None:
         return InlineReencoder(steps, encode)
@@ -188,13 +223,13 @@ def _reencoder(steps: list, weights: Fp4Weights, layout: ExpertsLayout, device: 
         packed = sources[step.projection][0]
         return step.c1 - step.c0, packed.shape[1], unpacked_columns(packed)
 
-    def views(step, slot):
+    def views(step, slot):   # the CuTe path's shapes: multiples of 128 (``cute_unsupported``)
         e, n, k = shape(step)
         return (slot[0][:e * n * k].view(torch.float8_e4m3fn).view(e, n, k),
-                slot[1][:e * (n // 128) * (k // 128)].view(e, n // 128, k // 128))
+                slot[1][:e * (n // BLOCK) * (k // BLOCK)].view(e, n // BLOCK, k // BLOCK))
 
     most_w = max(e * n * k for e, n, k in map(shape, steps))
-    most_s = max(e * (n // 128) * (k // 128) for e, n, k in map(shape, steps))
+    most_s = max(e * (n // BLOCK) * (k // BLOCK) for e, n, k in map(shape, steps))
     slots = [(torch.empty(most_w, dtype=torch.uint8, device=device),
               torch.empty(most_s, dtype=torch.float32, device=device)) for _ in range(2)]
     return AheadReencoder(steps, encode, slots, views, ops)
@@ -204,7 +239,8 @@ def chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
                     weights: Fp4Weights, layout: ExpertsLayout, *, gemm, fused_gemm1=None,
                     budget: int = W4A8_SCRATCH_BUDGET, ops=None) -> torch.Tensor:
     """W4A8 over plan rows (``fp8_cute.plan_rows_moe_forward``'s passes) with the re-encoding in chunks of experts:
-    ``gemm(a, sa, w, ws, block_expert, out=d)`` and ``fused_gemm1(a, sa, w1, s1, block_expert, inter, out=(h, hs))``
+    ``gemm(a, sa, w, ws, block_expert, out=d)`` and ``fused_gemm1(a, sa, w1, s1, block_expert, inter, out=(h, hs),
+    glu=layout.glu)``
     have the CuTe GEMMs' contract (idle blocks skipped, ``out`` written only at the live blocks; the CPU tests pass
     the torch block math). Each projection is re-encoded in chunks of experts, so at most ``budget`` bytes of
     e4m3 are held (``quant.memory.w4a8_scratch_bytes``); ``ops`` (``w4a8_reencode.StreamOps``): each chunk is
@@ -232,11 +268,14 @@ def chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
         run(w, ws, chunk_block_map(plan.block_expert, steps[n].c0, steps[n].c1, num_experts))
         chunks.done(n)   # in line: its weights go back to the allocator when ``w``, ``ws`` do, here
 
+    if layout.glu is not None and not fused:
+        raise ValueError("a clamped SwiGLU runs in the fused gate_up only (cute_unsupported)")
     if fused:
         h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device)
         hs = torch.empty(inter // 128, rows, dtype=torch.float32, device=device)
         for n in range(first_down):
-            multiply(n, lambda w, ws, blocks: fused_gemm1(a, sa, w, ws, blocks, inter, out=(h, hs)))
+            multiply(n, lambda w, ws, blocks: fused_gemm1(a, sa, w, ws, blocks, inter, out=(h, hs),
+                                                          glu=layout.glu))
     else:
         gate_up = torch.empty(rows, weights.gate_up.shape[1], dtype=torch.bfloat16, device=device)
         for n in range(first_down):
@@ -248,4 +287,50 @@ def chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
         multiply(n, lambda w, ws, blocks: gemm(h, hs, w, ws, blocks, out=y))
     chunks.finish()
     out = reduce_plan_rows(y, plan, topk_weights, out_dtype=out_dtype)
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+def triton_chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                           weights: Fp4Weights, layout: ExpertsLayout, *, budget: int = W4A8_SCRATCH_BUDGET
+                           ) -> torch.Tensor:
+    """W4A8 on the Triton FP8 kernels (``fp8_grouped_gemm``) with the re-encoding in chunks of experts, in line:
+    one routing plan; each chunk's GEMM launch skips the other chunks' blocks (``chunk_block_map``) and writes its
+    own rows of the shared intermediate (e4m3 + scales) or output. The biases (their chunk's rows, any strides)
+    and the clamped gate go to the kernels' epilogues. The same bits in one chunk or many, and whatever the batch
+    (``fp8_moe.ROW_BLOCK``)."""
+    from .fp8_grouped_gemm import fp8_down, fp8_gate_up
+    from . import tuning
+    from .fp8_moe import default_configs
+    from .fp8_quant import quantize_groups
+    from .reduce import reduce_topk
+    from .routing import align_routing
+
+    out_dtype = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    num_experts, hidden, inter = weights.gate_up.shape[0], hidden_states.shape[1], _inter(weights)
+    device = hidden_states.device
+    cfg1, cfg2 = default_configs(tuning.load_bucket(hidden_states.shape[0], topk_ids.shape[1], num_experts), hidden)
+    xq, xs = quantize_groups(hidden_states)
+    plan = align_routing(topk_ids, num_experts, cfg1.block_m)
+    rows = plan.sorted_pairs.numel()
+    act = (torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device),
+           torch.empty(rows, -(-inter // BLOCK), dtype=torch.float32, device=device))
+    y = torch.empty(plan.num_pairs, hidden, dtype=out_dtype, device=device)
+    steps = _steps(num_experts, *w4a8_projections(hidden, inter, layout.has_gate), budget, False)
+    chunks = _reencoder(steps, weights, layout, device, None)
+    for n, step in enumerate(steps):
+        w, ws = chunks.take(n)
+        chunk_plan = dataclasses.replace(plan, block_expert=chunk_block_map(plan.block_expert, step.c0, step.c1,
+                                                                            num_experts))
+        if step.projection == "gate_up":
+            bias = None if weights.gate_up_bias is None else weights.gate_up_bias[step.c0:step.c1]
+            fp8_gate_up(xq, xs, w, ws, chunk_plan, cfg1, inter=inter, up_srow=-(-inter // BLOCK),
+                        has_gate=layout.has_gate, activation=layout.activation, bias=bias,
+                        bias_interleaved=not layout.is_concatenated, glu=layout.glu, out=act)
+        else:
+            bias = None if weights.down_bias is None else weights.down_bias[step.c0:step.c1]
+            fp8_down(act[0], act[1], w, ws, topk_weights, chunk_plan, cfg2, hidden=hidden, out_dtype=out_dtype,
+                     bias=bias, out=y)
+        chunks.done(n)
+    chunks.finish()
+    out = reduce_topk(y, topk_ids, num_experts, out_dtype=out_dtype)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)

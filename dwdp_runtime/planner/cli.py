@@ -27,9 +27,9 @@ def add_subparser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help=f"expert weight dtype: {', '.join(presets.DTYPES)}")
     p.add_argument("--dense-dtype", default=None, help="dtype of attention/dense linears (default: --dtype)")
     p.add_argument("--fp4-kernel", default=Fp4Kernel.AUTO.value, choices=FP4_KERNELS,
-                   help="the workers' DWDP_FP4_KERNEL, for nvfp4/mxfp4 experts (default auto: W4A8 where hidden "
-                        "and moe_intermediate are multiples of 128, which holds one MoE layer's experts in e4m3 "
-                        "while it runs: the w4a8_scratch part)")
+                   help="the workers' DWDP_FP4_KERNEL, for nvfp4/mxfp4 experts (default auto: W4A8, which holds "
+                        "one MoE layer's experts in e4m3 while it runs, in chunks of at most 1 GiB: the "
+                        "w4a8_scratch part)")
     p.add_argument("--hardware", default="h200-hgx", help=f"GPU preset: {', '.join(presets.HARDWARE)}")
     p.add_argument("--isl", type=int, default=8192, help="input length per sequence (tokens)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per forward")

@@ -24,8 +24,8 @@ Pure. Parts (bytes):
                  elastic): the graphs' one shared memory pool, the same estimate for the largest padded shape
                  (``graph_buckets.largest_bucket_tokens(max_num_tokens)``) — held beside the eager forwards'
                  activations, which still run (warm-ups, shapes without a graph).
-  w4a8_scratch   FP4 experts (``nvfp4``, ``mxfp4``) served W4A8, the worker's default where hidden and
-                 moe_intermediate are multiples of 128 (``kernels.w4a8_moe``): the experts re-encoded to e4m3 + block
+  w4a8_scratch   FP4 experts (``nvfp4``, ``mxfp4``) served W4A8, the worker's default (``kernels.w4a8_moe``;
+                 gpt-oss's 2880-wide rows are blocked with a ragged edge): the experts re-encoded to e4m3 + block
                  scales while a layer runs, in chunks of at most ``quant.memory.W4A8_SCRATCH_BUDGET`` (1 GiB) per
                  projection (``quant.w4a8_scratch_bytes``; DeepSeek-R1's whole layer would be 11.3 GB).
                  ``fp4_kernel="weight-only"`` plans without it (``DWDP_FP4_KERNEL=weight-only`` on the workers).

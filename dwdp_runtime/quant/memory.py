@@ -86,14 +86,19 @@ W4A8_BLOCK = 128
 W4A8_SCRATCH_BUDGET = 1 << 30
 
 
-def _w4a8_projection_bytes(rows: int, cols: int) -> int:
-    """One expert's projection ``[rows, cols]`` in e4m3 plus its fp32 128×128 block scales."""
-    return rows * cols + 4 * (rows // W4A8_BLOCK) * (cols // W4A8_BLOCK)
+def _blocks(n: int) -> int:
+    return -(-n // W4A8_BLOCK)
+
+
+def _w4a8_projection_bytes(rows: int, cols: int, halves: int = 1) -> int:
+    """One expert's projection of ``halves`` × ``[rows, cols]`` (gate and up are blocked apart) in e4m3 plus its
+    fp32 128×128 block scales (a ragged edge is a block of its own)."""
+    return halves * (rows * cols + 4 * _blocks(rows) * _blocks(cols))
 
 
 def w4a8_projections(hidden: int, inter: int, has_gate: bool = True) -> tuple[int, int]:
     """Bytes of one expert's re-encoded ``(gate_up, down)``."""
-    return (_w4a8_projection_bytes((2 if has_gate else 1) * inter, hidden), _w4a8_projection_bytes(hidden, inter))
+    return (_w4a8_projection_bytes(inter, hidden, 2 if has_gate else 1), _w4a8_projection_bytes(hidden, inter))
 
 
 def w4a8_chunk_experts(num_experts: int, expert_bytes: int, budget: int = W4A8_SCRATCH_BUDGET) -> int:
@@ -105,7 +110,5 @@ def w4a8_scratch_bytes(num_experts: int, hidden: int, inter: int, has_gate: bool
                        budget: int = W4A8_SCRATCH_BUDGET) -> int:
     """Bytes a W4A8 FP4 forward (``kernels.w4a8_moe``) holds re-encoded while a MoE layer runs: the larger
     projection chunk (``w4a8_chunk_experts`` experts of the layer's composite, local and pulled, in e4m3 with
-    fp32 block scales); 0 where the shapes are not multiples of the block (W4A8 does not run there)."""
-    if hidden % W4A8_BLOCK or inter % W4A8_BLOCK:
-        return 0
+    fp32 block scales)."""
     return max(w4a8_chunk_experts(num_experts, b, budget) * b for b in w4a8_projections(hidden, inter, has_gate))

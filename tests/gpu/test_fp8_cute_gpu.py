@@ -75,9 +75,12 @@ def test_cute_grouped_gemm_matches_block_math(fp8_cute, cfg):
     assert torch.equal(default[:rows], d[:rows])
 
 
-def test_cute_fused_gate_up_matches_block_math(fp8_cute):
-    """GEMM 1 fused with SiLU·mul and the e4m3 requantisation equals the block math's activation quantized by
-    the ``fp8_quant`` rule, up to the tensor cores' summation order (a few e4m3 codes one step apart)."""
+@pytest.mark.parametrize("clamped", [False, True], ids=["silu", "deepseek_v4-clamped"])
+def test_cute_fused_gate_up_matches_block_math(fp8_cute, clamped):
+    """GEMM 1 fused with SiLU·mul (or DeepSeek-V4's clamped SwiGLU, limit 10: the weights scaled so that about a
+    tenth of the gates and ups pass it) and the e4m3 requantisation equals the block math's activation quantized
+    by the ``fp8_quant`` rule, up to the tensor cores' summation order (a few e4m3 codes one step apart)."""
+    from dwdp_runtime.kernels import gates
     from dwdp_runtime.kernels.fp8_plan_rows import gather_plan_rows
     from dwdp_runtime.kernels.fp8_quant import quantize_groups, quantize_groups_reference
     from dwdp_runtime.kernels.routing import align_routing
@@ -85,17 +88,26 @@ def test_cute_fused_gate_up_matches_block_math(fp8_cute):
 
     g = torch.Generator(device="cuda").manual_seed(4)
     e, inter, h, t, top_k = 5, 256, 640, 300, 2
-    w1, s1 = fp8_block.quantize(torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h ** -0.5,
+    glu = gates.ClampedGlu(10.0) if clamped else None
+    spread = 6.0 if clamped else 1.0   # |gate| ~ N(0, 6²): P(> 10) ≈ 5 % each side
+    w1, s1 = fp8_block.quantize(torch.randn(e, 2 * inter, h, device="cuda", generator=g) * spread * h ** -0.5,
                                 row_segments=(inter, inter))
     x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.randint(0, e - 1, (t, top_k), device="cuda", generator=g)
     plan = align_routing(ids, e, fp8_cute.TILE_M)
     a, sa = gather_plan_rows(*quantize_groups(x), plan)
-    hq, hs = fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, inter)
+    hq, hs = fp8_cute.gate_up_act_quant(a, sa, w1, s1, plan.block_expert, inter, glu=glu)
     rows = int(plan.num_padded)
     gu = _block_math(a, sa, w1, s1, plan.block_expert, rows)
     gate, up = gu[:, :inter], gu[:, inter:]
-    want_q, want_s = quantize_groups_reference(gate * torch.sigmoid(gate) * up)
+    if clamped:
+        live = plan.block_expert.repeat_interleave(fp8_cute.TILE_M)[:rows] >= 0
+        past = float((gate[live] > glu.limit).float().mean())
+        print(f"fused gate_up clamped: {past:.1%} of the gates past the limit")
+        assert past > 0.02, past
+        want_q, want_s = quantize_groups_reference(gates.reference(gate, up, glu))
+    else:
+        want_q, want_s = quantize_groups_reference(gate * torch.sigmoid(gate) * up)
     # the scales are amax / 448 of values summed by the tensor cores (not in IEEE fp32 order) through a hardware
     # exp: close, not bitwise
     rel = ((hs[:, :rows].t() - want_s).abs() / want_s).max()

@@ -68,6 +68,88 @@ def test_w4a8_experts_near_the_dequantized_weights_and_batch_invariant(fmt, shap
             assert torch.equal(alone, got[100:101])
 
 
+def test_gpt_oss_experts_w4a8_on_the_triton_kernels_near_bf16_chunked_and_batch_invariant():
+    """gpt-oss's expert shape (2880 = 22.5 blocks both ways, interleaved gate/up rows, biases, the clamped SwiGLU
+    + 1): the compiled ragged re-encoding writes torch's bytes, W4A8 (Triton FP8 kernels, bias and clamp in their
+    epilogues) is near the bf16 kernels with the same epilogue on the dequantized weights, gives the same bits in
+    chunks of experts, and a token alone is the token inside 4K."""
+    from dwdp_runtime.kernels.fp4_fp8 import block_bound, fp4_fp8_reference, gate_up_block_fp8
+    from dwdp_runtime.kernels.fp4_moe import Fp4Weights
+    from dwdp_runtime.kernels.gates import ClampedGlu
+    from dwdp_runtime.kernels.moe import ExpertsLayout, ExpertWeights, fused_experts
+    from dwdp_runtime.kernels.w4a8_moe import w4a8_experts
+    from dwdp_runtime.quant import fp4
+    from dwdp_runtime.quant.memory import w4a8_projections
+
+    h = i = 2880
+    e, k = 8, 4
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w1 = torch.randn(e, 2 * i, h, generator=g, device="cuda") * h ** -0.5 * 3
+    w2 = torch.randn(e, h, i, generator=g, device="cuda") * i ** -0.5
+    (q1, s1), (q2, s2) = fp4.mxfp4_quantize(w1), fp4.mxfp4_quantize(w2)
+    b1 = (0.5 * torch.randn(e, 2 * i, generator=g, device="cuda")).bfloat16()
+    b2 = (0.1 * torch.randn(e, h, generator=g, device="cuda")).bfloat16()
+    packed = Fp4Weights("mxfp4", q1, s1, q2, s2, gate_up_bias=b1, down_bias=b2)
+    twin = ExpertWeights(fp4.mxfp4_dequantize(q1, s1, torch.bfloat16), fp4.mxfp4_dequantize(q2, s2, torch.bfloat16),
+                         b1, b2)
+    layout = ExpertsLayout(is_concatenated=False, has_bias=True, glu=ClampedGlu(7.0, 1.702, 1.0))
+    wq, ws = gate_up_block_fp8(q1, s1, "mxfp4", inter=i, interleaved=True)
+    gate = fp4.mxfp4_dequantize(q1[:, 0::2], s1[:, 0::2], torch.float32)
+    rw, rs = fp4_fp8_reference(gate, block_bound(s1[:, 0::2], "mxfp4"))
+    assert torch.equal(wq[:, :i].view(torch.uint8), rw.view(torch.uint8)) and torch.equal(ws[:, :23], rs)
+    for t, x, w, ids in routed_batches(h, e, k):
+        w = (w / w.sum(-1, keepdim=True)).bfloat16()
+        got = w4a8_experts(x, ids, w, packed, layout)
+        want = fused_experts(x, ids, w, twin, layout)
+        rel = float((got.float() - want.float()).norm() / want.float().norm())
+        print(f"gpt-oss shape T={t}: W4A8 vs bf16 kernels on the dequantized weights, same epilogue: rel err {rel:.4f}")
+        assert rel < W4A8_REL_TOL, rel
+        if t == 4096:
+            chunked = w4a8_experts(x, ids, w, packed, layout, budget=3 * max(w4a8_projections(h, i)))
+            assert torch.equal(chunked, got)
+            alone = w4a8_experts(x[100:101], ids[100:101], w[100:101], packed, layout)
+            assert torch.equal(alone, got[100:101])
+
+
+def test_deepseek_v4_experts_w4a8_on_the_cute_kernels_near_bf16_chunked_and_batch_invariant(fp8_cute, monkeypatch):
+    """DeepSeek-V4's expert shape (hidden 4096, intermediate 2048, top-6; int8 codes + E8M0 scales) with its clamped
+    silu (limit 10) runs W4A8 on the CuTe kernels (``DWDP_FP8_BACKEND=cute``: opt-in until this passes), the clamp
+    in the fused gate_up's epilogue: near the bf16 kernels with the same clamp on the dequantized weights, the same
+    bits in chunks of experts, a token alone the token inside 4K."""
+    monkeypatch.setenv("DWDP_FP8_BACKEND", "cute")
+    from dwdp_runtime.kernels import w4a8_moe
+    from dwdp_runtime.kernels.fp4_moe import Fp4Weights
+    from dwdp_runtime.kernels.fp8_moe import wanted_backend
+    from dwdp_runtime.kernels.gates import ClampedGlu
+    from dwdp_runtime.kernels.moe import ExpertsLayout, ExpertWeights, fused_experts
+    from dwdp_runtime.quant import fp4
+    from dwdp_runtime.quant.memory import w4a8_projections
+
+    h, i, e, k = 4096, 2048, 16, 6
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w1 = torch.randn(e, 2 * i, h, generator=g, device="cuda") * h ** -0.5 * 6   # gates ~ N(0, 6²): ~5 % past 10
+    w2 = torch.randn(e, h, i, generator=g, device="cuda") * i ** -0.5
+    (q1, s1), (q2, s2) = fp4.mxfp4_quantize(w1), fp4.mxfp4_quantize(w2)
+    twin = ExpertWeights(fp4.mxfp4_dequantize(q1, s1, torch.bfloat16), fp4.mxfp4_dequantize(q2, s2, torch.bfloat16))
+    packed = Fp4Weights("fp4-ue8m0", q1.view(torch.int8), s1.view(torch.float8_e8m0fnu), q2.view(torch.int8),
+                        s2.view(torch.float8_e8m0fnu))
+    layout = ExpertsLayout(glu=ClampedGlu(10.0))
+    assert w4a8_moe.cute_unsupported(packed, layout) is None
+    assert w4a8_moe.cute_refusal(packed, layout, wanted_backend()) is None   # the variable above sends it there
+    for t, x, w, ids in routed_batches(h, e, k):
+        got = w4a8_moe.w4a8_experts(x, ids, w, packed, layout)
+        want = fused_experts(x, ids, w, twin, layout)
+        rel = float((got.float() - want.float()).norm() / want.float().norm())
+        print(f"deepseek_v4 shape T={t}: W4A8 (CuTe, clamped epilogue) vs bf16 kernels on the dequantized weights: "
+              f"rel err {rel:.4f}")
+        assert rel < W4A8_REL_TOL, rel
+        if t == 4096:
+            chunked = w4a8_moe.w4a8_experts(x, ids, w, packed, layout, budget=3 * max(w4a8_projections(h, i)))
+            assert torch.equal(chunked, got)
+            alone = w4a8_moe.w4a8_experts(x[100:101], ids[100:101], w[100:101], packed, layout)
+            assert torch.equal(alone, got[100:101])
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_chunks_of_experts_on_the_cute_kernels_give_the_bits_of_one_chunk(fmt, fp8_cute):
     """DeepSeek-V3's expert shape with a budget of 9 experts' gate_up (8 chunks of 64 experts; down 4): each

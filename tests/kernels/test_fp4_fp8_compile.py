@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from dwdp_runtime.kernels import fp4_fp8
 
 kernel = fp4_fp8._fp4_fp8_kernel
-ints = ["K", "split", "s2_second", "stride_we", "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk",
+ints = ["N", "K", "split", "s2_second", "stride_we", "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk",
         "stride_s2e", "stride_s2s", "stride_qe", "stride_qn", "stride_qse", "stride_qsn"]
 signature = {"w_ptr": "*u8", "s_ptr": "*u8", "s2_ptr": "*fp32", "q_ptr": "*u8", "qs_ptr": "*fp32",
              **{name: "i32" for name in ints},

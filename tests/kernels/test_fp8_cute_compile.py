@@ -1,5 +1,6 @@
 """The CuTe DSL FP8 kernels compile for sm_90a on a machine without a GPU (CI): the plain block-scaled grouped
-GEMM (clusters of 1 and 2, 64-, 128- and 256-column tiles) and the fused gate_up — with no register spills;
+GEMM (clusters of 1 and 2, 64-, 128- and 256-column tiles) and the fused gate_up (SiLU, and DeepSeek-V4's clamped
+SwiGLU) — with no register spills;
 the host-side tile checks (a wide tile where N is not a multiple of it falls back to 128 columns); and a kernel
 that fails to build is recorded and named (``CuteBuildError``, ``unavailable()``).
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 
 import pytest
 import torch
@@ -22,9 +24,13 @@ if torch.cuda.is_available():
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
 fp8_cute = pytest.importorskip("dwdp_runtime.kernels.fp8_cute")
+from dwdp_runtime.kernels.gates import ClampedGlu  # noqa: E402
 
 
-def _compile(act_inter: int, tile_n: int, cluster_n: int, capfd, trace: bool = False):
+def _compile(act_inter: int, tile_n: int, cluster_n: int, capfd, dump_dir, trace: bool = False,
+             glu=None):
+    """Compile one build; returns ptxas's report (captured) and the PTX (written under ``dump_dir``, never the
+    working directory)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -41,18 +47,37 @@ def _compile(act_inter: int, tile_n: int, cluster_n: int, capfd, trace: bool = F
     counters = torch.zeros(132, fp8_cute.TRACE_ROLES, len(fp8_cute.TRACE_FIELDS), dtype=torch.int64) if trace else None
     args = fp8_cute.gemm_arguments(a, sa, w, ws, d, ds, torch.zeros(rows // 128, dtype=torch.int32), counters)
     kernel = fp8_cute._kernel_module().BlockScaledGroupedGemm(hidden // 128, tile_n, False, 1, cluster_n, act_inter,
-                                                              trace)
+                                                              trace, glu)
     compiled = cute.compile(kernel.from_pointers, *args, n, d.shape[1], 132 // cluster_n, make_fake_stream(),
-                            options="--remarks{ptx}")
+                            options=f"--remarks{{ptx}} --keep-ptx --dump-dir={dump_dir}")
     assert compiled is not None
-    return capfd.readouterr()
+    return capfd.readouterr(), compiled.__ptx__
 
 
-@pytest.mark.parametrize("act_inter, tile_n, cluster_n", [(0, 128, 1), (0, 128, 2), (0, 64, 2), (0, 256, 2),
-                                                           (256, 128, 2)],
-                         ids=["plain-c1", "plain-c2", "plain-n64", "plain-n256", "fused-gate-up"])
-def test_cute_fp8_kernels_compile_for_sm90_without_spills(act_inter, tile_n, cluster_n, capfd):
-    out = _compile(act_inter, tile_n, cluster_n, capfd)
+def _ptx_f32(x: float) -> str:
+    """A float32 immediate as PTX writes it (``0f41200000`` is 10.0)."""
+    return "0f" + struct.pack(">f", x).hex().upper()
+
+
+#: DeepSeek-V4's clamped silu, compiled into the fused gate_up's epilogue
+DEEPSEEK_V4_GLU = ClampedGlu(10.0)
+
+
+@pytest.mark.parametrize("act_inter, tile_n, cluster_n, glu", [(0, 128, 1, None), (0, 128, 2, None), (0, 64, 2, None),
+                                                                (0, 256, 2, None), (256, 128, 2, None),
+                                                                (256, 128, 2, DEEPSEEK_V4_GLU)],
+                         ids=["plain-c1", "plain-c2", "plain-n64", "plain-n256", "fused-gate-up",
+                              "fused-gate-up-clamped"])
+def test_cute_fp8_kernels_compile_for_sm90_without_spills(act_inter, tile_n, cluster_n, glu, capfd, tmp_path):
+    out, ptx = _compile(act_inter, tile_n, cluster_n, capfd, tmp_path, glu=glu)
+    # the clamp is in the build that asks for it, and only there: min(gate, limit), max(min(up, limit), −limit)
+    limit = DEEPSEEK_V4_GLU.limit
+    clamp_min = re.findall(rf"min\.f32\s+%r\d+, %r\d+, {_ptx_f32(limit)};", ptx)
+    clamp_max = re.findall(rf"max\.f32\s+%r\d+, %r\d+, {_ptx_f32(-limit)};", ptx)
+    if glu is None:
+        assert not clamp_min and not clamp_max
+    else:
+        assert clamp_min and len(clamp_min) == 2 * len(clamp_max), (len(clamp_min), len(clamp_max))
     text = out.out + out.err
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     assert spills, "ptxas reported no resource usage"
@@ -64,11 +89,11 @@ def test_cute_fp8_kernels_compile_for_sm90_without_spills(act_inter, tile_n, clu
 
 
 @pytest.mark.parametrize("act_inter, tile_n", [(256, 128), (0, 256)], ids=["fused-gate-up", "plain-n256"])
-def test_the_trace_build_compiles(act_inter, tile_n, capfd):
+def test_the_trace_build_compiles(act_inter, tile_n, capfd, tmp_path):
     """The diagnostic build with phase counters (``trace=True``: clock reads around each wait and the epilogue) compiles
     for sm_90a; what it measures is read on the GPU (``bench/fp8_moe.py --trace``). Its clock reads may cost registers,
     so only the build is asserted, not the absence of spills."""
-    out = _compile(act_inter, tile_n, 2 if act_inter else 1, capfd, trace=True)
+    out, _ = _compile(act_inter, tile_n, 2 if act_inter else 1, capfd, tmp_path, trace=True)
     assert "ptxas" in out.out + out.err
 
 

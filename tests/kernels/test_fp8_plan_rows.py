@@ -15,6 +15,7 @@ from .fp8_reference import fp8_moe_reference
 
 plan_rows = pytest.importorskip("dwdp_runtime.kernels.fp8_plan_rows")
 fp8_cute = pytest.importorskip("dwdp_runtime.kernels.fp8_cute")
+from dwdp_runtime.kernels import gates  # noqa: E402
 from dwdp_runtime.kernels.fp8_quant import quantize_groups, quantize_groups_reference  # noqa: E402
 from dwdp_runtime.kernels.routing import align_routing  # noqa: E402
 
@@ -94,11 +95,13 @@ def block_math_gemm(a, sa, w, ws, block_expert, out_dtype=torch.bfloat16):
     return out
 
 
-def block_math_fused_gate_up(a, sa, w1, s1, block_expert, inter):
-    """The fused gate_up's contract: the fp32 block math, SiLU·mul, the ``fp8_quant`` rule per row and group."""
+def block_math_fused_gate_up(a, sa, w1, s1, block_expert, inter, glu=None):
+    """The fused gate_up's contract: the fp32 block math, SiLU·mul (``glu``: the clamped SwiGLU,
+    ``gates.reference`` in fp32), the ``fp8_quant`` rule per row and group."""
     gu = block_math_gemm(a, sa, w1, s1, block_expert, torch.float32)
     gate, up = gu[:, :inter], gu[:, inter:]
-    q, s = quantize_groups_reference(gate * torch.sigmoid(gate) * up)
+    h = gate * torch.sigmoid(gate) * up if glu is None else gates.reference(gate, up, glu)
+    q, s = quantize_groups_reference(h)
     return q, s.t().contiguous()
 
 

@@ -118,7 +118,8 @@ class LoadReport:
     layers: list[int]
     local_scale_bytes: int = 0  # of local_expert_bytes: the block scales (FP8 ``*_scale_inv``)
     mapped: Any = None          # quant.ExpertMemory: mapped bytes by part (weights, scales, pool), as planned
-    model_s: float = 0.0        # the meta model: its transformers modeling module imported, modules built
+    model_s: float = 0.0        # the meta model (its transformers modeling module imported, modules built) and the
+                                # checkpoint's names (headers parsed, transformers' conversion rules matched)
     read_s: float = 0.0         # checkpoint read (dense + local experts, their allocation included)
     map_s: float = 0.0          # manager.setup: peer handles exchanged, composites mapped
 
@@ -283,12 +284,14 @@ def load_sharded(model_dir, manager, *, dtype=None, progress: bool = False, conf
     model = build_meta_model(config, dtype)
     layout = arch.model_layout(model)
     a, b = manager.local_range
-    t_read = time.monotonic()
     qc = quant.quant_config_of(config)
     with SafetensorsIndex(model_dir) as index:
         ckpt = modelopt_view(index, qc)   # compressed-tensors NVFP4 under ModelOpt's names; else the index
+        # the names are the model's, not the read's: `transformers`' conversion rules are built (regexes of every
+        # model type, ~0.1 s on a GPU host) before the first byte is asked for, so ``read_s`` times the reads
         cmap = CheckpointMap.build(model, ckpt.entries)
         layout, quantized = quant.resolve_layout(layout, qc, cmap, ckpt)
+        t_read = time.monotonic()
         dense = load_dense(model, layout, cmap, ckpt, device, progress=progress, dtype=dtype)
         plan = dtype_plan(model, dtype)
         from tqdm.auto import tqdm

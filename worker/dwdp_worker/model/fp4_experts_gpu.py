@@ -3,8 +3,8 @@ composites (``kernels.w4a8_moe.chosen_kernel``: ``DWDP_FP4_KERNEL``, default ``a
 
 ``unsupported_reason(module, x)`` is None only on CUDA with the Triton kernels available, 16-bit activations
 and a module the fused epilogues cover: the default gate with a known activation, or a clamped SwiGLU the module's
-own ``_apply_gate`` is found to compute (``kernels.gates.match``: gpt-oss's, DeepSeek-V4's; weight-only kernels,
-W4A8 has no clamp), no post-expert norm, no expert-parallel sentinels; biases are fine. Anything else takes
+own ``_apply_gate`` is found to compute (``kernels.gates.match``: gpt-oss's, DeepSeek-V4's; fused in both the
+weight-only kernels and W4A8's Triton FP8 kernels), no post-expert norm, no expert-parallel sentinels; biases are fine. Anything else takes
 ``checkpoint.fp4_loading.dequantized_forward`` (dequantize, then the module's configured forward).
 
 What the kernels read (``dwdp_runtime.kernels.fp4_moe``): the packed ``[E, out, in/2]`` codes and scales as the

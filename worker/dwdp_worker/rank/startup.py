@@ -5,7 +5,8 @@ Phases, in the order a rank runs them (``process._serve`` and ``Engine.build``):
   * ``rendezvous_s``  waiting for the group's other ranks (the slowest rank's start shows here);
   * ``manager_s``     ``DwdpManager.create``: backend probe, CUDA context, copy streams;
   * ``model_s``       the config and the meta model: `transformers`' modeling module imported (seconds on a
-                      busy host: it imports most of `transformers`), modules built on the meta device;
+                      busy host: it imports most of `transformers`), modules built on the meta device; then
+                      the checkpoint's names: headers parsed, `transformers`' conversion rules matched;
   * ``read_s``        the checkpoint read: dense weights and local experts into their memory, the local
                       handles' allocation included (``cuMemCreate`` per expert weight: it cannot be separated
                       from the fill it feeds); ``read_bytes`` of them;
