@@ -21,8 +21,9 @@ Pipeline (the agent's thread does all its store I/O; the serving loop only calls
   5. ``poll()`` (the serving loop, between forwards) returns the newest membership not yet applied, without store
      I/O. A membership that does not name this process (its rank run by its incarnation) raises ``Fenced``: a rank
      the others declared dead (a frozen one that woke up) must stop serving, never keep answering as a member. A
-     store host that finds its peers silent first asks their standbys for a newer store generation: one exists
-     only if the others failed over without it (it was frozen), and then it is ``Fenced`` too.
+     store host that finds its peers silent, or its own store rounds stalled, first asks the others' standbys for a
+     newer store generation: one exists only if the others failed over without it (it was frozen), and then it is
+     ``Fenced`` too.
 
 Invariants: every rank applies the same sequence of epochs (the store's winners); a candidate (a replacement
 before admission) proposes nothing; the latch ``_fenced`` never clears.
@@ -123,9 +124,12 @@ class MembershipAgent:
         return self._admitted
 
     def poll(self) -> Membership | None:
-        """The newest membership not yet returned (``None``: no change). No store I/O. Raises ``Fenced``."""
-        self._monitor.check()  # a lost store without a failover is still fatal
+        """The newest membership not yet returned (``None``: no change). No store I/O. Raises ``Fenced`` (before
+        ``PeerLost``: a fenced rank's own monitor may also have judged the store it hosted lost, and the reason to
+        report is that the group moved on without it)."""
         m = self._latest
+        if self._fenced is None:
+            self._monitor.check()  # a lost store without a failover is still fatal
         if self._fenced is not None or (self._admitted and not m.serves(self.rank, self.incarnation)):
             raise Fenced(self._fenced or f"rank {self.rank} was excluded from {self._rdzv.where} at membership epoch "
                                          f"{m.epoch} (members {sorted(m.alive)})")
@@ -250,15 +254,40 @@ class MembershipAgent:
 
     # -- failover (module docstring, 4) -----------------------------------------------------------------------
     def on_store_lost(self, why: str) -> bool:
-        """From the monitor's watch thread: start the failover (True), or decline (False: the loss is fatal)."""
-        if self.standbys is None or self._fenced is not None or self._rdzv.host_rank == self.rank:
+        """From the monitor's watch thread: start the failover (True), or decline (False: the loss is fatal). On
+        the store's own host the store cannot be lost while this process runs: its rounds stalled because the
+        process itself was frozen or starved, so the question is whether the others moved on without it
+        (``_host_stalled``)."""
+        if self.standbys is None or self._fenced is not None:
             return False
         with self._lock:
             if self._failover_running:
                 return True
             self._failover_running = True
-        threading.Thread(target=self._failover, args=(why,), name="dwdp-store-failover", daemon=True).start()
+        host = self._rdzv.host_rank == self.rank
+        threading.Thread(target=self._host_stalled if host else self._failover, args=(why,),
+                         name="dwdp-store-failover", daemon=True).start()
         return True
+
+    def _host_stalled(self, why: str) -> None:
+        """This rank hosts the store and its own rounds stalled past the bound. If the group moved to a standby
+        store without it (a newer generation answers there), it is fenced: ``poll`` raises ``Fenced`` and the
+        monitor stays parked (its records are of a store nobody uses). Otherwise the loss is fatal, as in a static
+        group. Found by the SIGSTOP test of tests/runtime/test_elastic_rejoin.py: woken on a loaded machine, the
+        host's own first round took longer than the bound, and the rank reported a lost store instead of being
+        fenced."""
+        try:
+            superseded = self._superseded()
+        except Exception as exc:  # noqa: BLE001 - the search itself failed: nothing says the group moved on
+            log.warning("the search for a newer store failed: %s", exc)
+            superseded = False
+        finally:
+            with self._lock:
+                self._failover_running = False
+        if superseded:
+            log.warning("%s", self._fenced)
+            return
+        self._monitor.fail(why)
 
     def _failover(self, why: str) -> None:
         t0 = time.monotonic()
