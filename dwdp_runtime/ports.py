@@ -8,11 +8,12 @@ any outgoing connection on the host can take it in between as its source port, f
 lives: seen on CI (2026-12-07), a TCPStore refused with EADDRINUSE for its whole 60 s rendezvous timeout while
 the test control plane's long-lived connections were open. Outside that range only another explicit bind can take
 it. Where the range leaves no room (a host that made almost every port ephemeral), ports are drawn anywhere above
-``PORT_FLOOR``.
+``PORT_FLOOR``. ``DWDP_PORT_RANGE=LOW-HIGH`` narrows every draw to that range (``PORT_RANGE_ENV`` says why).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -27,6 +28,10 @@ EPHEMERAL_DEFAULT = (32768, 60999)
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 #: blocks tried before giving up (each a random draw, checked by binding every port of it)
 DRAW_TRIES = 64
+#: ``LOW-HIGH`` (inclusive): draw only there. Why: a port is checked free when drawn and bound later, so two
+#: processes drawing on one host at once (two local launchers, two test workers) can draw the same port in between;
+#: disjoint ranges cannot. Still kept outside the ephemeral range where the range leaves room.
+PORT_RANGE_ENV = "DWDP_PORT_RANGE"
 
 
 class NoFreePorts(OSError):
@@ -42,14 +47,34 @@ def ephemeral_range() -> tuple[int, int]:
         return EPHEMERAL_DEFAULT
 
 
-def draw_spans(count: int, ephemeral: tuple[int, int]) -> list[tuple[int, int]]:
-    """The inclusive ranges a block of ``count`` ports may start in: above ``PORT_FLOOR``, the whole block outside
-    ``ephemeral``; everything above the floor where nothing is outside it."""
+def configured_range(environ=os.environ) -> tuple[int, int] | None:
+    """``DWDP_PORT_RANGE`` as ``(low, high)``, or ``None`` when unset; ``ValueError`` naming the fix when malformed."""
+    raw = environ.get(PORT_RANGE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        low, high = (int(x) for x in raw.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={raw!r}: expected LOW-HIGH, e.g. 20000-24999") from None
+    if not 1024 <= low <= high <= PORT_CEILING:
+        raise ValueError(f"{PORT_RANGE_ENV}={raw!r}: expected 1024 <= LOW <= HIGH <= {PORT_CEILING}")
+    return low, high
+
+
+def draw_spans(count: int, ephemeral: tuple[int, int], within: tuple[int, int] | None = None
+               ) -> list[tuple[int, int]]:
+    """The inclusive ranges a block of ``count`` ports may start in: above ``PORT_FLOOR`` (or inside ``within``),
+    the whole block outside ``ephemeral``; anywhere there where nothing is outside it."""
+    floor, ceiling = within or (PORT_FLOOR, PORT_CEILING)
     low, high = ephemeral
-    last_start = PORT_CEILING - count + 1
-    spans = [(PORT_FLOOR, min(low - count, last_start)), (max(high + 1, PORT_FLOOR), last_start)]
+    last_start = ceiling - count + 1
+    spans = [(floor, min(low - count, last_start)), (max(high + 1, floor), last_start)]
     spans = [(a, b) for a, b in spans if b >= a]
-    return spans or [(PORT_FLOOR, last_start)]
+    if spans:
+        return spans
+    if last_start < floor:
+        raise NoFreePorts(f"a block of {count} ports does not fit in {floor}-{ceiling}")
+    return [(floor, last_start)]
 
 
 def _draw(spans: list[tuple[int, int]], rng: random.Random) -> int:
@@ -68,7 +93,7 @@ def free_port_block(count: int, *, host: str = "127.0.0.1", tries: int = DRAW_TR
     """A base port p with ``p … p+count-1`` all free on ``host`` now, outside the ephemeral range (module
     docstring); raises ``NoFreePorts`` after ``tries`` draws."""
     rng = rng or random.Random()
-    spans = draw_spans(count, ephemeral_range())
+    spans = draw_spans(count, ephemeral_range(), configured_range())
     for _ in range(tries):
         base = _draw(spans, rng)
         socks = []

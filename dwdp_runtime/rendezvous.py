@@ -185,7 +185,9 @@ class StoreRendezvous(Rendezvous):
         self._where = f"group {self.group} attempt {self.attempt} (store {where}, generation {generation})"
 
     def store_set(self, key: str, value: bytes) -> None:
-        """A raw, namespaced set (used by the peer monitor's heartbeats)."""
+        """A raw, namespaced set (used by the peer monitor's heartbeats). Like every TCPStore set it is not
+        acknowledged: another client sees it once the server has read it, which this client's next request
+        guarantees (one connection is served in order); a reader on another client polls."""
         self._store.set(self._prefix + key, value)
 
     def store_get_nowait(self, key: str) -> bytes | None:

@@ -21,4 +21,6 @@ if [ -x scripts/k8s-install.sh ]; then
 fi
 
 echo "== tests"
-exec $PY -m pytest -m "not gpu" -p no:cacheprovider "$@"
+# two workers (pytest-xdist), a module at a time, the k8s suite on one of them (tests/conftest.py); the 25 slowest
+# tests are listed at the end. DWDP_TEST_WORKERS=0 runs everything in this process.
+exec $PY -m pytest -m "not gpu" -p no:cacheprovider -n "${DWDP_TEST_WORKERS:-2}" --dist loadgroup --durations=25 -p no:benchmark "$@"

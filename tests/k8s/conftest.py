@@ -236,7 +236,7 @@ def cluster():
                PRE_APPLY=f"{ROOT / 'crds/dwdpgroup.yaml'} {ROOT / 'tests/k8s/crds/computedomain.yaml'}",
                AUDIT_LOG=str(tmp / "audit.log"))  # service accounts only: the RBAC audit reads it
     for k, default in (("API_PORT", "16443"), ("ETCD_PORT", "12379"), ("ETCD_PEER", "12380"),
-                       ("KCM_PORT", "20257"), ("SCHED_PORT", "20259")):
+                       ("KCM_PORT", "12257"), ("SCHED_PORT", "12259")):
         env[k] = os.environ.get(f"DWDP_TEST_{k}", default)
     up = subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "up"], env=env, capture_output=True,
                         text=True, timeout=900)

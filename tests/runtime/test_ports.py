@@ -18,6 +18,21 @@ def test_spans_avoid_the_ephemeral_range_and_fall_back_when_it_covers_everything
     assert ports.draw_spans(2, (49152, 65535)) == [(20000, 49150)]         # IANA's range (macOS, Windows)
 
 
+def test_a_configured_range_narrows_every_draw_and_a_malformed_one_is_named(monkeypatch):
+    assert ports.draw_spans(5, (32768, 60999), (21000, 40000)) == [(21000, 32763)]
+    assert ports.draw_spans(1, (32768, 60999), (40000, 50000)) == [(40000, 50000)]   # inside it: ephemeral after all
+    with pytest.raises(ports.NoFreePorts, match="does not fit"):
+        ports.draw_spans(8, (32768, 60999), (21000, 21003))
+    assert ports.configured_range({}) is None
+    assert ports.configured_range({ports.PORT_RANGE_ENV: " 21000-21999 "}) == (21000, 21999)
+    for bad in ("21000", "a-b", "30000-20000", "80-90", "60000-70000"):
+        with pytest.raises(ValueError, match=ports.PORT_RANGE_ENV):
+            ports.configured_range({ports.PORT_RANGE_ENV: bad})
+    monkeypatch.setenv(ports.PORT_RANGE_ENV, "23000-23099")
+    drawn = {ports.free_port() for _ in range(30)} | set(ports.free_port_blocks(5, 4))
+    assert all(23000 <= p <= 23099 for p in drawn), drawn
+
+
 def test_blocks_are_free_now_and_outside_this_hosts_ephemeral_range():
     low, high = ports.ephemeral_range()
     for _ in range(20):
@@ -37,7 +52,7 @@ def test_blocks_are_free_now_and_outside_this_hosts_ephemeral_range():
 def _pick_of(port: int, count: int) -> int:
     """The ``randrange`` value that makes ``free_port_block(count)`` draw ``port`` (its index in the spans' union)."""
     before = 0
-    for a, b in ports.draw_spans(count, ports.ephemeral_range()):
+    for a, b in ports.draw_spans(count, ports.ephemeral_range(), ports.configured_range()):
         if a <= port <= b:
             return before + port - a
         before += b - a + 1
