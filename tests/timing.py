@@ -27,6 +27,10 @@ GROUP_READY_S = 180.0
 DETECTION_S = 60.0
 #: a process asked to stop (SIGTERM, a drain) seen gone
 EXIT_S = 60.0
+#: added to a design bound (a detection time, a server's own timeout) when a test checks in wall-clock time that
+#: the bound holds: a starved thread on the loaded CI machine runs seconds late. Large against the slack a quiet
+#: machine needs, small against what a broken bound costs (a fallback timeout of a minute, a hang)
+LOADED_SLACK_S = 10.0
 #: the poll period of ``wait_until``: short beside every deadline, long enough not to load the machine
 POLL_S = 0.05
 
@@ -58,3 +62,12 @@ def hold(seconds: float, why: str) -> None:
     if not why:
         raise ValueError("hold() needs the reason the scenario lets this time pass")
     time.sleep(seconds)
+
+
+async def hold_async(seconds: float, why: str) -> None:
+    """``hold`` inside an event loop (a test server's handler that stalls, a stop that comes later)."""
+    import asyncio
+
+    if not why:
+        raise ValueError("hold_async() needs the reason the scenario lets this time pass")
+    await asyncio.sleep(seconds)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from dwdp_worker.rank.prefill_graphs import MAX_FAILED_CAPTURES
+from tests.timing import DETECTION_S, wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -49,8 +50,10 @@ def test_cuda_local_group_matches_transformers_on_gpu(model_dir):
         for _ in range(4):
             r = srv.post({"prompt": prompts[0], "max_tokens": 1})
             assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [first], r.text
-        time.sleep(2)  # the counters ride on the ranks' heartbeats
-        metrics = srv.get("/metrics").text
+        # the counters ride on the ranks' heartbeats
+        metrics = wait_until(lambda: (m := srv.get("/metrics").text)
+                             and _metric_sum(m, "dwdp_prefill_graph_failures_total") >= 1 and m,
+                             DETECTION_S, "the capture failures in /metrics")
         assert _metric_sum(metrics, "dwdp_prefill_graph_replays_total") == 0
         assert 1 <= _metric_sum(metrics, "dwdp_prefill_graph_failures_total") <= 2 * MAX_FAILED_CAPTURES
         health = srv.get("/healthz").json()

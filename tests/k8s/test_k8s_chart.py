@@ -7,8 +7,6 @@ import base64
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -23,6 +23,7 @@ import time
 
 from dwdp_operator.apply import POD_REMEMBER_S
 
+from tests.timing import hold
 from .conftest import group_body, wait_for
 
 NAME = "dg"
@@ -80,7 +81,7 @@ def test_degrade_recreates_only_the_failed_pod_shows_degraded_then_ready(cluster
     wait_ready(c, ns, attempt=0, what="the group Ready")  # every pod was created before this
     # a pod that has served a while, as in life: one lost within POD_REMEMBER_S of its creation waits for the
     # operator's create memory to end (apply.py; the last test takes that path)
-    time.sleep(POD_REMEMBER_S)
+    hold(POD_REMEMBER_S, "the pod serves past the operator's create memory")
     before = pod_uids(c, ns)
     lost = PODS[2]
     lost_env = c.core.read_namespaced_pod(lost, ns).spec.containers[0].env

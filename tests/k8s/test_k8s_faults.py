@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from kubernetes.client.rest import ApiException
 
+from tests.timing import hold
 from .conftest import Operator, group_body, wait_for, wait_seen
 
 PER = 4  # pods per group in group_body (dwdpSize 4, gpusPerPod 1)
@@ -201,16 +202,33 @@ def test_api_faults_and_conflicting_writers_during_reconcile(cluster, ns, tmp_pa
           f"restart+scale-up in {t_more:.1f}s")
 
 
+#: a placement dead end's wait in the server-restart test: the test scheduler, its watches cut by the restart, can
+#: keep counting a previous test's deleted pods for minutes and split a group across a clique it thinks is full
+#: (seen on CI, 2026-12-08: 2 of 6 groups half bound in clique c0); the operator's own way out is the restart
+#: away from those nodes, after this many seconds instead of the default 300
+DEAD_END_S = 10
+
+
+def _restarted_only_for_placement(st: dict) -> list[int]:
+    """The groups restarted (attempt 1); every restart must be the placement dead end's, never the server's."""
+    moved = [g["index"] for g in st["groups"] if g["attempt"]]
+    for g in st["groups"]:
+        reasons = [h["reason"] for h in g.get("history") or []]
+        assert g["attempt"] <= 1 and all(r.startswith("placement dead end") for r in reasons), g
+    return moved
+
+
 def test_apiserver_restart_mid_reconcile(cluster, ns):
     c = cluster
-    c.create_group(ns, group_body("as", numGroups=6))
+    c.create_group(ns, group_body("as", numGroups=6, restartPolicy={"maxRestarts": 3, "backoffSeconds": 1,
+                                                                    "unschedulableSeconds": DEAD_END_S}))
     wait_for(lambda: len(c.pods(ns)) >= 4, timeout=30, interval=0.005, what="first pods")
     n_at = len(c.pods(ns))
     t0 = time.time()
     down = c.restart_apiserver()
-    st = converged(c, ns, "as", 6, timeout=90, attempts=[0] * 6)
+    st = converged(c, ns, "as", 6, timeout=90 + DEAD_END_S)
     t = time.time() - t0
-    assert [g["groupRestarts"] for g in st["groups"]] == [0] * 6
+    moved = _restarted_only_for_placement(st)
     # and once more while serving: nothing may restart
     uids = {p.metadata.uid for p in c.live_pods(ns)}
     c.restart_apiserver()
@@ -220,11 +238,11 @@ def test_apiserver_restart_mid_reconcile(cluster, ns):
     while time.time() < deadline:
         _alive(c.operator)
         time.sleep(0.2)
-    converged(c, ns, "as", 6, timeout=60, attempts=[0] * 6)
+    converged(c, ns, "as", 6, timeout=60, attempts=[g["attempt"] for g in st["groups"]])
     assert {p.metadata.uid for p in c.live_pods(ns)} == uids, "a server restart restarted pods"
     _alive(c.operator)
     print(f"\nFIGURE apiserver-restart: killed at {n_at}/24 pods, server away {down:.1f}s, "
-          f"converged {t:.1f}s after the kill")
+          f"converged {t:.1f}s after the kill; groups moved out of a placement dead end: {moved}")
 
 
 def test_operator_started_during_an_apiserver_restart(cluster, ns):
@@ -237,7 +255,8 @@ def test_operator_started_during_an_apiserver_restart(cluster, ns):
     c.operator.stop()
     restart = threading.Thread(target=c.restart_apiserver)
     restart.start()
-    time.sleep(0.3)  # the server is down: the operator's first starts fail and back off, into the window
+    # the server is down: the operator's first starts fail and back off, into the window
+    hold(0.3, "the operator starts while the API server is down")
     c.operator.start()
     restart.join(120)
     c.patch_spec(ns, "os", {"numGroups": 2})

@@ -7,13 +7,13 @@ the operator neither crashes nor logs a failed reconcile."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 from hypothesis import HealthCheck, assume, given, settings
 from dwdp_operator.spec import validate_spec
 from kubernetes.client.rest import ApiException
 
+from tests.timing import hold
 from ..operator.dwdp_fuzz import specs
 from .conftest import release_namespace, wait_for
 
@@ -60,7 +60,7 @@ def test_generated_invalid_specs_refused_or_marked_invalid(cluster):
             cond = wait_for(lambda: (x := c.condition(ns, name, "Invalid")) and x["status"] == "True" and x,
                             timeout=30, what=f"{name} marked Invalid ({spec})")
             assert cond["message"].startswith("spec"), (name, cond)
-        time.sleep(1.5)
+        hold(1.5, "a window in which no child may appear for an invalid spec")
         owners = {p.metadata.labels.get("dwdp.io/name") for p in c.pods(ns)}
         owners |= {(x.metadata.labels or {}).get("dwdp.io/name") for x in c.core.list_namespaced_service(ns).items}
         assert not owners & set(stored), "no child for an invalid spec"

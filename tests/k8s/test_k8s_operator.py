@@ -7,6 +7,7 @@ import time
 from dwdp_runtime.contract import POD_ENV
 from kubernetes.client.rest import ApiException
 
+from tests.timing import hold
 from .conftest import group_body, wait_for, wait_seen
 
 CONTRACT_ENV = [v.value for v in POD_ENV]  # dwdp_runtime.contract, pinned to docs/ENV_CONTRACT.md
@@ -113,7 +114,7 @@ def test_restart_storm_backs_off_then_fails(cluster, ns):
     assert deg["status"] == "True" and "Failed" in deg["message"]
     assert wait_for(lambda: c.events(ns, "GroupFailed"), what="GroupFailed event")
     wait_for(lambda: not c.pods(ns), timeout=30, what="failed group's pods deleted")
-    time.sleep(2)
+    hold(2, "a window in which a Failed group must not come back")
     assert not c.pods(ns), "a Failed group is not recreated"
 
 
@@ -182,7 +183,7 @@ def test_operator_restart_mid_reconcile_no_duplicates_no_orphans(cluster, ns):
     assert [g["attempt"] for g in st["groups"]] == [0] * 6, f"killed at {n_at_kill} pods: no restart"
     # mid group-restart: delete a pod, crash right away, restart: exactly one new attempt
     c.core.delete_namespaced_pod("r1-g2-p0", ns)
-    time.sleep(0.3)
+    hold(0.3, "the operator starts the group's restart, then crashes")
     op.kill()
     op.start()
     wait_for(lambda: attempts(c, ns, 2) == {"1"} and len(c.live_pods(ns, "dwdp.io/group=2")) == 4, timeout=40,
@@ -290,7 +291,7 @@ def test_invalid_specs_refused_or_marked_invalid(cluster, ns):
     # the Event follows the status write of the same pass (status first): wait for it, do not race it
     wait_for(lambda: {f"bad-{m}" for m in marked} <= {e.involved_object.name for e in c.events(ns, "InvalidSpec")},
              timeout=15, what="an InvalidSpec Event per marked object")
-    time.sleep(1.5)
+    hold(1.5, "a window in which no child may appear for an invalid spec")
     assert not c.pods(ns) and not [s for s in c.core.list_namespaced_service(ns).items]
     print(f"refused by the API server: {sorted(refused)}; marked Invalid by the operator: {sorted(marked)}")
 

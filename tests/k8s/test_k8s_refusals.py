@@ -11,6 +11,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tests.timing import hold
 from .conftest import ROOT, group_body, wait_for
 
 CD_CRD = "computedomains.resource.nvidia.com"
@@ -52,7 +53,7 @@ def test_missing_computedomain_crd_is_named_with_the_fix_then_clears(cluster, ns
         row = c.kubectl("get", "dwdp", "nocd", "-n", ns).stdout.split()
         assert row[-3:-1] == ["Blocked", "ComputeDomainNotServed"], row
         assert not c.live_pods(ns), "no pod without its ComputeDomain"
-        time.sleep(6)  # several retries later: still one Event, one log line
+        hold(6, "several of the operator's retries: still one Event, one log line")
         warnings = [e for e in c.events(ns, "ComputeDomainNotServed") if e.type == "Warning"]
         assert len(warnings) == 1 and FIX in warnings[0].message
         log = _new_log(c, log_start)

@@ -22,10 +22,11 @@ from kopf._cogs.configs.configuration import OperatorSettings  # noqa: E402
 from kopf._cogs.structs import credentials  # noqa: E402
 
 from dwdp_operator import kopf_fixes  # noqa: E402
+from tests.timing import hold_async  # noqa: E402
 
-HEADER_DELAY_S = 3.0   # the server's wait before headers: long against the fixed stop, short for a test
+HEADER_DELAY_S = 6.0   # the server's wait before headers: long against the fixed stop, short for a test
 STOP_AFTER_S = 0.3     # the stopper fires while the request waits
-PROMPT_S = 1.0         # a fixed stream returns well within this of the stopper
+PROMPT_S = 3.0         # a fixed stream returns well within this of the stopper, even on a loaded machine
 
 
 async def _stop_during_headers(stream) -> tuple[float, list[BaseException]]:
@@ -35,7 +36,7 @@ async def _stop_during_headers(stream) -> tuple[float, list[BaseException]]:
     loop.set_exception_handler(lambda _loop, ctx: "exception" in ctx and errors.append(ctx["exception"]))
 
     async def slow(_request):
-        await asyncio.sleep(HEADER_DELAY_S)
+        await hold_async(HEADER_DELAY_S, "a server that sends its headers late")
         return web.Response(text="")
 
     app = web.Application()
@@ -55,7 +56,7 @@ async def _stop_during_headers(stream) -> tuple[float, list[BaseException]]:
                 pass
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(STOP_AFTER_S)
+        await hold_async(STOP_AFTER_S, "the stop comes while the headers are awaited")
         stopper.set_result(None)
         t0 = time.monotonic()
         await asyncio.wait_for(task, HEADER_DELAY_S * 3)

@@ -1,6 +1,7 @@
 """Run a function on N real processes that form one DWDP group over a real TCPStore.
 
-Each rank runs ``fn(rank, world_size, port, **kw)`` in a fresh ``spawn`` process; its return
+Each rank runs ``fn(rank, world_size, port, **kw)`` in a process of its own (``tests.processes``: forked from a
+fork server that imported torch once, in the test's environment); its return
 value (picklable) or its exception text comes back through a queue. A rank may be told to die.
 
 A program that runs many jobs in turn (one store per job) may ask for ``step_barrier``: it then gets ``step``, a
@@ -14,10 +15,10 @@ few seconds (the timeout tests' own) would then name a slow *importer* as the mi
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 
 from dwdp_runtime.ports import free_port, free_ports  # noqa: F401 - free_port: the tests' local ports
+from tests.processes import context, process
 
 
 def job_ports(jobs) -> dict:
@@ -49,14 +50,14 @@ def run_group(fn, world: int, *, harness_timeout_s: float = 120.0, ranks=None, s
     A rank that exits without reporting (killed) shows as ``("died", exitcode)``; one still running at
     ``harness_timeout_s`` as ``("timeout", None)``. ``step_barrier``: ``fn`` gets ``step`` (module docstring).
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     q = ctx.Queue()
     port = kw.pop("port", None) or free_port()
     started = list(range(world) if ranks is None else ranks)
     start = ctx.Barrier(len(started))
     if step_barrier:
         kw["step"] = ctx.Barrier(len(started))
-    procs = {r: ctx.Process(target=_entry, args=(fn, r, world, port, kw, q, start), daemon=True) for r in started}
+    procs = {r: process(_entry, (fn, r, world, port, kw, q, start)) for r in started}
     for p in procs.values():
         p.start()
     results: dict[int, tuple[str, object]] = {}

@@ -10,7 +10,6 @@ cores), the measured times belong to bench/.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -21,12 +20,14 @@ import pytest
 
 from tests.runtime.elastic_program import elastic_rank, expected_digests
 from dwdp_runtime.ports import free_port_block
+from tests.timing import LOADED_SLACK_S
+from tests.processes import context, process
 
 #: the monitor's knobs in this test: detection within DEAD_AFTER_S + 2 × INTERVAL_S = 3 s (issue bound: ≤ 5 s)
 INTERVAL_S = 0.5
 DEAD_AFTER_S = 2.0
 #: what the assertion allows above the detection bound: one agent round + a forward + spawn-loaded 2 cores
-SLACK_S = 2.0
+SLACK_S = LOADED_SLACK_S
 
 
 def _entry(rank, world, port, kw, results):
@@ -41,14 +42,14 @@ def _run_group_and_kill(*, world, victim, num_experts, k, s, replicas, run_s=60.
     """Start the group, send ``sig`` to ``victim`` once all serve. SIGSTOP: once every survivor re-planned, the
     victim is continued (SIGCONT) while the survivors keep serving (``hold``), so it wakes into a group that
     moved on without it."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     events, results = ctx.Queue(), ctx.Queue()
     hold = ctx.Event()  # the survivors serve on until every one of them reached the final membership
     final = sorted(set(range(world)) - {victim, *also})
     port = free_port_block(world + 1)  # the store's and every rank's standby store's
     kw = dict(num_experts=num_experts, k=k, s=s, replicas=replicas, events=events, run_s=run_s,
               after_replan_forwards=5, dead_after_s=DEAD_AFTER_S, interval_s=INTERVAL_S, hold=hold, **extra)
-    procs = [ctx.Process(target=_entry, args=(r, world, port, kw, results), daemon=True) for r in range(world)]
+    procs = [process(_entry, (r, world, port, kw, results)) for r in range(world)]
     for p in procs:
         p.start()
     pids, replans, out = {}, {}, {}

@@ -15,7 +15,6 @@ Figures are printed (``-s``); the bound asserted is the design's detection bound
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -23,12 +22,14 @@ import time
 import traceback
 
 from dwdp_runtime.ports import free_port_block
+from tests.timing import LOADED_SLACK_S, hold
+from tests.processes import context, process
 from tests.runtime.elastic_program import elastic_rank, expected_digests
 
 INTERVAL_S = 0.5
 DEAD_AFTER_S = 2.0
 #: above the detection bound: one agent round, a failover's connects, a forward, spawn-loaded 2 cores
-SLACK_S = 2.5
+SLACK_S = LOADED_SLACK_S
 WORLD, EXPERTS = 4, 8
 
 
@@ -43,7 +44,7 @@ class Group:
     """Four ranks and their replacements, with the events they report."""
 
     def __init__(self, *, run_s: float = 90.0, **kw):
-        self.ctx = mp.get_context("spawn")
+        self.ctx = context()
         self.events, self.results, self.hold = self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event()
         self.port = free_port_block(WORLD + 1)
         self.kw = dict(num_experts=EXPERTS, k=2, s=2, replicas=2, events=self.events, run_s=run_s,
@@ -53,7 +54,7 @@ class Group:
         self.out: dict[tuple[int, int], tuple[str, object]] = {}
 
     def start(self, rank: int, **extra):
-        p = self.ctx.Process(target=_entry, args=(rank, self.port, {**self.kw, **extra}, self.results), daemon=True)
+        p = process(_entry, (rank, self.port, {**self.kw, **extra}, self.results))
         p.start()
         self.procs.append(p)
         return p
@@ -114,7 +115,7 @@ def _serve_then_signal(g: Group, victim: int, sig: int) -> tuple[list, float]:
     """Start the group, let it serve a moment, send ``sig`` to ``victim``: (the first processes, when)."""
     first = [g.start(r) for r in range(WORLD)]
     g.wait(lambda: _all_serving(g, range(WORLD)), 120, "the group serving")
-    time.sleep(0.5)
+    hold(0.5, "the full group serves a few forwards before the fault")
     os.kill(first[victim].pid, sig)
     return first, time.time()
 

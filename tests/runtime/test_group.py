@@ -1,7 +1,6 @@
 """Real multi-process DWDP groups on the host backend: composites bitwise equal to the reference
 after every wait_and_bind, over many layers and forwards (tests/runtime/workloads.py)."""
 
-import pytest
 
 from .group import run_group
 from .workloads import composite_program, die_after_join

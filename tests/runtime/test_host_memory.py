@@ -99,20 +99,26 @@ def test_granularity_choice_and_tensor_bytes_shared_by_both_backends():
         HostMemory(granularity=4096).reserve(0)
 
 
-def test_closing_an_fd_server_wakes_its_accept_instead_of_waiting_out_the_poll():
-    """A group's setup closes one server per rank: close must not cost the accept poll (fdpass docstring)."""
+#: an accept poll no close may wait out (far above fdpass.CLOSE_JOIN_S)
+LONG_ACCEPT_POLL_S = 30.0
+
+
+def test_closing_an_fd_server_wakes_its_accept_instead_of_waiting_out_the_poll(monkeypatch):
+    """A group's setup closes one server per rank: close must not cost the accept poll (fdpass docstring). With the
+    poll made long, a close that did not wake its accept would wait out the join bound and leave the thread alive;
+    the wake-up connection is queued before close returns, so a thread not yet in accept finds it there too."""
     from dwdp_runtime import fdpass
 
+    monkeypatch.setattr(fdpass, "ACCEPT_POLL_S", LONG_ACCEPT_POLL_S)
     r, w = os.pipe()
     try:
         servers = [FdServer([r], token_key=token_key("t")) for _ in range(5)]
-        time.sleep(0.05)  # every serving thread is blocked in accept
         t0 = time.perf_counter()
         for s in servers:
             s.close()
         took = time.perf_counter() - t0
-        assert took < fdpass.ACCEPT_POLL_S, f"5 closes took {took:.3f} s"
         assert not any(s._thread.is_alive() for s in servers)
+        assert took < fdpass.CLOSE_JOIN_S, f"5 closes took {took:.3f} s: one waited for its join bound"
         with pytest.raises(OSError):
             fetch_fds(servers[0].name, token_key=token_key("t"), timeout_s=1)
     finally:

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from dwdp_runtime.streams import CopyStreamError, HostStreams
+from tests.timing import hold
 
 
 def _buf(n, fill):
@@ -38,7 +39,7 @@ def test_copy_waits_for_consume_event():
     src, dst = _buf(64, 9), _buf(64, 0)
     st.wait_copy(consume)
     st.enqueue_copies(st.compile([(ctypes.addressof(dst), ctypes.addressof(src), 64)]))
-    time.sleep(0.2)
+    hold(0.2, "a window in which the copy must stay blocked")
     assert dst[0] == 0  # WAR: blocked behind the consume event
     st.record_compute(consume)
     st.synchronize()

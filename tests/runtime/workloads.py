@@ -7,6 +7,7 @@ import os
 import time
 
 from dwdp_runtime.streams import HostStreams
+from tests.timing import hold
 
 
 def reference(layer: int, name: str, num_experts: int, shape, dtype):
@@ -208,7 +209,7 @@ def die_after_join(rank, world, port, *, victim, token="t0k3n", timeout_s=5.0, *
 
         StoreRendezvous(host="127.0.0.1", port=port, rank=rank, world_size=world, job="test", token=token,
                         timeout_s=timeout_s)
-        time.sleep(0.5)
+        hold(0.5, "the victim is seen joined, then dies")
         os._exit(17)
     return composite_program(rank, world, port, token=token, timeout_s=timeout_s, **kw)
 
@@ -226,7 +227,7 @@ def monitored_rank(rank, world, port, *, victim, token="t0k3n", die_after_s=1.0,
     mon = PeerMonitor(rdzv, interval_s=0.2, dead_after_s=3.0).start()
     t0 = time.monotonic()
     if rank == victim:
-        time.sleep(die_after_s)
+        hold(die_after_s, "the victim beats a while, then dies")
         os._exit(17)
     deadline = t0 + wait_s
     out = {"message": None}

@@ -171,14 +171,13 @@ def kv_server_program(conn, *, budget_bytes, block_bytes, ttl_s, lease_s=30.0, g
 
 
 class KvServerProcess:
-    """``kv_server_program`` in a spawned process, driven from the test over a pipe."""
+    """``kv_server_program`` in a process of its own (``tests.processes``), driven from the test over a pipe."""
 
     def __init__(self, **kw):
-        import multiprocessing as mp
+        from tests.processes import context, process
 
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=kv_server_program, args=(child,), kwargs=kw, daemon=True)
+        self.conn, child = context().Pipe()
+        self.proc = process(kv_server_program, (child,), kw)
         self.proc.start()
         assert self.conn.poll(120), "KV server did not start"
         self.engine_id = self.conn.recv()[1]

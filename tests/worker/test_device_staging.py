@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from dwdp_worker.checkpoint.device_staging import HostSlot, chunked_read
 from dwdp_worker.checkpoint.safetensors_index import SafetensorsIndex
+from tests.timing import hold
 
 
 @pytest.fixture()
@@ -151,9 +152,7 @@ def test_a_parallel_fill_reads_the_pieces_side_by_side_and_raises_a_pieces_error
         def failing(done, n, buffer):
             if done >= 1 << 20:
                 raise OSError("disk gone")
-            import time
-
-            time.sleep(0.05)
+            hold(0.05, "a slow read")
             ended.append(done)
 
         with pytest.raises(OSError, match="disk gone"):

@@ -28,6 +28,7 @@ from datetime import timedelta
 import httpx
 import pytest
 
+from tests.timing import hold
 from .serving_helpers import Server, free_port, greedy_reference, pod_env
 
 COPY_DELAY_S = 0.05   # widens forwards for the kill tests
@@ -144,7 +145,7 @@ def _kill_mid_forward_and_check(pods, victim: int, lost_needle: str) -> dict:
     """SIGKILL the rank of pod ``victim`` while both pods are mid-forward; bounded checks; figures."""
     out: list = []
     threads = _start_inflight(pods, 2, out)
-    time.sleep(0.3)
+    hold(0.3, "both pods are mid-forward")
     victim_pid = pods[victim].rank_pids()[0]
     # the rank is idle for a moment between the forwards of a long request: catch it inside one (bounded)
     deadline = time.monotonic() + 10
@@ -193,7 +194,7 @@ def test_stray_store_clients_and_slow_copy_leave_the_group_correct_then_killing_
         # stray clients on the live store port: the group keeps serving correct answers
         faults, idle, stranger = _stray_clients(store_port)
         _assert_oracle([pod0, pod1], oracle)
-        time.sleep(1.5)  # several peer-monitor heartbeats with the strangers around
+        hold(1.5, "several peer-monitor heartbeats with the strangers around")
         for pod in (pod0, pod1):
             assert pod.get("/readyz").status_code == 200
         _assert_oracle([pod0, pod1], oracle)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -10,6 +9,8 @@ import pytest
 from dwdp_worker.kv.nixl_api import nixl_installed
 import torch
 
+from tests.timing import hold
+from tests.processes import context, process
 from .kv_programs import KvServerProcess as Server
 from .kv_programs import mapped_regions, open_fds, settle
 
@@ -117,7 +118,7 @@ def _pull_with_kill(params, pid, conn):
     t0 = time.monotonic()
     puller = KvPuller()
     try:
-        puller.pull(params, after_claim=lambda: (os.kill(pid, signal.SIGKILL), time.sleep(0.5)), read_timeout_s=5.0)
+        puller.pull(params, after_claim=lambda: (os.kill(pid, signal.SIGKILL), hold(0.5, "the rank is dead before the READ")), read_timeout_s=5.0)
         conn.send(("no error", time.monotonic() - t0))
     except KvPullError as exc:
         conn.send((str(exc), time.monotonic() - t0))
@@ -127,9 +128,8 @@ def _pull_with_kill(params, pid, conn):
 @pytest.mark.parametrize("server", [dict(budget_bytes=1 << 20, block_bytes=4096, ttl_s=60.0)], indirect=True)
 def test_rank_dying_between_claim_and_read_fails_the_pull_cleanly(server):
     _, params, _ = server.keep("mid")
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_pull_with_kill, args=(params, server.proc.pid, there))
+    here, there = context().Pipe()
+    proc = process(_pull_with_kill, (params, server.proc.pid, there), daemon=False)
     proc.start()
     assert here.poll(60), f"the decode process sent nothing (exit code {proc.exitcode})"
     message, took = here.recv()

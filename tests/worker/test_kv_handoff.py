@@ -3,11 +3,12 @@ over NIXL with the reference client and decodes with plain transformers."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import pytest
 
 from dwdp_worker.kv.nixl_api import nixl_installed
+
+from tests.processes import process
 
 from ..runtime.group import job_ports, run_group
 from .kv_programs import decode_program, prefill_program
@@ -28,10 +29,8 @@ def test_round_trip_every_arch(world, checkpoints, tmp_path):
     exchange = tmp_path / "x"
     exchange.mkdir()
     result = tmp_path / "decode.json"
-    ctx = mp.get_context("spawn")
-    decoder = ctx.Process(target=decode_program, kwargs=dict(runs=runs, world=world, prompts=PROMPTS,
-                                                             exchange=str(exchange), new_tokens=NEW_TOKENS,
-                                                             result=str(result)))
+    decoder = process(decode_program, kwargs=dict(runs=runs, world=world, prompts=PROMPTS, exchange=str(exchange),
+                                                  new_tokens=NEW_TOKENS, result=str(result)), daemon=False)
     decoder.start()
     try:
         res = run_group(prefill_program, world, runs=runs, store_ports=job_ports(job for job, _ in runs),

@@ -17,6 +17,7 @@ import torch
 
 from dwdp_worker.kv.nixl_api import nixl_installed
 
+from tests.timing import hold
 from .kv_programs import KvServerProcess
 
 if not nixl_installed():
@@ -78,7 +79,7 @@ def test_the_reference_client_never_reads_after_its_lease_on_its_own_clock(one_b
     _, params, _ = one_block.keep("slow", seed=1)
     with KvPuller() as puller:
         with pytest.raises(KvPullError, match="lease on request slow lapsed before the READ could start"):
-            puller.pull(params, after_claim=lambda: time.sleep(LEASE_S + 0.2))   # a stalled decode process
+            puller.pull(params, after_claim=lambda: hold(LEASE_S + 0.2, "a stalled decode process"))   # a stalled decode process
     assert one_block.stats()["stale_total"] == 0                 # nothing was read, nothing to judge
 
 
@@ -126,7 +127,7 @@ def test_a_consumer_with_a_skewed_clock(one_block, monkeypatch, skew_s):
         thinks_left = claim.lease_until - time.time()             # what a clock-trusting consumer computes
         if skew_s < 0:                                            # behind: it believes it has an hour and dawdles
             assert thinks_left > 3000
-            time.sleep(LEASE_S + 0.3)
+            hold(LEASE_S + 0.3, "the consumer dawdles past its lease")
             dst, _, _ = puller.read(claim)
             with pytest.raises(KvPullError, match="answered stale for request misjudged: lease lapsed"):
                 puller.await_verdict(claim)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.timing import hold
 from .serving_helpers import Server, free_port, greedy_reference
 
 PROBE_KEYS = ("prefetch_restarts", "group_attempt", "forwards", "last_forward_age_s")
@@ -54,7 +55,7 @@ def test_two_pods_form_a_group_probes_before_and_after_ready_then_a_pod_crash_fa
             if body["ranks"][0]["phase"] in ("rendezvous", "loading"):
                 break
             time.sleep(0.1)
-        time.sleep(1.0)
+        hold(1.0, "a window in which pod 0 must stay unready without its peer")
         for path in ("/healthz", "/readyz"):
             r = pod0.get(path)
             assert r.status_code == 503, r.text
