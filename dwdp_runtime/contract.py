@@ -152,6 +152,7 @@ class TuningEnv(StrEnum):
     KV_ADVERTISE_HOST = "DWDP_KV_ADVERTISE_HOST"
     KV_REGION_MEMORY = "DWDP_KV_REGION_MEMORY"  # how a CUDA rank allocates its KV region (kv.region.RegionMemory)
     COMPILE_CACHE_DIR = "DWDP_COMPILE_CACHE_DIR"  # kernel compile caches kept across starts (dwdp_runtime.compile_cache)
+    RANK_START = "DWDP_RANK_START"              # how the front starts rank processes: forkserver | spawn (RankStart)
 
 
 def tuning_choice(var: TuningEnv, choices: type[StrEnum], default: StrEnum, environ=None) -> Any:
@@ -175,6 +176,13 @@ class Fp4Kernel(StrEnum):
 
 
 FP4_KERNELS: tuple[str, ...] = tuple(m.value for m in Fp4Kernel)
+
+
+class RankStart(StrEnum):
+    """``DWDP_RANK_START``: how the front starts its rank processes (``front.rank_handle.rank_context``)."""
+
+    FORKSERVER = "forkserver"  # forked from one process that imported torch and `transformers` once (the default)
+    SPAWN = "spawn"            # a fresh interpreter per rank: every rank imports everything itself
 
 
 class Switch(StrEnum):

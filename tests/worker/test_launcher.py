@@ -85,6 +85,30 @@ def test_bad_sharding_is_refused_before_any_rank_starts(model_dir, args, needle)
     assert needle in p.stderr and "Traceback" not in p.stderr
 
 
+def test_an_unknown_rank_start_is_refused_before_any_rank_starts(model_dir):
+    p = subprocess.run([sys.executable, "-m", "dwdp_worker.launch.cli", "--local", "--model", str(model_dir),
+                        "--port", str(free_port())], env=child_env({"DWDP_RANK_START": "fork"}),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "DWDP_RANK_START='fork': expected one of forkserver, spawn" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_forked_or_spawned_serve_the_same_answer(model_dir, start):
+    """Both ways the front starts its ranks (``DWDP_RANK_START``) give a serving group with the unsharded answer."""
+    srv = Server(["--local", "--model", str(model_dir), "--dwdp-size", "2", "--backend", "host"],
+                 env=child_env({"DWDP_RANK_START": start}))
+    try:
+        srv.wait_for("/readyz", timeout_s=150)
+        prompt = [5, 3, 9]
+        want, _, _ = greedy_reference(model_dir, prompt, 2)
+        r = srv.post({"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text
+    finally:
+        srv.close()
+    assert srv.proc.returncode == 0, srv.log()
+
+
 def test_cli_errors(tmp_path, model_dir):
     p = _cli("--local", "--model", str(tmp_path / "nowhere"))
     assert p.returncode == 2 and "no config.json" in p.stderr and "Traceback" not in p.stderr

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dwdp_runtime.contract import RankStart, TuningEnv, tuning_choice
+
 from ..rank import protocol as p
 from ..rank import timeouts
 from ..rank.process import rank_main
@@ -35,6 +37,23 @@ class InFlight:
     batch_id: int
     jobs: list
     sent_at: float
+
+
+#: what every rank imports before its first useful line: torch and `transformers`' model machinery, seconds of CPU
+#: in a fresh interpreter. The fork server imports them once and each rank is forked from it. None of them creates
+#: a CUDA context (a process forked after one exists could not use CUDA), so a forked rank creates its own, as a
+#: spawned one does; its environment comes with its spec (``rank_main``), not from the fork server's.
+RANK_PRELOAD = ("torch", "transformers.modeling_utils", "dwdp_worker.rank.process")
+
+
+def rank_context(environ=None):
+    """The multiprocessing context rank processes start from (``DWDP_RANK_START``, default the fork server);
+    ``ValueError`` naming the choices for an unknown value."""
+    how = tuning_choice(TuningEnv.RANK_START, RankStart, RankStart.FORKSERVER, environ)
+    ctx = mp.get_context(how.value)
+    if how is RankStart.FORKSERVER:
+        ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
 
 
 class RankHandle:
@@ -87,7 +106,7 @@ class RankHandle:
 
     def spawn(self, post: Callable[..., None], on_message: Callable, on_exit: Callable) -> None:
         """Start the process and its reader thread; messages and the exit arrive through ``post``."""
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         parent, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=rank_main, args=(self.spec, child), name=f"dwdp-rank{self.gid}",
                                 daemon=False)

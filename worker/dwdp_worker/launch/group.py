@@ -164,6 +164,7 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
 
 def run_front(prog: str, args: argparse.Namespace, build: Callable[[contextlib.ExitStack], FrontPlan]) -> int:
     """Plan, then serve until drained or failed: the process exit code."""
+    from ..front.rank_handle import rank_context
     from ..front.serve import serve
     from ..front.supervisor import Supervisor
 
@@ -175,7 +176,8 @@ def run_front(prog: str, args: argparse.Namespace, build: Callable[[contextlib.E
                 options = options.model_copy(update={"served_model_name": plan.model_name})
             if args.max_rank_respawns < 0:
                 raise ValueError(f"--max-rank-respawns={args.max_rank_respawns}: must be >= 0 (0: never restart)")
-        except ValueError as exc:  # EnvContractError, bad sharding, missing checkpoint
+            rank_context()  # DWDP_RANK_START: an unknown value is refused before any rank starts
+        except ValueError as exc:  # EnvContractError, bad sharding, missing checkpoint, a bad DWDP_RANK_START
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         specs = [dataclasses.replace(s, log_level=args.log_level.upper(), kv=plan.kv) for s in plan.specs]
