@@ -7,8 +7,8 @@
   when drawn and bound later, and two workers drawing at once could otherwise draw the same one in between.
 * Tests are dealt to the workers a module at a time (module fixtures start their servers once), and every k8s test
   to one worker: the k8s suite shares one control plane on fixed ports (``tests/k8s/conftest.py``).
-* A failed run ends with each failure's own last message lines (the wait helpers put the condition and what they
-  last saw there), so a CI log's end names what went wrong without scrolling.
+* A failed run ends with the first lines of each failure's own message (the wait helpers put the condition and
+  what they last saw there), so a CI log's end names what went wrong without scrolling.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ settings.register_profile("explore", derandomize=False, database=None, print_blo
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 K8S_DIR = Path(__file__).parent / "k8s"
-#: message lines of each failure repeated at the end of the run
-FAILURE_TAIL_LINES = 12
+#: of each failure's message, the first lines repeated at the end of the run (the wait helpers put what they
+#: waited for and what they last saw there) and the characters kept of each
+FAILURE_HEAD_LINES = 4
+FAILURE_LINE_CHARS = 600
 
 
 def worker_port_range(index: int, count: int, whole: tuple[int, int]) -> tuple[int, int]:
@@ -65,5 +67,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         text = getattr(rep, "longreprtext", "") or str(rep.longrepr)
         said = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
         terminalreporter.write_line(f"{rep.nodeid} ({rep.when}):")
-        for line in (said or text.splitlines())[-FAILURE_TAIL_LINES:]:
-            terminalreporter.write_line(f"    {line}")
+        for line in (said or text.splitlines()[-FAILURE_HEAD_LINES:])[:FAILURE_HEAD_LINES]:
+            terminalreporter.write_line(f"    {line[:FAILURE_LINE_CHARS]}")
