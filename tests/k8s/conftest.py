@@ -186,7 +186,8 @@ class Cluster:
             return f"(unreadable: {e})"
 
     def restart_apiserver(self) -> float:
-        """SIGKILL kube-apiserver and start it again on the same etcd data; seconds it was away."""
+        """SIGKILL kube-apiserver and start it again on the same etcd data (and a fresh kube-scheduler:
+        ``scripts/test-cluster`` says why); seconds until both answer."""
         t0 = time.time()
         out = subprocess.run(["bash", str(ROOT / "scripts/test-cluster"), "restart-apiserver"], env=self.env,
                              capture_output=True, text=True, timeout=120)

@@ -202,11 +202,10 @@ def test_api_faults_and_conflicting_writers_during_reconcile(cluster, ns, tmp_pa
           f"restart+scale-up in {t_more:.1f}s")
 
 
-#: a placement dead end's wait in the server-restart test: kube-scheduler, its watches cut by the restart, can count
-#: pods deleted meanwhile as still bound (one it had bound reaches it again as unbound and deleted, which its cache
-#: does not apply: the 30 s of an "assumed" pod, then up to 60 s in its unschedulable queue) and split a group across
-#: a clique it thinks is full (seen here, 2026-12-08: 2 of 6 groups half bound in clique c0); the operator's own way
-#: out is the restart away from those nodes, after this many seconds instead of the default 300
+#: a placement dead end's wait in the server-restart test: pods the test scheduler placed just before the restart
+#: (kube-scheduler is restarted with the server: scripts/test-cluster says why) can still split a group across a clique
+#: (seen here, 2026-12-08: 2 of 6 groups half bound in clique c0); the operator's own way out is the restart away
+#: from those nodes, after this many seconds instead of the default 300
 DEAD_END_S = 10
 
 

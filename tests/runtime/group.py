@@ -18,7 +18,7 @@ from __future__ import annotations
 import traceback
 
 from dwdp_runtime.ports import free_port, free_ports  # noqa: F401 - free_port: the tests' local ports
-from tests.processes import context, process
+from tests.processes import FORKSERVER, SPAWN, context, process
 
 
 def job_ports(jobs) -> dict:
@@ -44,20 +44,22 @@ def _entry(fn, rank, world, port, kw, q, start):
 
 
 def run_group(fn, world: int, *, harness_timeout_s: float = 120.0, ranks=None, step_barrier: bool = False,
-              **kw) -> dict[int, tuple[str, object]]:
+              fresh_interpreters: bool = False, **kw) -> dict[int, tuple[str, object]]:
     """Start ranks (all by default), wait for them, return {rank: (status, value)}.
 
     A rank that exits without reporting (killed) shows as ``("died", exitcode)``; one still running at
     ``harness_timeout_s`` as ``("timeout", None)``. ``step_barrier``: ``fn`` gets ``step`` (module docstring).
+    ``fresh_interpreters``: spawned instead of forked, for programs that measure their own memory (``tests.processes``).
     """
-    ctx = context()
+    method = SPAWN if fresh_interpreters else FORKSERVER
+    ctx = context(method)
     q = ctx.Queue()
     port = kw.pop("port", None) or free_port()
     started = list(range(world) if ranks is None else ranks)
     start = ctx.Barrier(len(started))
     if step_barrier:
         kw["step"] = ctx.Barrier(len(started))
-    procs = {r: process(_entry, (fn, r, world, port, kw, q, start)) for r in started}
+    procs = {r: process(_entry, (fn, r, world, port, kw, q, start), method=method) for r in started}
     for p in procs.values():
         p.start()
     results: dict[int, tuple[str, object]] = {}

@@ -229,7 +229,8 @@ def big_nvfp4(tmp_path_factory):
 
 def test_nvfp4_rank_reads_only_its_packed_experts_and_scales(big_nvfp4):
     """The page pool and the local handles hold FP4 bytes: a rank's share of the packed experts and scales."""
-    res = run_group(memory_program, 4, model_dir=str(big_nvfp4), k=8, s=8, harness_timeout_s=180)
+    res = run_group(memory_program, 4, fresh_interpreters=True, model_dir=str(big_nvfp4), k=8, s=8,
+                    harness_timeout_s=180)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     h, i = 512, 2048

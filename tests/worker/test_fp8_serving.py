@@ -135,7 +135,7 @@ def big_fp8(tmp_path_factory):
 
 def test_fp8_rank_reads_only_its_experts_weights_and_scales(big_fp8):
     """As the bf16 memory test: the peak of Engine.build is bounded by the local share (weights + scales)."""
-    res = run_group(memory_program, 4, model_dir=str(big_fp8), k=8, s=8, harness_timeout_s=180)
+    res = run_group(memory_program, 4, fresh_interpreters=True, model_dir=str(big_fp8), k=8, s=8, harness_timeout_s=180)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     for rank, (_, r) in sorted(res.items()):

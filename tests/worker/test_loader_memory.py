@@ -35,7 +35,7 @@ CHECKPOINTS = {
 @pytest.mark.parametrize("model_type", sorted(CHECKPOINTS))
 def test_peak_memory_is_the_local_share(model_type, tmp_path):
     path = write_synthetic(model_type, tmp_path / model_type, seed=3, **CHECKPOINTS[model_type])
-    res = run_group(memory_program, 4, model_dir=str(path), k=4, s=4, harness_timeout_s=180)
+    res = run_group(memory_program, 4, fresh_interpreters=True, model_dir=str(path), k=4, s=4, harness_timeout_s=180)
     bad = {r: v for r, (st, v) in res.items() if st != "ok"}
     assert not bad, bad
     for rank, (_, r) in sorted(res.items()):
