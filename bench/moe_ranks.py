@@ -59,7 +59,7 @@ def both_methods(rank: int, world: int, port: int, *, store_port: int, cfg: Stac
                                f"or --allow-shared-gpu for a smoke run whose timings mean nothing)")
         device = torch.device("cuda", rank % ngpu)
         torch.cuda.set_device(device)
-        torch.empty(1, device=device)                 # torch's primary context first (HARDWARE.md)
+        torch.empty(1, device=device)                 # torch's primary context first (docs/DRIVER_FACTS.md)
     impl = grouped_impl(device, impl)
     with contextlib.ExitStack() as stack:
         kw = {"device_id": device} if device.type == "cuda" else {}

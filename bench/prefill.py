@@ -89,7 +89,7 @@ def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=2, help="num_prefetch_slots")
     p.add_argument("--transfer", choices=TRANSFER_MODES, default=DEFAULT_TRANSFER,
                    help="how peer pages are copied (on ONE GPU copy_engine runs as SM kernels; batched is "
-                        "driven like a copy engine: HARDWARE.md)")
+                        "driven like a copy engine: docs/DRIVER_FACTS.md)")
     p.add_argument("--num-heads", type=int, default=None, help="attention heads (default hidden/128, at least 2)")
     p.add_argument("--experts-impl", default="auto", choices=("auto", "dwdp", "grouped_mm", "eager"),
                    help="experts forward of both models (auto: DWDP's Triton kernels on CUDA)")

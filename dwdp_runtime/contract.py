@@ -138,7 +138,8 @@ RESERVED_POD_ENV: frozenset[str] = frozenset(v.value for v in POD_ENV) | frozens
 
 
 class TuningEnv(StrEnum):
-    """``DWDP_*`` variables outside the pod contract (never set by the operator)."""
+    """``DWDP_*`` variables outside the pod contract: a user sets them (``spec.template.env``, or the environment of
+    a local launch); the operator sets one only, ``COMPILE_CACHE_DIR``, where ``spec.kernelCache`` asks for it."""
 
     SM_GATHER_CTAS = "DWDP_SM_GATHER_CTAS"      # grid of transfer sm_gather (dwdp_runtime.sm_gather)
     LOG_LEVEL = "DWDP_LOG_LEVEL"                # rank processes' log level (default WARNING)

@@ -4,7 +4,7 @@
                    runs under ``torch.cuda.stream(s)`` — e.g. a higher-priority stream — is obeyed);
   copy stream    = one dedicated stream at the LOWEST priority: when an SM-driven copy (same-GPU
                    D2D, ``sm_gather``) competes with compute for SMs, the scheduler serves compute
-                   first (HARDWARE.md: a higher-priority compute stream cut copy_'s GEMM tax from
+                   first (docs/DRIVER_FACTS.md: a higher-priority compute stream cut copy_'s GEMM tax from
                    +76 % to +18 % on one GPU).
   events         = ``torch.cuda.Event`` (no timing, so recording is cheap), recorded once on the
                    copy stream at creation: a new event counts as signalled, as the interface asks.
@@ -12,7 +12,7 @@
 Transfer modes, all driven by the copy plan compiled once at setup (``compile``):
   * ``copy_engine`` (default): one ``cuMemcpyAsync`` per plan entry on the copy stream. Over
     NVLink the driver drives these with the copy engines (~390 GB/s, compute tax < 10 %). On ONE
-    GPU a device-to-device copy is executed by SM kernels, not a copy engine (HARDWARE.md).
+    GPU a device-to-device copy is executed by SM kernels, not a copy engine (docs/DRIVER_FACTS.md).
   * ``batched``: one ``cuMemcpyBatchAsync`` per layer (CUDA 13 ABI, no failIdx, resolved with
     ``cuGetProcAddress``) with the pointer/size arrays prebuilt as ctypes arrays at setup, so the
     steady-state call converts nothing. It is refused on the legacy default stream

@@ -13,7 +13,7 @@ shared ``DwdpConfig`` — so no rank ever has to ask another "what do you hold?"
        expert e at tensor offset e*eb; expert a (first local) at reservation offset n_pre*PAGE.
 
    Hardware reason: a physical handle can only be mapped whole (cuMemMap of part of a handle
-   returns CUDA_ERROR_NOT_SUPPORTED, HARDWARE.md), so pool pages (PAGE = 8 × granularity, to keep
+   returns CUDA_ERROR_NOT_SUPPORTED, docs/DRIVER_FACTS.md), so pool pages (PAGE = 8 × granularity, to keep
    the driver's mapping count low) are mapped whole, and the tensor starts at
    ``pre_padding = n_pre*PAGE − a*eb`` so that expert a lands at offset 0 of the local handle.
    When (b−a)*eb is not a multiple of the granularity the local handle's padded tail holds the

@@ -6,7 +6,7 @@ per layer copies every ``(dst, src, nbytes)`` entry of the layer's copy plan, in
 bandwidth from the compute beside it. Measured on one H200 (docs/GPU.md, HBM→HBM): a concurrent
 8192³ bf16 GEMM slowed by +15–24 % (16–132 CTAs) / +27 % (one CTA per row) at the same stream
 priority, +7–19 % / −2 % with the GEMM on a higher-priority stream, where the driver's own
-device-to-device copy cost +3–4 % / −4…−2 % (runs differ by up to ±7 points). HARDWARE.md measured an
+device-to-device copy cost +3–4 % / −4…−2 % (runs differ by up to ±7 points). docs/DRIVER_FACTS.md measured an
 SM copy reading over NVLink at +203 % (copy engines: +9–11 %); the x2 run of THIS kernel is not made
 yet. Where it wins: plans with many entries — one launch per layer (~4–7 µs host) instead of ~5 µs
 of driver work per entry: with contention_opt's 144 slices per layer, 0.87–2.0 TB/s vs 0.21–0.48

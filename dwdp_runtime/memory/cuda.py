@@ -1,7 +1,7 @@
 """CUDA memory backend: the ``MemoryBackend`` interface on the CUDA driver's virtual-memory API.
 
   create  → ``cuMemCreate`` (pinned device memory on this GPU, ONE shareable handle type:
-            cuda-bindings cannot express ``POSIX_FD|FABRIC`` together, HARDWARE.md)
+            cuda-bindings cannot express ``POSIX_FD|FABRIC`` together, docs/DRIVER_FACTS.md)
   export  → ``cuMemExportToShareableHandle``: an int fd (``posix_fd``, passed with ``fdpass``)
             or 64 bytes (``fabric``, exchanged through the rendezvous store)
   import_ → ``cuMemImportFromShareableHandle`` (the fd is closed here: the handle keeps the memory)
@@ -18,7 +18,7 @@
             the interface has no bf16 typestr. ``data_ptr() == va`` is checked: a silent copy
             would defeat DWDP, so it raises instead.
 
-Call order (HARDWARE.md): torch creates the primary context first (``torch.cuda.set_device`` +
+Call order (docs/DRIVER_FACTS.md): torch creates the primary context first (``torch.cuda.set_device`` +
 a 1-element tensor), then ``cuInit(0)``; driver calls use that current context.
 
 Invariants: every handle is created with exactly one handle type; a fabric backend is probed at
@@ -126,7 +126,7 @@ class CudaMemory(MemoryBackend):
         self.name = f"cuda/{handle_type}"
         self.handle_transport = "fd" if handle_type == "posix_fd" else "bytes"
         # Hardware reason: torch must create (and make current) the primary context before the
-        # driver API is used, or the driver calls below run without a context (HARDWARE.md).
+        # driver API is used, or the driver calls below run without a context (docs/DRIVER_FACTS.md).
         torch.cuda.set_device(dev)
         torch.empty(1, device=dev)
         check(driver, driver.cuInit(0), "cuInit")

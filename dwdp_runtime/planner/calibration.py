@@ -11,7 +11,7 @@ and returns, per item, the prediction, the measured range and the relative error
 ``(predicted - measured) / measured`` of the *time* at both ends of the range and at its
 midpoint (negative: the planner is optimistic). A range may be a single number.
 
-``HARDWARE_MD_H200`` holds the published H200 measurements (HARDWARE.md, measured 2026-11-29):
+``H200_MEASURED`` holds the published H200 measurements (docs/DRIVER_FACTS.md, measured 2026-11-29):
 grouped GEMM 64 experts 2048→1024, 8192 tokens: 0.11–0.15 ms; copy-engine NVLink copy of
 2 GiB: 388–394 GB/s. Caveat: the H200 link efficiency (presets) was fitted to that same copy
 measurement, so the copy row checks consistency, not predictive power. When the CUDA-backend
@@ -23,7 +23,7 @@ from __future__ import annotations
 from . import roofline
 from .presets import GIB, get_dtype, get_hardware
 
-HARDWARE_MD_H200: dict = {
+H200_MEASURED: dict = {
     "hardware": "h200-hgx",
     "grouped_gemm": [{"name": "grouped_mm 64 experts 2048->1024, 8192 tokens (bf16)", "num_experts": 64,
                       "k": 2048, "n": 1024, "tokens": 8192, "dtype": "bf16", "time_s": [0.11e-3, 0.15e-3]}],

@@ -47,7 +47,7 @@ def add_subparser(sub) -> argparse.ArgumentParser:
     p.add_argument("--sweep-batches", default=",".join(map(str, DEFAULT_BATCHES)),
                    help="batch sizes of the sweep curves (comma-separated; default %(default)s)")
     p.add_argument("--calibrate", nargs="?", const="-", default=None, metavar="MEASURED_JSON",
-                   help="compare measured times with predictions (no file: HARDWARE.md's H200 numbers)")
+                   help="compare measured times with predictions (no file: the H200 figures of docs/DRIVER_FACTS.md)")
     p.set_defaults(func=run)
     return p
 
@@ -58,7 +58,7 @@ def _fail(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .calibration import HARDWARE_MD_H200, calibrate, format_report
+    from .calibration import H200_MEASURED, calibrate, format_report
     from .model_shapes import ModelConfigError
     from .evaluator import Evaluator
     from .plan import plan
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.calibrate is not None:
             if args.calibrate == "-":
-                measured = HARDWARE_MD_H200
+                measured = H200_MEASURED
             else:
                 with open(args.calibrate, encoding="utf-8") as f:
                     measured = json.load(f)

@@ -5,7 +5,7 @@ Pure. Parts (bytes):
                  projections and dense FFNs at ``dense_dtype``, routers bf16, shared experts at
                  ``dtype``, RMSNorm weights bf16.
   local_experts  the local handle of ``layout.composite_layout`` per (MoE layer, tensor): the
-                 rank's experts rounded up to the 2 MiB VMM granularity (HARDWARE.md). Two tensors
+                 rank's experts rounded up to the 2 MiB VMM granularity (docs/DRIVER_FACTS.md). Two tensors
                  per layer, gate_up ``[k, 2I, H]`` and down ``[k, H, I]``. For ``fp8``, ``nvfp4`` and
                  ``mxfp4`` the tensors are the ones ``dwdp_runtime.quant`` declares (e4m3 or packed
                  E2M1 weights here — FP4: half a byte per weight —, their scales in
@@ -46,7 +46,7 @@ from .model_shapes import ModelShape, load_model
 from .presets import ACT_BYTES, GIB, MIB, Hardware, WeightDtype, get_dtype, get_hardware
 from ..serving_options import DEFAULTS as SERVING_DEFAULTS
 
-GRANULARITY = 2 * MIB  # HARDWARE.md: minimum = recommended VMM granularity on H200
+GRANULARITY = 2 * MIB  # docs/DRIVER_FACTS.md: minimum = recommended VMM granularity on H200
 POOL_PAGE = layout.pool_page_bytes(GRANULARITY)  # 16 MiB: the runtime's pool page
 
 

@@ -98,12 +98,12 @@ class Hardware:
         return self.nvlink_bytes_per_s * self.link_efficiency
 
 
-# H200 copy-engine NVLink copies measured 388–394 GB/s (HARDWARE.md "Copies and overlap") against
+# H200 copy-engine NVLink copies measured 388–394 GB/s (docs/DRIVER_FACTS.md, "Copies") against
 # 450 GB/s per direction (NVLink 4, 900 GB/s bidirectional, H200 datasheet): 388/450 = 0.862.
 # We take the lower end. NB: the calibration against that same measurement is therefore not an
 # independent check (docs/PLANNER.md says so).
 _H200_LINK_EFF = 388 / 450
-# Concurrent GEMM slowed by +9–11 % while a copy-engine copy runs (HARDWARE.md); midpoint.
+# Concurrent GEMM slowed by +9–11 % while a copy-engine copy runs (docs/DRIVER_FACTS.md); midpoint.
 _H200_TAX = 0.10
 # GB200, DWDP vs DEP per-kernel times from the DWDP paper's breakdown (seed article): attention
 # 269.67→320.56 µs, dense GEMM 177.50→189.28 µs, others 241.69→284.32 µs: summed ratio − 1.
@@ -115,10 +115,10 @@ HARDWARE: dict[str, Hardware] = {
         # H200 datasheet: BF16 1,979 / FP8 3,958 TFLOPS *with sparsity* -> dense 989.5 / 1,979. No FP4.
         peak_flops={"bf16": 989.5 * TB, "fp8": 1979 * TB},
         hbm_bytes_per_s=4.8 * TB,        # H200 datasheet: 4.8 TB/s HBM3e
-        nvlink_bytes_per_s=450 * GB,     # datasheet 900 GB/s bidirectional; HARDWARE.md NV18 18×26.6
-        memory_bytes=143_771 * MIB,      # HARDWARE.md: measured 143,771 MiB (datasheet "141 GB")
+        nvlink_bytes_per_s=450 * GB,     # datasheet 900 GB/s bidirectional; docs/DRIVER_FACTS.md NV18 18×26.6
+        memory_bytes=143_771 * MIB,      # docs/DRIVER_FACTS.md: measured 143,771 MiB (datasheet "141 GB")
         max_group=8, link_efficiency=_H200_LINK_EFF, copy_compute_tax=_H200_TAX,
-        sources=("NVIDIA H200 datasheet", "HARDWARE.md (measured 2026-11-29)")),
+        sources=("NVIDIA H200 datasheet", "docs/DRIVER_FACTS.md (measured 2026-11-29)")),
     "h100-hgx": Hardware(
         name="h100-hgx", description="HGX H100 SXM 80GB (8 GPUs, NVLink 4 through NVSwitch)",
         # H100 SXM datasheet: BF16 1,979 / FP8 3,958 TFLOPS with sparsity -> dense 989.5 / 1,979.

@@ -1,6 +1,6 @@
 """Pure builders of every child object of a DwdpGroup (plain dicts, ready for the API).
 
-Children of DwdpGroup ``<name>`` in namespace ``<ns>`` (DESIGN §5):
+Children of DwdpGroup ``<name>`` in namespace ``<ns>`` (docs/OPERATOR.md lists them for users):
   1. Secret ``<name>-token``            — the group token (DWDP_TOKEN), created once, never rotated here.
   2. Service ``<name>``                 — client Service over ready pods with ``dwdp.io/serving=true``.
   3. ComputeDomain ``<name>-imex``      — one IMEX domain per DwdpGroup (imex.mode=ComputeDomain); pods

@@ -35,7 +35,7 @@ def _grouped_mm_checks(torch, composite, plain, device):
     offs = torch.cumsum(counts, 0).to(torch.int32).to(device)
     x = torch.randn(int(counts.sum()), K, generator=g).to(composite.dtype).to(device)
     out = {}
-    # mat_b is [E, K, N]: the transposed view of the [E, N, K] weight (HARDWARE.md: works on the composite).
+    # mat_b is [E, K, N]: the transposed view of the [E, N, K] weight (docs/DRIVER_FACTS.md: works on the composite).
     a = torch._grouped_mm(x, composite.transpose(-2, -1), offs=offs)
     b = torch._grouped_mm(x, plain.transpose(-2, -1), offs=offs)
     out["_grouped_mm"] = bool(torch.equal(a, b))

@@ -22,7 +22,7 @@ def test_granularity_and_zero_copy_composite(cuda_device):
 
     mem = _mem(cuda_device)
     g = mem.granularity
-    assert g == 2 << 20, f"H200 granularity is 2 MiB (HARDWARE.md), got {g}"
+    assert g == 2 << 20, f"H200 granularity is 2 MiB (docs/DRIVER_FACTS.md), got {g}"
     a1, a2 = mem.create(g), mem.create(2 * g)
     va = mem.reserve(3 * g)
     try:
@@ -50,7 +50,7 @@ def test_granularity_and_zero_copy_composite(cuda_device):
 
 
 def test_partial_map_is_refused(cuda_device):
-    """The driver maps a handle only whole (HARDWARE.md): a wrong-size import fails in map()."""
+    """The driver maps a handle only whole (docs/DRIVER_FACTS.md): a wrong-size import fails in map()."""
     from dwdp_runtime.memory.cuda import CudaError
 
     mem = _mem(cuda_device)

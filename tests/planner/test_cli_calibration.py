@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dwdp_runtime.cli import main
-from dwdp_runtime.planner.calibration import HARDWARE_MD_H200, calibrate, format_report
+from dwdp_runtime.planner.calibration import H200_MEASURED, calibrate, format_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {"t_compute_us", "t_prefetch_us", "t_dwdp_us", "t_dep_us", "speedup", "crossover_isl", "memory_gib",
@@ -87,7 +87,7 @@ def test_console_entry_runs_without_torch():
 
 
 def test_calibration_against_hardware_md():
-    res = calibrate(HARDWARE_MD_H200)
+    res = calibrate(H200_MEASURED)
     gg, cp = res["items"]
     # grouped GEMM: F = 2*8192*2048*1024 = 34.36 GFLOP -> 34.7 µs at 989.5 TFLOP/s; bytes =
     # 8192*2048*2 + 64*2048*1024*2 + 8192*1024*2 = 318,767,104 -> 66.4 µs at 4.8 TB/s: memory-bound

@@ -88,7 +88,7 @@ def test_select_backend_auto_on_cpu_is_host():
 def test_granularity_choice_and_tensor_bytes_shared_by_both_backends():
     from dwdp_runtime.memory.base import choose_granularity, nbytes_of
 
-    h200 = 2 << 20  # the driver's recommended granularity on H200 (HARDWARE.md)
+    h200 = 2 << 20  # the driver's recommended granularity on H200 (docs/DRIVER_FACTS.md)
     assert choose_granularity(None, h200, what="the driver granularity") == h200
     assert choose_granularity(4 * h200, h200, what="the driver granularity") == 4 * h200
     with pytest.raises(ValueError, match="multiple of the driver granularity 2097152"):
