@@ -64,14 +64,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..quant.scheme import E4M3_MAX, FP8_SCALE_BLOCK
 from ._fp8_cute_steps import (acquire, act_mul_amax, divide_rows, finish_step, issue, load_scales, mma, scale_products,
                               wait_mma, wait_stage)
 from .fp8_cute_trace import TRACE_FIELDS, TRACE_ROLES
 
 #: rows of a tile: two math warpgroups × the 64 rows of one wgmma
 TILE_M = 128
-#: the scale block along K (and N): one promotion per 128-deep K step = four k32 wgmma instructions
-SCALE_BLOCK = 128
 #: registers per thread of the producer warpgroup after ``setmaxnreg`` (it only issues TMA copies)
 LOAD_REGISTERS = 40
 #: registers per thread of the math warpgroups: 2 × 64 fp32 accumulators (scratch and promoted) at
@@ -79,8 +78,6 @@ LOAD_REGISTERS = 40
 MMA_REGISTERS = 232
 #: shared memory the ring may use: the SM's 227 KiB minus the mbarriers
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-#: e4m3 saturation: an activation group's scale is its amax / 448 (``fp8_quant``)
-E4M3_MAX = 448.0
 #: columns of an epilogue sub-tile (128 × 32: one ``stmatrix`` pass of the C fragment, the example's); a tile has
 #: one TMA store buffer per sub-tile (``epi_stages``: 4 at 128 columns, 8 at 256), so its epilogue never waits for
 #: its own stores — they drain during the next tile's mainloop
@@ -106,7 +103,7 @@ class BlockScaledGroupedGemm:
         #: L2 once per 256 columns and a tile's epilogue covers twice the work
         self.tile_n_out = tile_n
         #: the (M, N, K) of one MMA and B tile: N at most one scale block
-        self.tile_shape_mnk = (TILE_M, min(tile_n, SCALE_BLOCK), SCALE_BLOCK)
+        self.tile_shape_mnk = (TILE_M, min(tile_n, FP8_SCALE_BLOCK), FP8_SCALE_BLOCK)
         #: K / 128 (a compile-time constant)
         self.k_tiles = k_tiles
         if cluster_n not in (1, 2):
@@ -120,8 +117,8 @@ class BlockScaledGroupedGemm:
         #: writes ``silu(gate) · up`` quantized per row and group (e4m3 + one fp32 scale per row) — no
         #: ``[rows, 2I]`` intermediate in HBM
         self.act_inter = act_inter
-        if act_inter and (act_inter % SCALE_BLOCK or tile_n != SCALE_BLOCK):
-            raise ValueError(f"the fused gate_up needs I a multiple of {SCALE_BLOCK} and BLOCK_N = {SCALE_BLOCK}")
+        if act_inter and (act_inter % FP8_SCALE_BLOCK or tile_n != FP8_SCALE_BLOCK):
+            raise ValueError(f"the fused gate_up needs I a multiple of {FP8_SCALE_BLOCK} and BLOCK_N = {FP8_SCALE_BLOCK}")
         #: two B tiles per stage, two accumulators (the fused gate_up, or a 256-column tile)
         self.two_b = act_inter > 0 or tile_n == WIDE_TILE_N
         #: the fused gate_up's clamped SwiGLU (``gates.ClampedGlu``: ``_fp8_cute_steps.act_mul_amax``), its fields
@@ -159,16 +156,16 @@ class BlockScaledGroupedGemm:
         self.tiled_mma_acc = self._make_mma()
 
         mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
-        if mma_k * 4 != SCALE_BLOCK:
-            raise ValueError(f"expected a k{SCALE_BLOCK // 4} fp8 wgmma, got k{mma_k}")
+        if mma_k * 4 != FP8_SCALE_BLOCK:
+            raise ValueError(f"expected a k{FP8_SCALE_BLOCK // 4} fp8 wgmma, got k{mma_k}")
         self.epi_tile = (TILE_M, EPI_SUBTILE_N)
         b_tiles = 2 if self.two_b else 1
-        ab_bytes = (TILE_M + b_tiles * self.tile_shape_mnk[1]) * SCALE_BLOCK  # e4m3: 1 byte per element
+        ab_bytes = (TILE_M + b_tiles * self.tile_shape_mnk[1]) * FP8_SCALE_BLOCK  # e4m3: 1 byte per element
         self.epi_stages = self.tile_n_out // self.epi_tile[1]
         epi_bytes = cute.size(self.epi_tile) * self.c_dtype.width // 8 * self.epi_stages
         self.ab_stage = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
-        self.a_smem_layout_staged = self._staged(self.a_layout, self.a_dtype, (TILE_M, SCALE_BLOCK))
-        self.b_smem_layout_staged = self._staged(self.b_layout, self.b_dtype, (self.tile_shape_mnk[1], SCALE_BLOCK))
+        self.a_smem_layout_staged = self._staged(self.a_layout, self.a_dtype, (TILE_M, FP8_SCALE_BLOCK))
+        self.b_smem_layout_staged = self._staged(self.b_layout, self.b_dtype, (self.tile_shape_mnk[1], FP8_SCALE_BLOCK))
         c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(self.c_layout, self.c_dtype, self.epi_tile[1]), self.c_dtype)
         self.epi_smem_layout_staged = cute.tile_to_shape(c_atom, cute.append(self.epi_tile, self.epi_stages),
@@ -176,7 +173,7 @@ class BlockScaledGroupedGemm:
 
     def _staged(self, layout, dtype, shape):
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(layout, dtype, SCALE_BLOCK), dtype)
+            sm90_utils.get_smem_layout_atom(layout, dtype, FP8_SCALE_BLOCK), dtype)
         return cute.tile_to_shape(atom, cute.append(shape, self.ab_stage), order=(0, 1, 2))
 
     @cute.jit
@@ -193,10 +190,10 @@ class BlockScaledGroupedGemm:
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         g2s_a = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else g2s
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s_a, a, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (TILE_M, SCALE_BLOCK),
+            g2s_a, a, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (TILE_M, FP8_SCALE_BLOCK),
             num_multicast=self.cluster_n)
         tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, b, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (self.tile_shape_mnk[1], SCALE_BLOCK))
+            g2s, b, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (self.tile_shape_mnk[1], FP8_SCALE_BLOCK))
         tma_atom_d, tma_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d,
             cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
@@ -238,14 +235,14 @@ class BlockScaledGroupedGemm:
         the output width are compile-time; the row count, the expert count and every stride past the unit
         one are run-time (Int64 strides: rows × N passes 2³¹ at 64K tokens of DeepSeek-V3). ``tr_ptr``: the trace
         build's counters ``[CTAs, TRACE_ROLES, len(TRACE_FIELDS)]`` int64 (unread by the normal build)."""
-        k = self.k_tiles * SCALE_BLOCK
+        k = self.k_tiles * FP8_SCALE_BLOCK
         a = cute.make_tensor(a_ptr, cute.make_layout((rows, k, 1), stride=(a_row, 1, rows * a_row)))
         sa = cute.make_tensor(sa_ptr, cute.make_layout((rows, self.k_tiles), stride=(1, sa_k)))
         b = cute.make_tensor(b_ptr, cute.make_layout((n, k, num_experts), stride=(b_row, 1, b_expert)))
-        sb = cute.make_tensor(sb_ptr, cute.make_layout((n // SCALE_BLOCK, self.k_tiles, num_experts),
+        sb = cute.make_tensor(sb_ptr, cute.make_layout((n // FP8_SCALE_BLOCK, self.k_tiles, num_experts),
                                                        stride=(sb_row, 1, sb_expert)))
         d = cute.make_tensor(d_ptr, cute.make_layout((rows, n_out, 1), stride=(d_row, 1, rows * d_row)))
-        ds = cute.make_tensor(ds_ptr, cute.make_layout((rows, n_out // SCALE_BLOCK), stride=(1, ds_n)))
+        ds = cute.make_tensor(ds_ptr, cute.make_layout((rows, n_out // FP8_SCALE_BLOCK), stride=(1, ds_n)))
         block_expert = cute.make_tensor(be_ptr, cute.make_layout(rows // TILE_M))
         trace = cute.make_tensor(tr_ptr, cute.make_layout(
             (max_active_clusters * self.cluster_n, TRACE_ROLES, len(TRACE_FIELDS)),
@@ -332,7 +329,7 @@ class BlockScaledGroupedGemm:
                                                     cute.group_modes(gB, 0, 2))
         # the second B tile of a stage, in B tiles (and scale rows) after the first: the up half's first column
         # tile for the fused gate_up, the next one for a wide tile
-        second_b = self.act_inter // SCALE_BLOCK if self.act_inter else 1
+        second_b = self.act_inter // FP8_SCALE_BLOCK if self.act_inter else 1
         b_per_tile = self.tile_n_out // self.tile_shape_mnk[1]  # B tiles per output tile (1, or 2 when wide)
         # tiles past the problem: a swizzled schedule rounds its grid up to whole swizzle bands
         num_m_blocks = cute.size(mBlockExpert)
@@ -442,7 +439,7 @@ class BlockScaledGroupedGemm:
                     m0 = m_blk * TILE_M
                     read_state.reset_count()
                     release_state.reset_count()
-                    nb = n_blk * self.tile_n_out // SCALE_BLOCK
+                    nb = n_blk * self.tile_n_out // FP8_SCALE_BLOCK
                     rows = (m0 + row_lo, m0 + row_hi)
                     # A warpgroup's promotion needs its own MMA's result; the other warpgroup's MMA runs meanwhile.
                     # Measured on H200 and not kept: taking turns between the warpgroups through named barriers
@@ -481,7 +478,7 @@ class BlockScaledGroupedGemm:
                         next_m, next_n, _ = work.tile_idx
                         next_expert = self.tile_expert(mBlockExpert, next_m, next_n, num_m_blocks, num_n_tiles)
                     if next_expert >= 0:
-                        next_nb = next_n * self.tile_n_out // SCALE_BLOCK
+                        next_nb = next_n * self.tile_n_out // FP8_SCALE_BLOCK
                         a_lo, a_hi, w_s, w_u = load_scales(mSA, mSB, next_m * TILE_M + row_lo, next_m * TILE_M + row_hi,
                                                            next_nb, second_b, 0, next_expert, self.two_b)
                         stage_wait += wait_stage(ring, read_state, self.trace)

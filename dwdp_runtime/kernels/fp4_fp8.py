@@ -49,20 +49,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.scheme import E4M3_MAX, FP8_SCALE_BLOCK
 from .fp4_grouped_gemm import E4M3, E8M0, _bytes, _fp4_tile, _scale
 from .support import interpreting
 
 log = logging.getLogger(__name__)
 
-#: the block of the FP8 kernels' weight scales (``weight_block_size [128, 128]``, ``fp8_cute.SCALE_BLOCK``)
-BLOCK = 128
-#: e4m3fn's largest finite value: the block's largest weight maps at most onto it
-E4M3_MAX = 448.0
 #: e4m3fn's largest finite code (0x7E = 1.75 · 2^8), where an over-range value saturates
 _E4M3_MAX_CODE = tl.constexpr(0x7E)
 #: float32 exponent field of e4m3's smallest normal, 2^-6 (127 − 6): below it e4m3 is subnormal
 _E4M3_MIN_NORMAL_EXP = tl.constexpr(121)
-#: mantissa bits of 448 (1.75) in float32: ``amax`` above 1.75 · 2^j needs the next power of two
+#: mantissa bits of E4M3_MAX = 448 (1.75) in float32: ``amax`` above 1.75 · 2^j needs the next power of two
 _MANT_448 = tl.constexpr(0x600000)
 #: the block scale's exponent floor: 2^-126, float32's smallest normal (a block of zeros or of float32
 #: subnormals takes it; its codes are then exact or 0)
@@ -167,7 +164,7 @@ def unpacked_columns(packed: torch.Tensor) -> int:
 
 def scale_grid(n: int, k: int) -> tuple[int, int]:
     """The 128×128 block-scale grid of an ``[N, K]`` projection: a ragged edge is a block of its own."""
-    return -(-n // BLOCK), -(-k // BLOCK)
+    return -(-n // FP8_SCALE_BLOCK), -(-k // FP8_SCALE_BLOCK)
 
 
 def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None, *,
@@ -191,11 +188,11 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
     packed = _bytes(packed)
     fmt_code = SCALE_FORMATS[fmt]
     has_s2 = fmt_code == E4M3 and scale_2 is not None
-    sub = sub_rows or (BLOCK if interpreting() else SUB_ROWS)
-    if BLOCK % sub:
-        raise ValueError(f"sub_rows={sub_rows} does not divide the {BLOCK}-row block")
-    if split is not None and split % BLOCK:
-        raise ValueError(f"the second global scale starts at row {split}, inside a {BLOCK}-row block")
+    sub = sub_rows or (FP8_SCALE_BLOCK if interpreting() else SUB_ROWS)
+    if FP8_SCALE_BLOCK % sub:
+        raise ValueError(f"sub_rows={sub_rows} does not divide the {FP8_SCALE_BLOCK}-row block")
+    if split is not None and split % FP8_SCALE_BLOCK:
+        raise ValueError(f"the second global scale starts at row {split}, inside a {FP8_SCALE_BLOCK}-row block")
     if fast is None:
         fast = not interpreting() and (packed.device.type != "cuda" or self_check(packed.device).fast)
     grid = (num_experts, *scale_grid(n, k))
@@ -217,7 +214,7 @@ def fp4_block_fp8(packed: torch.Tensor, scales: torch.Tensor, fmt: str, scale_2:
         packed.stride(0), packed.stride(1), packed.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
         s2.stride(0) if has_s2 else 0, s2.stride(1) if has_s2 else 0, codes.stride(0), codes.stride(1), s.stride(0),
         s.stride(1),
-        SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=BLOCK, SUB=sub, FAST=fast and not interpreting())
+        SCALE_FMT=fmt_code, HAS_S2=has_s2, BLOCK_=FP8_SCALE_BLOCK, SUB=sub, FAST=fast and not interpreting())
     return w, s
 
 
@@ -294,7 +291,7 @@ def run_self_check(device: torch.device) -> SelfCheck:
             scales = torch.randint(1, 0x7F, (e, n, k // 16), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
             s2 = torch.rand(e, 2, generator=gen) + 0.5
             values = fp4.nvfp4_dequantize(packed, scales, torch.ones_like(s2), torch.float32, row_segments=(n // 2,) * 2)
-        factor = None if s2 is None else torch.where(torch.arange(0, n, BLOCK)[None, :] >= n // 2, s2[:, -1:], s2[:, :1])
+        factor = None if s2 is None else torch.where(torch.arange(0, n, FP8_SCALE_BLOCK)[None, :] >= n // 2, s2[:, -1:], s2[:, :1])
         want = fp4_fp8_reference(values.to(device), block_bound(scales, fmt).to(device),
                                  None if factor is None else factor.to(device))
         cases.append((fmt, packed.to(device), scales.to(device), None if s2 is None else s2.to(device), want))
@@ -326,13 +323,13 @@ def block_bound(scales: torch.Tensor, fmt: str) -> torch.Tensor:
     group = 32 if SCALE_FORMATS[fmt] == E8M0 else 16
     raw = scales.contiguous().view(torch.uint8)
     rows, cols = scale_grid(raw.shape[1], raw.shape[2] * group)
-    raw = _zero_padded(raw, rows * BLOCK, cols * (BLOCK // group))
+    raw = _zero_padded(raw, rows * FP8_SCALE_BLOCK, cols * (FP8_SCALE_BLOCK // group))
     if SCALE_FORMATS[fmt] == E8M0:
         value = torch.ldexp(torch.ones_like(raw, dtype=torch.float32), raw.to(torch.int32) - 127)
     else:
         value = (raw & 0x7F).view(torch.float8_e4m3fn).float()
     e, n, groups = value.shape
-    blocks = value.reshape(e, n // BLOCK, BLOCK, groups // (BLOCK // group), BLOCK // group)
+    blocks = value.reshape(e, n // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK, groups // (FP8_SCALE_BLOCK // group), FP8_SCALE_BLOCK // group)
     return 6.0 * blocks.amax(dim=(2, 4))
 
 
@@ -344,7 +341,7 @@ def fp4_fp8_reference(values: torch.Tensor, bound: torch.Tensor,
     ``k = ⌈log2(bound / 448)⌉`` (floored at −126), ``w = (v · 2^-k).to(float8_e4m3fn)``, ``s = 2^k · factor``."""
     e, n, k = values.shape
     rows, cols = scale_grid(n, k)
-    blocks = _zero_padded(values, rows * BLOCK, cols * BLOCK).reshape(e, rows, BLOCK, cols, BLOCK).float()
+    blocks = _zero_padded(values, rows * FP8_SCALE_BLOCK, cols * FP8_SCALE_BLOCK).reshape(e, rows, FP8_SCALE_BLOCK, cols, FP8_SCALE_BLOCK).float()
     mant, exp = torch.frexp(bound.float())                                # bound = mant · 2^exp, mant ∈ [0.5, 1)
     kexp = (exp - 9 + (mant > E4M3_MAX / 512).to(exp.dtype)).clamp(min=_MIN_SCALE_EXP)
     kexp = torch.where(bound == 0, torch.full_like(kexp, _MIN_SCALE_EXP), kexp)
@@ -352,7 +349,7 @@ def fp4_fp8_reference(values: torch.Tensor, bound: torch.Tensor,
     if factor is not None:
         scale = scale * factor[:, :, None]
     q = torch.ldexp(blocks, -kexp[:, :, None, :, None])
-    return q.to(torch.float8_e4m3fn).reshape(e, rows * BLOCK, cols * BLOCK)[:, :n, :k].contiguous(), scale
+    return q.to(torch.float8_e4m3fn).reshape(e, rows * FP8_SCALE_BLOCK, cols * FP8_SCALE_BLOCK)[:, :n, :k].contiguous(), scale
 
 
 def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -365,6 +362,6 @@ def exactness(values: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> float:
     ``fp4_fp8_reference`` takes them: before NVFP4's global, so ``s`` without it)."""
     e, n, k = w.shape
     rows, cols = scale_grid(n, k)
-    back = (_zero_padded(w.float(), rows * BLOCK, cols * BLOCK).reshape(e, rows, BLOCK, cols, BLOCK)
-            * s[:, :, None, :, None]).reshape(e, rows * BLOCK, cols * BLOCK)[:, :n, :k]
+    back = (_zero_padded(w.float(), rows * FP8_SCALE_BLOCK, cols * FP8_SCALE_BLOCK).reshape(e, rows, FP8_SCALE_BLOCK, cols, FP8_SCALE_BLOCK)
+            * s[:, :, None, :, None]).reshape(e, rows * FP8_SCALE_BLOCK, cols * FP8_SCALE_BLOCK)[:, :n, :k]
     return float((back == values.float()).float().mean())

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quant.scheme import FP8_SCALE_BLOCK
 from ..contract import TuningEnv
 from .fp8_plan_rows import act_quant_plan_rows, gather_plan_rows, reduce_plan_rows
 from .fp8_cute_trace import TRACE_FIELDS, TRACE_ROLES
@@ -48,8 +49,6 @@ log = logging.getLogger(__name__)
 
 #: rows per GEMM tile (two math warpgroups × 64): the routing plan is padded to it
 TILE_M = 128
-#: the scale block (weight_block_size [128, 128])
-SCALE_BLOCK = 128
 #: the fused gate_up's column tile: one 128-column activation group (its gate and up rows in one CTA)
 TILE_N_FUSED = 128
 #: compute capability the kernel is written for (wgmma, TMA, setmaxnreg)
@@ -85,8 +84,8 @@ def unusable(w1: torch.Tensor, w2: torch.Tensor) -> str | None:
     if why:
         return why
     for name, w in (("gate_up", w1), ("down", w2)):
-        if w.shape[1] % SCALE_BLOCK or w.shape[2] % SCALE_BLOCK:
-            return f"{name} weights {tuple(w.shape)} are not multiples of {SCALE_BLOCK}"
+        if w.shape[1] % FP8_SCALE_BLOCK or w.shape[2] % FP8_SCALE_BLOCK:
+            return f"{name} weights {tuple(w.shape)} are not multiples of {FP8_SCALE_BLOCK}"
         if w.stride(2) != 1 or (w.stride(0) * w.element_size()) % TMA_ALIGN or w.data_ptr() % TMA_ALIGN:
             return f"{name} weights are not K-contiguous with 16-byte aligned experts (TMA)"
     return None
@@ -220,12 +219,12 @@ def _launch(a, sa, w, ws, d, d_scales, block_expert, cfg: CuteGemmConfig, act_in
     k, n, n_out = a.shape[1], w.shape[1], d.shape[1]
     args = gemm_arguments(a, sa, w, ws, d, d_scales, block_expert, trace)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    key = (d.dtype, cfg, k // SCALE_BLOCK, n, n_out, act_inter, trace is not None, glu,
+    key = (d.dtype, cfg, k // FP8_SCALE_BLOCK, n, n_out, act_inter, trace is not None, glu,
            a.device.index)
     compiled = _COMPILED.get(key)
     if compiled is None:
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        compiled = _COMPILED[key] = compile_gemm(k // SCALE_BLOCK, cfg, act_inter, args, n, n_out,
+        compiled = _COMPILED[key] = compile_gemm(k // FP8_SCALE_BLOCK, cfg, act_inter, args, n, n_out,
                                                  sms // cfg.cluster_n, stream, trace is not None, glu)
     compiled(*args, stream)
 
@@ -240,13 +239,13 @@ def _check_trace_buffer(trace: torch.Tensor, device) -> None:
 
 def _check_operands(a, w, n_out: int, cfg: CuteGemmConfig) -> CuteGemmConfig:
     rows, k = a.shape
-    if w.shape[2] != k or rows % TILE_M or k % SCALE_BLOCK or n_out % SCALE_BLOCK:
-        raise ValueError(f"CuTe FP8 GEMM needs K, N multiples of {SCALE_BLOCK} and rows of {TILE_M}: a {tuple(a.shape)}, "
+    if w.shape[2] != k or rows % TILE_M or k % FP8_SCALE_BLOCK or n_out % FP8_SCALE_BLOCK:
+        raise ValueError(f"CuTe FP8 GEMM needs K, N multiples of {FP8_SCALE_BLOCK} and rows of {TILE_M}: a {tuple(a.shape)}, "
                          f"w {tuple(w.shape)}")
     if w.stride(2) != 1 or a.stride(1) != 1:
         raise ValueError("CuTe FP8 GEMM needs K-contiguous operands")
     if n_out % cfg.tile_n:
-        cfg = dataclasses.replace(cfg, tile_n=SCALE_BLOCK)  # a wide tile needs N a multiple of its width
+        cfg = dataclasses.replace(cfg, tile_n=FP8_SCALE_BLOCK)  # a wide tile needs N a multiple of its width
     if (n_out // cfg.tile_n) % cfg.cluster_n:
         cfg = dataclasses.replace(cfg, cluster_n=1)  # an odd number of column tiles cannot pair up
     return cfg
@@ -291,10 +290,10 @@ def gate_up_act_quant(a: torch.Tensor, sa: torch.Tensor, w1: torch.Tensor, s1: t
     rows = a.shape[0]
     if out is None:
         h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=a.device)
-        hs = torch.empty(inter // SCALE_BLOCK, rows, dtype=torch.float32, device=a.device)
+        hs = torch.empty(inter // FP8_SCALE_BLOCK, rows, dtype=torch.float32, device=a.device)
     else:
         h = _check_out(out[0], (rows, inter), torch.float8_e4m3fn)
-        hs = _check_out(out[1], (inter // SCALE_BLOCK, rows), torch.float32)
+        hs = _check_out(out[1], (inter // FP8_SCALE_BLOCK, rows), torch.float32)
     _launch(a, sa, w1, s1, h, hs, block_expert, cfg, inter, trace, glu)
     return h, hs
 

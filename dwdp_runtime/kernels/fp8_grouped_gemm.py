@@ -41,14 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.scheme import FP8_SCALE_BLOCK
 from . import ACTIVATIONS, interpreting
 from ._cast import cast_out
 from .fp8_quant import group_scale, scaled, to_e4m3
 from .grouped_gemm import _act, _b_tile, _block_rows, _glu, _grid, _tile_ids, _weight_descriptor, glu_constexprs
 from .routing import RoutingPlan
 
-#: the scale block of the weights and the activation group: 128 (weight_block_size [128, 128])
-SCALE_BLOCK = 128
 #: GEMM 1 sub-tile widths: the whole 128-column group in one pass, or two 64-column passes (half the fp32
 #: accumulator registers: at 64 rows and 4 warps one pass spills, two do not — the program then fits 3 per SM)
 GATE_UP_SUB_N = (64, 128)
@@ -249,23 +248,23 @@ def fp8_gate_up(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     without a gate) is added before the activation, its rows ``[gate; up]`` or, ``bias_interleaved``, gpt-oss's
     gate/up pairs; ``glu`` a ``gates.ClampedGlu`` epilogue. ``out``: the pair to write (blocks whose expert is
     -1 are skipped and leave it untouched: a chunk of experts per launch)."""
-    if cfg.block_n not in GATE_UP_SUB_N or cfg.block_k != SCALE_BLOCK:
-        raise ValueError(f"fp8 gate_up needs BLOCK_K = {SCALE_BLOCK} and BLOCK_N in {GATE_UP_SUB_N} (sub-tiles of one "
-                         f"{SCALE_BLOCK}-column activation group), got {cfg.block_n}×{cfg.block_k}")
+    if cfg.block_n not in GATE_UP_SUB_N or cfg.block_k != FP8_SCALE_BLOCK:
+        raise ValueError(f"fp8 gate_up needs BLOCK_K = {FP8_SCALE_BLOCK} and BLOCK_N in {GATE_UP_SUB_N} (sub-tiles of one "
+                         f"{FP8_SCALE_BLOCK}-column activation group), got {cfg.block_n}×{cfg.block_k}")
     hidden = xq.shape[1]
     rows = plan.sorted_pairs.numel()
     if out is None:
         out = (torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=xq.device),
-               torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=xq.device))
+               torch.empty(rows, triton.cdiv(inter, FP8_SCALE_BLOCK), dtype=torch.float32, device=xq.device))
     act_q, act_s = out
     stride_be, stride_bg, bias_up = _gate_up_bias_strides(bias, inter, has_gate, bias_interleaved)
     desc = _weight_descriptor(w, w.shape[1], hidden, tuple(w.stride()), cfg)
-    fp8_gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, SCALE_BLOCK),)](
+    fp8_gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, FP8_SCALE_BLOCK),)](
         xq, xs, w, desc, ws, ws if bias is None else bias, act_q, act_s, plan.sorted_pairs, plan.block_expert,
         plan.num_padded, plan.num_pairs, plan.max_blocks, inter, hidden, plan.top_k, inter, up_srow, bias_up,
         xq.stride(0), xs.stride(0), *w.stride(), *ws.stride(), stride_be, stride_bg, act_q.stride(0),
         act_s.stride(0),
-        HAS_GATE=has_gate, ACT=ACTIVATIONS[activation], EVEN_K=hidden % SCALE_BLOCK == 0,
+        HAS_GATE=has_gate, ACT=ACTIVATIONS[activation], EVEN_K=hidden % FP8_SCALE_BLOCK == 0,
         USE_TMA=desc is not None, BLOCK_M=plan.block_m, SUB_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST, HAS_BIAS=bias is not None, **glu_constexprs(glu),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -291,8 +290,8 @@ def fp8_down(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, ws: torch.Ten
              out: torch.Tensor | None = None) -> torch.Tensor:
     """GEMM 2: ``y [T·k, hidden]`` = routing weight × (act · Wd[e] + bias[e]) in (token, k) row order;
     ``w [E, H, I]`` e4m3, ``bias [E, H]``. ``out``: the ``y`` to write (blocks of expert -1 skipped, as GEMM 1)."""
-    if cfg.block_k != SCALE_BLOCK:
-        raise ValueError(f"fp8 down needs BLOCK_K = {SCALE_BLOCK}")
+    if cfg.block_k != FP8_SCALE_BLOCK:
+        raise ValueError(f"fp8 down needs BLOCK_K = {FP8_SCALE_BLOCK}")
     if bias is not None and (bias.dim() != 2 or bias.shape[1] != hidden):
         raise ValueError(f"down bias {tuple(bias.shape)}: want [E, {hidden}]")
     inter = aq.shape[1]
@@ -303,7 +302,7 @@ def fp8_down(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, ws: torch.Ten
         plan.block_expert, plan.num_padded, plan.num_pairs, plan.max_blocks, hidden, inter,
         aq.stride(0), a_s.stride(0), *w.stride(), *ws.stride(), *((0, 0) if bias is None else bias.stride()),
         y.stride(0),
-        EVEN_K=inter % SCALE_BLOCK == 0, USE_TMA=desc is not None, SCALAR_WS=SCALE_BLOCK % cfg.block_n == 0,
+        EVEN_K=inter % FP8_SCALE_BLOCK == 0, USE_TMA=desc is not None, SCALAR_WS=FP8_SCALE_BLOCK % cfg.block_n == 0,
         BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=_UPCAST,
         HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

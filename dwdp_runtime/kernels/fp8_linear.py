@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from .fp8_cute import SCALE_BLOCK, TILE_M, TMA_ALIGN
+from ..quant.scheme import FP8_SCALE_BLOCK
+from .fp8_cute import TILE_M, TMA_ALIGN
 
 #: the activation dtypes the GEMM's 16-bit epilogue writes
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -35,8 +36,8 @@ OUTPUT_DTYPES = (torch.bfloat16, torch.float16)
 def unusable(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Why ``fp8_block_linear(x, w, …)`` cannot run here, or None (the operands' reasons first, then the machine's)."""
     n, k = w.shape
-    if n % SCALE_BLOCK or k % SCALE_BLOCK:
-        return f"weight {tuple(w.shape)} is not a multiple of {SCALE_BLOCK} in both dimensions"
+    if n % FP8_SCALE_BLOCK or k % FP8_SCALE_BLOCK:
+        return f"weight {tuple(w.shape)} is not a multiple of {FP8_SCALE_BLOCK} in both dimensions"
     if x.dtype not in OUTPUT_DTYPES:
         return f"the input is {x.dtype}; the FP8 GEMM writes bf16 or fp16"
     if x.device.type != "cuda":

@@ -31,7 +31,8 @@ import torch
 
 from ..contract import TuningEnv, tuning_choice
 from . import tuning
-from .fp8_grouped_gemm import SCALE_BLOCK, fp8_down, fp8_gate_up
+from ..quant.scheme import FP8_SCALE_BLOCK
+from .fp8_grouped_gemm import fp8_down, fp8_gate_up
 from .fp8_quant import quantize_groups
 from .reduce import reduce_topk
 from .routing import align_routing
@@ -72,9 +73,9 @@ def default_configs(load: int, hidden: int = 0) -> tuple[tuning.GemmConfig, tuni
     tiles, 3 stages, weight tiles through TMA (168 registers, 3 programs per SM: 1.2–1.5× bf16 there). 128-row
     blocks were 5–30 % slower in both GEMMs (one program per SM). Every load takes the same ``ROW_BLOCK``
     (batch invariance; ``load`` is kept for the callers' keys)."""
-    g1 = tuning.GemmConfig(block_m=ROW_BLOCK, block_n=64, block_k=SCALE_BLOCK, num_warps=4, num_stages=3,
+    g1 = tuning.GemmConfig(block_m=ROW_BLOCK, block_n=64, block_k=FP8_SCALE_BLOCK, num_warps=4, num_stages=3,
                            tma=hidden >= TMA_MIN_HIDDEN)
-    g2 = tuning.GemmConfig(block_m=ROW_BLOCK, block_n=128, block_k=SCALE_BLOCK, num_warps=4, num_stages=3, tma=True)
+    g2 = tuning.GemmConfig(block_m=ROW_BLOCK, block_n=128, block_k=FP8_SCALE_BLOCK, num_warps=4, num_stages=3, tma=True)
     return g1, g2
 
 
@@ -88,7 +89,7 @@ def candidates(gemm: str, block_m: int | None, load: int) -> list[tuning.GemmCon
         shapes = [(64, 4, 3), (64, 4, 4), (128, 8, 3), (64, 8, 3)]
     else:
         shapes = [(128, 4, 3), (128, 4, 4), (128, 4, 2), (256, 8, 3)]
-    return [tuning.GemmConfig(block_m=m, block_n=n, block_k=SCALE_BLOCK, num_warps=warps, num_stages=stages, tma=tma)
+    return [tuning.GemmConfig(block_m=m, block_n=n, block_k=FP8_SCALE_BLOCK, num_warps=warps, num_stages=stages, tma=tma)
             for m in ms for n, warps, stages in shapes for tma in (False, True)]
 
 
@@ -117,9 +118,9 @@ def _check(w1, s1, w2, s2, has_gate: bool) -> tuple[int, int, int]:
         raise ValueError(f"fp8 experts need float8_e4m3fn weights, got {w1.dtype}/{w2.dtype}")
     if e2 != e or h2 != hidden or n1 != (2 * inter if has_gate else inter):
         raise ValueError(f"expert weights disagree: gate_up {tuple(w1.shape)}, down {tuple(w2.shape)}")
-    up_srow = -(-inter // SCALE_BLOCK)
-    want1 = (e, (2 if has_gate else 1) * up_srow, -(-hidden // SCALE_BLOCK))
-    want2 = (e, -(-hidden // SCALE_BLOCK), up_srow)
+    up_srow = -(-inter // FP8_SCALE_BLOCK)
+    want1 = (e, (2 if has_gate else 1) * up_srow, -(-hidden // FP8_SCALE_BLOCK))
+    want2 = (e, -(-hidden // FP8_SCALE_BLOCK), up_srow)
     if tuple(s1.shape) != want1 or tuple(s2.shape) != want2:
         raise ValueError(f"scale grids {tuple(s1.shape)}/{tuple(s2.shape)} are not the 128×128 grids "
                          f"{want1}/{want2} of the weights (gate and up quantized separately)")

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from . import ACTIVATIONS, interpreting
-from .fp8_quant import GROUP, group_scale, scaled, to_e4m3
+from ..quant.scheme import FP8_SCALE_BLOCK
+from .fp8_quant import group_scale, scaled, to_e4m3
 from .grouped_gemm import _act
 from .reduce import reduce_weighted_rows
 from .routing import RoutingPlan
@@ -88,12 +89,12 @@ def _act_quant_kernel(gu_ptr, h_ptr, hs_ptr, num_padded_ptr, inter, stride_gu, s
 def gather_plan_rows(xq: torch.Tensor, xs: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a [rows, K] e4m3, sa [⌈K/128⌉, rows] fp32)`` in plan-row order (module docstring)."""
     rows, k = plan.sorted_pairs.numel(), xq.shape[1]
-    groups = triton.cdiv(k, GROUP)
+    groups = triton.cdiv(k, FP8_SCALE_BLOCK)
     a = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=xq.device)
     sa = torch.empty(groups, rows, dtype=torch.float32, device=xq.device)
     _gather_kernel[(triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(groups, GATHER_GROUPS))](
         xq, xs, plan.sorted_pairs, plan.num_padded, a, sa, plan.num_pairs, plan.top_k, k, groups,
-        xq.stride(0), xs.stride(0), a.stride(0), sa.stride(0), BLOCK_ROWS=BLOCK_ROWS, GROUP=GROUP,
+        xq.stride(0), xs.stride(0), a.stride(0), sa.stride(0), BLOCK_ROWS=BLOCK_ROWS, GROUP=FP8_SCALE_BLOCK,
         GROUPS=GATHER_GROUPS, num_warps=GATHER_WARPS)
     return a, sa
 
@@ -102,12 +103,12 @@ def act_quant_plan_rows(gate_up: torch.Tensor, plan: RoutingPlan, inter: int, *,
                         activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(h [rows, I] e4m3, hs [⌈I/128⌉, rows] fp32)`` from GEMM 1's ``[rows, 2I]`` (``[rows, I]`` without a gate)."""
     rows = gate_up.shape[0]
-    groups = triton.cdiv(inter, GROUP)
+    groups = triton.cdiv(inter, FP8_SCALE_BLOCK)
     h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     hs = torch.empty(groups, rows, dtype=torch.float32, device=gate_up.device)
     _act_quant_kernel[(triton.cdiv(rows, BLOCK_ROWS), groups)](
         gate_up, h, hs, plan.num_padded, inter, gate_up.stride(0), h.stride(0), hs.stride(0),
-        HAS_GATE=has_gate, ACT=ACTIVATIONS[activation], BLOCK_ROWS=BLOCK_ROWS, GROUP=GROUP, EMULATE=interpreting())
+        HAS_GATE=has_gate, ACT=ACTIVATIONS[activation], BLOCK_ROWS=BLOCK_ROWS, GROUP=FP8_SCALE_BLOCK, EMULATE=interpreting())
     return h, hs
 
 

@@ -20,18 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.scheme import E4M3_MAX, FP8_SCALE_BLOCK
 from . import interpreting
 
-#: e4m3 saturation (torch.finfo(torch.float8_e4m3fn).max) and the activation group (DeepSeek-V3: 1×128)
-E4M3_MAX = 448.0
-GROUP = 128
+#: E4M3_MAX as a constant the kernels below can read
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 #: rows per program of the quantization kernel
 BLOCK_T = 16
 
 
 @triton.jit
 def to_e4m3(x, EMULATE: tl.constexpr):
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    x = tl.minimum(tl.maximum(x, -_E4M3_MAX), _E4M3_MAX)
     if EMULATE:
         bits = x.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
@@ -51,7 +51,7 @@ def scaled(x, s):
 @triton.jit
 def group_scale(amax):
     """Per-group scale from the group's amax (fp32): amax / 448, or 1 for an all-zero group."""
-    return tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    return tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
 
 
 @triton.jit
@@ -75,22 +75,22 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, k = x.shape
-    groups = triton.cdiv(k, GROUP)
+    groups = triton.cdiv(k, FP8_SCALE_BLOCK)
     q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(t, groups, dtype=torch.float32, device=x.device)
     if t:
         _quant_kernel[(triton.cdiv(t, BLOCK_T), groups)](x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0),
-                                                        BLOCK_T=BLOCK_T, GROUP=GROUP, EMULATE=interpreting())
+                                                        BLOCK_T=BLOCK_T, GROUP=FP8_SCALE_BLOCK, EMULATE=interpreting())
     return q, s
 
 
 def quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same quantization in torch (tests and the CPU reference of the FP8 GEMMs)."""
     t, k = x.shape
-    groups = -(-k // GROUP)
-    xf = torch.zeros(t, groups * GROUP, dtype=torch.float32, device=x.device)
+    groups = -(-k // FP8_SCALE_BLOCK)
+    xf = torch.zeros(t, groups * FP8_SCALE_BLOCK, dtype=torch.float32, device=x.device)
     xf[:, :k] = x.to(torch.float32)
-    tiles = xf.view(t, groups, GROUP)
+    tiles = xf.view(t, groups, FP8_SCALE_BLOCK)
     amax = tiles.abs().amax(dim=-1)
     s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     q = (tiles / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(t, -1)[:, :k]

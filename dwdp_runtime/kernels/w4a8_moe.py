@@ -40,9 +40,10 @@ import logging
 import torch
 
 from ..contract import Fp4Kernel, TuningEnv, tuning_choice
+from ..quant.scheme import FP8_SCALE_BLOCK
 from ..quant.memory import W4A8_SCRATCH_BUDGET, w4a8_chunk_experts, w4a8_projections
 from ..quant.memory import w4a8_scratch_bytes as scratch_bytes  # noqa: F401 - re-exported: the scratch's size
-from .fp4_fp8 import BLOCK, fp4_block_fp8, gate_up_block_fp8, self_check, unpacked_columns
+from .fp4_fp8 import fp4_block_fp8, gate_up_block_fp8, self_check, unpacked_columns
 from .fp4_moe import SCALE_FORMATS, Fp4Weights
 from .moe import ExpertsLayout
 from .support import log_choice_once
@@ -83,8 +84,8 @@ def cute_unsupported(weights: Fp4Weights, layout: ExpertsLayout) -> str | None:
     if layout.glu is not None and not (layout.has_gate and layout.activation in FUSED_ACTIVATIONS):
         return f"a clamped {layout.activation} outside the fused gate_up"
     hidden, inter = unpacked_columns(weights.gate_up), _inter(weights)
-    if hidden % BLOCK or inter % BLOCK:
-        return f"hidden {hidden} / intermediate {inter} not multiples of {BLOCK}"
+    if hidden % FP8_SCALE_BLOCK or inter % FP8_SCALE_BLOCK:
+        return f"hidden {hidden} / intermediate {inter} not multiples of {FP8_SCALE_BLOCK}"
     return None
 
 
@@ -226,10 +227,10 @@ def _reencoder(steps: list, weights: Fp4Weights, layout: ExpertsLayout, device: 
     def views(step, slot):   # the CuTe path's shapes: multiples of 128 (``cute_unsupported``)
         e, n, k = shape(step)
         return (slot[0][:e * n * k].view(torch.float8_e4m3fn).view(e, n, k),
-                slot[1][:e * (n // BLOCK) * (k // BLOCK)].view(e, n // BLOCK, k // BLOCK))
+                slot[1][:e * (n // FP8_SCALE_BLOCK) * (k // FP8_SCALE_BLOCK)].view(e, n // FP8_SCALE_BLOCK, k // FP8_SCALE_BLOCK))
 
     most_w = max(e * n * k for e, n, k in map(shape, steps))
-    most_s = max(e * (n // BLOCK) * (k // BLOCK) for e, n, k in map(shape, steps))
+    most_s = max(e * (n // FP8_SCALE_BLOCK) * (k // FP8_SCALE_BLOCK) for e, n, k in map(shape, steps))
     slots = [(torch.empty(most_w, dtype=torch.uint8, device=device),
               torch.empty(most_s, dtype=torch.float32, device=device)) for _ in range(2)]
     return AheadReencoder(steps, encode, slots, views, ops)
@@ -313,7 +314,7 @@ def triton_chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, 
     plan = align_routing(topk_ids, num_experts, cfg1.block_m)
     rows = plan.sorted_pairs.numel()
     act = (torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device),
-           torch.empty(rows, -(-inter // BLOCK), dtype=torch.float32, device=device))
+           torch.empty(rows, -(-inter // FP8_SCALE_BLOCK), dtype=torch.float32, device=device))
     y = torch.empty(plan.num_pairs, hidden, dtype=out_dtype, device=device)
     steps = _steps(num_experts, *w4a8_projections(hidden, inter, layout.has_gate), budget, False)
     chunks = _reencoder(steps, weights, layout, device, None)
@@ -323,7 +324,7 @@ def triton_chunked_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, 
                                                                             num_experts))
         if step.projection == "gate_up":
             bias = None if weights.gate_up_bias is None else weights.gate_up_bias[step.c0:step.c1]
-            fp8_gate_up(xq, xs, w, ws, chunk_plan, cfg1, inter=inter, up_srow=-(-inter // BLOCK),
+            fp8_gate_up(xq, xs, w, ws, chunk_plan, cfg1, inter=inter, up_srow=-(-inter // FP8_SCALE_BLOCK),
                         has_gate=layout.has_gate, activation=layout.activation, bias=bias,
                         bias_interleaved=not layout.is_concatenated, glu=layout.glu, out=act)
         else:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .scheme import E4M3_MAX
+
 #: E2M1 magnitudes of codes 0..7 (OCP MX spec, table 5); codes 8..15 are their negatives
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES)
@@ -37,9 +39,8 @@ E2M1_MAX = 6.0
 #: elements per scale: MXFP4 (OCP MX block), NVFP4 (NVIDIA's 16-element micro-block)
 MXFP4_GROUP = 32
 NVFP4_GROUP = 16
-#: the E8M0 bias (2^(e − 127)) and the largest finite float8_e4m3fn
+#: the E8M0 bias (2^(e − 127))
 E8M0_BIAS = 127
-E4M3_MAX = 448.0
 #: midpoints between consecutive E2M1 magnitudes; a tie rounds to the even code (odd midpoints round up)
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 

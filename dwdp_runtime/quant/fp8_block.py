@@ -16,10 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .scheme import FP8_BLOCK, ceil_div
-
-#: largest finite float8_e4m3fn (torch.finfo(torch.float8_e4m3fn).max)
-E4M3_MAX = 448.0
+from .scheme import E4M3_MAX, FP8_BLOCK, ceil_div
 
 
 def _segments(rows: int, row_segments: Sequence[int] | None) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .. import layout
-from .scheme import ExpertTensor, QuantScheme, TensorRole
+from .scheme import FP8_SCALE_BLOCK, ExpertTensor, QuantScheme, TensorRole
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,6 @@ def layers_memory(*, layers: Sequence[Sequence[ExpertTensor]], num_experts: int,
     return ExpertMemory(weights, scales, pool_pages * granularity * page_multiplier)
 
 
-#: the block of W4A8's e4m3 re-encoding (``kernels.fp4_fp8``: the FP8 kernels' 128×128 weight-scale block)
-W4A8_BLOCK = 128
 #: the most re-encoded (e4m3) expert bytes a W4A8 forward holds at once, per projection: a layer whose experts
 #: need more is re-encoded and multiplied in chunks of experts (``kernels.w4a8_moe``: each GEMM launch skips the
 #: plan's blocks of other chunks). DeepSeek-R1's 256 experts are 11.3 GB in e4m3 per layer — at d = 4 on an H200
@@ -87,7 +85,7 @@ W4A8_SCRATCH_BUDGET = 1 << 30
 
 
 def _blocks(n: int) -> int:
-    return -(-n // W4A8_BLOCK)
+    return -(-n // FP8_SCALE_BLOCK)
 
 
 def _w4a8_projection_bytes(rows: int, cols: int, halves: int = 1) -> int:

@@ -45,8 +45,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-#: DeepSeek-V3 report §3.3 and every released fine-grained FP8 checkpoint: 128×128 weight blocks
-FP8_BLOCK = (128, 128)
+#: the FP8 scale block: 128×128 weight blocks and 1×128 activation groups (DeepSeek-V3 report §3.3 and every released
+#: fine-grained FP8 checkpoint); the FP8 kernels tile K by it (one scale promotion per 128-deep K step) and W4A8
+#: re-encodes FP4 experts into it
+FP8_SCALE_BLOCK = 128
+FP8_BLOCK = (FP8_SCALE_BLOCK, FP8_SCALE_BLOCK)
+#: float8_e4m3fn's largest finite value (S.1111.110 = 1.75 · 2^8; ``torch.finfo(torch.float8_e4m3fn).max``): a scale
+#: maps a block's or group's amax onto it
+E4M3_MAX = 448.0
 
 
 class TensorRole(str, enum.Enum):

@@ -39,7 +39,7 @@ signature = {"w_ptr": "*u8", "s_ptr": "*u8", "s2_ptr": "*fp32", "q_ptr": "*u8", 
 out = []
 for fmt, has_s2 in ((0, False), (1, True)):
     for fast in (True, False):
-        constexprs = {"SCALE_FMT": fmt, "HAS_S2": has_s2, "BLOCK_": fp4_fp8.BLOCK, "SUB": fp4_fp8.SUB_ROWS,
+        constexprs = {"SCALE_FMT": fmt, "HAS_S2": has_s2, "BLOCK_": fp4_fp8.FP8_SCALE_BLOCK, "SUB": fp4_fp8.SUB_ROWS,
                       "FAST": fast}
         ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
