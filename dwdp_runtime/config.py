@@ -29,7 +29,13 @@ from dataclasses import asdict, dataclass
 from . import layout
 from .contract import DEFAULT_ON_UNCOVERED, DEFAULT_TRANSFER, ON_UNCOVERED_POLICIES, TRANSFER_MODES, OnUncovered, TransferMode
 
-__all__ = ["TRANSFER_MODES", "TransferMode", "DwdpConfig", "sharding_errors", "suggest_sharding"]
+__all__ = ["TRANSFER_MODES", "TransferMode", "DwdpConfig", "sharding_errors", "suggest_sharding", "MIN_PREFETCH_SLOTS",
+           "DEFAULT_PREFETCH_SLOTS"]
+
+#: rule 6: one slot would serialise the copy of the next layer and the compute of this one
+MIN_PREFETCH_SLOTS = 2
+#: the fewest that overlap: more slots cost GPU memory (a layer's pages each) and buy slack for uneven layers
+DEFAULT_PREFETCH_SLOTS = MIN_PREFETCH_SLOTS
 
 
 def suggest_sharding(*, dwdp_size: int, num_experts: int) -> tuple[int, int]:
@@ -49,7 +55,7 @@ def sharding_errors(
     num_experts: int,
     num_experts_per_worker: int,
     num_prefetch_experts: int,
-    num_prefetch_slots: int = 2,
+    num_prefetch_slots: int = DEFAULT_PREFETCH_SLOTS,
     num_groups: int = 1,
     expert_replicas: int = 1,
 ) -> list[str]:
@@ -94,10 +100,10 @@ def sharding_errors(
     if not 1 <= expert_replicas <= d:
         errors.append(replica_error(dwdp_size=d, num_experts=n, num_experts_per_worker=k,
                                     num_prefetch_experts=s, expert_replicas=expert_replicas, valid=not errors))
-    if num_prefetch_slots < 2:
+    if num_prefetch_slots < MIN_PREFETCH_SLOTS:
         errors.append(
-            f"num_prefetch_slots={num_prefetch_slots}: at least 2 slots are needed so the copy of the "
-            f"next layer overlaps the compute of this one; set num_prefetch_slots=2"
+            f"num_prefetch_slots={num_prefetch_slots}: at least {MIN_PREFETCH_SLOTS} slots are needed so the copy of "
+            f"the next layer overlaps the compute of this one; set num_prefetch_slots={MIN_PREFETCH_SLOTS}"
         )
     return errors
 
@@ -128,7 +134,7 @@ class DwdpConfig:
     num_experts_per_worker: int
     num_prefetch_experts: int
     num_groups: int = 1
-    num_prefetch_slots: int = 2
+    num_prefetch_slots: int = DEFAULT_PREFETCH_SLOTS
     contention_opt: bool = False
     transfer: TransferMode = DEFAULT_TRANSFER
     expert_replicas: int = 1  # every expert on >= this many ranks (1 = no spare copy: today's layout)

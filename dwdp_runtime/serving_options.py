@@ -30,6 +30,13 @@ DEFAULT_MAX_NUM_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_QUEUE = 256
 
+#: why an elastic group replays no CUDA graphs (every refusal of a graph count in one says it: the rank, the local
+#: launcher, the pod entrypoint, the operator's spec rule and its CEL twin)
+ELASTIC_GRAPHS_REASON = "a captured forward keeps the copy plan it was captured with and cannot follow a re-plan"
+#: why batch-invariant serving replays no CUDA graphs (likewise)
+BATCH_INVARIANT_GRAPHS_REASON = ("batch-invariant attention reads each forward's packed sequences on the host, which "
+                                 "a graph replay cannot")
+
 
 class ServingOptions(BaseModel):
     """The front's settings (module docstring). ``ServingOptions()`` is the defaults."""

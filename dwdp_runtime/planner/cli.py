@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from ..config import DEFAULT_PREFETCH_SLOTS, MIN_PREFETCH_SLOTS
 from ..contract import FP4_KERNELS, Fp4Kernel
 from . import presets
 from .sweep import DEFAULT_BATCHES
@@ -37,7 +38,8 @@ def add_subparser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dwdp-size", type=int, default=4, help="ranks per DWDP group (d)")
     p.add_argument("--experts-per-worker", type=int, default=None, help="k (default: suggest_sharding)")
     p.add_argument("--prefetch-stride", type=int, default=None, help="s (default: suggest_sharding)")
-    p.add_argument("--prefetch-slots", type=int, default=2, help="pool slots (>= 2)")
+    p.add_argument("--prefetch-slots", type=int, default=DEFAULT_PREFETCH_SLOTS,
+                   help=f"pool slots (>= {MIN_PREFETCH_SLOTS})")
     p.add_argument("--contention-opt", action="store_true", help="round-robin 2 MiB slicing across peers")
     p.add_argument("--expert-replicas", type=int, default=1,
                    help="r: every expert on >= r ranks (spare copies for a rank loss; memory part replica_experts)")

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..config import suggest_sharding
+from ..config import DEFAULT_PREFETCH_SLOTS, suggest_sharding
 from . import prefetch
 from .evaluator import US, Evaluator, LayerTimes
 from .memory import MemoryBreakdown, breakdown
@@ -105,7 +105,7 @@ class PlanResult(BaseModel):
 
 def plan(*, model="deepseek-r1", dtype="bf16", hardware="h200-hgx", isl: int = 8192, batch: int = 1,
          cv: float = 0.0, dwdp_size: int = 4, experts_per_worker: int | None = None,
-         prefetch_stride: int | None = None, prefetch_slots: int = 2, contention_opt: bool = False,
+         prefetch_stride: int | None = None, prefetch_slots: int = DEFAULT_PREFETCH_SLOTS, contention_opt: bool = False,
          dense_dtype=None, with_crossover: bool = True, with_recommendation: bool = True,
          expert_replicas: int = 1, fp4_kernel: str = "auto") -> PlanResult:
     """Predict DWDP vs DEP for one configuration (see the module docstring for the model).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..config import sharding_errors, suggest_sharding
+from ..config import DEFAULT_PREFETCH_SLOTS, sharding_errors, suggest_sharding
 from . import memory, pipeline, prefetch
 from .evaluator import Evaluator
 
@@ -51,8 +51,8 @@ def recommend(ev: Evaluator, *, isl: int, batch: int, fp4_kernel: str = "auto") 
     for d, k, s in candidates(n, hw.max_group):
         ranges = prefetch.expert_ranges(dwdp_size=d, num_experts=n, experts_per_worker=k, stride=s)
         mem = memory.breakdown(model=shape, dtype=ev.dt, hardware=hw, ranges=ranges, experts_per_worker=k,
-                               prefetch_slots=2, dense_dtype=ev.ddt, max_num_tokens=tokens, kv_tokens=tokens,
-                               fp4_kernel=fp4_kernel)
+                               prefetch_slots=DEFAULT_PREFETCH_SLOTS, dense_dtype=ev.ddt, max_num_tokens=tokens,
+                               kv_tokens=tokens, fp4_kernel=fp4_kernel)
         if mem.kv_cache_available < kv_floor:
             continue
         pf = ev.prefetch(dwdp_size=d, k=k, s=s)

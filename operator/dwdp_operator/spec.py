@@ -27,8 +27,9 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dwdp_runtime.config import sharding_errors
-from dwdp_runtime.serving_options import ServingOptions, camel, camel_field
+from dwdp_runtime.config import DEFAULT_PREFETCH_SLOTS, MIN_PREFETCH_SLOTS, sharding_errors
+from dwdp_runtime.serving_options import (BATCH_INVARIANT_GRAPHS_REASON, ELASTIC_GRAPHS_REASON, ServingOptions, camel,
+                                         camel_field)
 from dwdp_runtime.contract import (DEFAULT_HTTP_PORT, DEFAULT_STORE_PORT, DEFAULT_TRANSFER, KV_TCP_PORTS, LABEL_PREFIX,
                                    POD_ENV,
                                    RESERVED_POD_ENV, ModelDtype, ModelDtypeName, TransferMode, TuningEnv,
@@ -65,8 +66,9 @@ class Experts(_Model):
     numPrefetchExperts: int = Field(ge=1, le=MAX_EXPERTS, description=(
         "prefetch stride s: rank r owns experts [r*s, r*s+k); s <= k, (dwdpSize-1)*s + k >= numExperts, "
         "(dwdpSize-1)*s < numExperts"))
-    numPrefetchSlots: int = Field(default=2, ge=2, le=MAX_PREFETCH_SLOTS, description=(
-        "layers of peer experts buffered ahead (>= 2: the next layer's copy overlaps this layer's compute)"))
+    numPrefetchSlots: int = Field(default=DEFAULT_PREFETCH_SLOTS, ge=MIN_PREFETCH_SLOTS, le=MAX_PREFETCH_SLOTS,
+                                  description=(f"layers of peer experts buffered ahead (>= {MIN_PREFETCH_SLOTS}: the "
+                                               "next layer's copy overlaps this layer's compute)"))
     contentionOpt: bool = Field(default=False, description=(
         "order peer copies so that no two ranks read the same peer at once"))
     transfer: TransferMode = Field(default=DEFAULT_TRANSFER, description=(
@@ -351,14 +353,13 @@ def register_check(fn: Check) -> Check:
     return fn
 
 
-SERVING_BATCH_INVARIANT_GRAPHS = ("serving.batchInvariant excludes serving.cudaGraphs > 0: batch-invariant attention "
-                                  "reads each forward's packed sequences on the host, which a graph replay cannot; "
-                                  "leave cudaGraphs unset, set it to 0, or set batchInvariant: false")
+SERVING_BATCH_INVARIANT_GRAPHS = ("serving.batchInvariant excludes serving.cudaGraphs > 0: "
+                                  f"{BATCH_INVARIANT_GRAPHS_REASON}; leave cudaGraphs unset, set it to 0, or set "
+                                  "batchInvariant: false")
 
 
-ELASTIC_GRAPHS = ("an elastic group (experts.replicas > 1) cannot replay CUDA graphs: a captured forward keeps the "
-                  "copy plan it was captured with and cannot follow a re-plan; leave serving.cudaGraphs unset (off "
-                  "in an elastic group) or set it to 0")
+ELASTIC_GRAPHS = (f"an elastic group (experts.replicas > 1) cannot replay CUDA graphs: {ELASTIC_GRAPHS_REASON}; leave "
+                  "serving.cudaGraphs unset (off in an elastic group) or set it to 0")
 
 
 @register_check

@@ -23,7 +23,7 @@ from typing import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from dwdp_runtime.config import DwdpConfig
+from dwdp_runtime.config import MIN_PREFETCH_SLOTS, DwdpConfig
 from dwdp_runtime.contract import POD_ENV, POD_ENV_ONE_OF, BackendName, ModelDtypeName, TransferMode
 from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, POD_PLACEHOLDER, ElasticEnv, LayoutEnv
 from dwdp_runtime.contract import PodEnvVar as E
@@ -53,7 +53,7 @@ class PodEnv(BaseModel):
     num_experts: int = Field(alias=E.NUM_EXPERTS, ge=1)
     experts_per_worker: int = Field(alias=E.EXPERTS_PER_WORKER, ge=1)
     prefetch_stride: int = Field(alias=E.PREFETCH_STRIDE, ge=1)
-    prefetch_slots: int = Field(alias=E.PREFETCH_SLOTS, ge=2)
+    prefetch_slots: int = Field(alias=E.PREFETCH_SLOTS, ge=MIN_PREFETCH_SLOTS)
     contention_opt: bool = Field(alias=E.CONTENTION_OPT)
     transfer: TransferMode = Field(alias=E.TRANSFER)
     model: str = Field(alias=E.MODEL, default="")

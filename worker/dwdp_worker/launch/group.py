@@ -23,7 +23,7 @@ from typing import Callable
 from pydantic import ValidationError
 
 from dwdp_runtime.contract import DEFAULT_HTTP_PORT
-from dwdp_runtime.serving_options import ServingOptions
+from dwdp_runtime.serving_options import BATCH_INVARIANT_GRAPHS_REASON, ServingOptions
 
 from ..rank import timeouts
 from ..front.http_limits import MAX_BODY_BYTES, HttpBounds
@@ -91,8 +91,8 @@ def check_batch_invariant(batch_invariant: bool, gpus: int, cuda_graphs: int | N
         raise ValueError("--batch-invariant: the batch-invariant GEMMs are Triton kernels and need the ranks on "
                          "GPUs; these run on the host backend (no GPU visible, or --backend host); drop it")
     if batch_invariant and cuda_graphs:
-        raise ValueError(f"--batch-invariant excludes --cuda-graphs={cuda_graphs}: batch-invariant attention reads "
-                         f"each forward's packed sequences on the host, which a graph replay cannot; drop one")
+        raise ValueError(f"--batch-invariant excludes --cuda-graphs={cuda_graphs}: {BATCH_INVARIANT_GRAPHS_REASON}; "
+                         f"drop one")
 
 
 def synthetic_checkpoint(stack: contextlib.ExitStack, arch: str, **kw) -> str:

@@ -21,15 +21,16 @@ import os
 import pathlib
 import secrets
 
-from dwdp_runtime.config import TRANSFER_MODES, DwdpConfig, suggest_sharding
+from dwdp_runtime.config import DEFAULT_PREFETCH_SLOTS, TRANSFER_MODES, DwdpConfig, suggest_sharding
 from dwdp_runtime import ports
 from dwdp_runtime.contract import DEFAULT_ON_UNCOVERED, ON_UNCOVERED_POLICIES, Backend, ModelDtype, Transfer
+from dwdp_runtime.serving_options import ELASTIC_GRAPHS_REASON
 
 from ..rank import timeouts
 from ..kv.options import advertise_host_for, settings_from_args
 from .group import (FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, run_front,
                      synthetic_checkpoint)
-from ..rank.prefill_graphs import ELASTIC_GRAPHS_REASON, rank_cuda_graphs
+from ..rank.prefill_graphs import rank_cuda_graphs
 from ..rank.protocol import RankSpec
 
 
@@ -42,8 +43,9 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dwdp-size", type=int, default=2, help="D: ranks per group (default 2)")
     p.add_argument("--experts-per-worker", type=int, default=None, help="K (default: the smallest that covers)")
     p.add_argument("--prefetch-stride", type=int, default=None, help="S (default: the smallest that covers)")
-    p.add_argument("--prefetch-slots", type=int, default=2,
-                   help="expert buffers per layer for prefetched weights (default 2: double buffering)")
+    p.add_argument("--prefetch-slots", type=int, default=DEFAULT_PREFETCH_SLOTS,
+                   help=f"expert buffers per layer for prefetched weights (default {DEFAULT_PREFETCH_SLOTS}: double "
+                        f"buffering)")
     p.add_argument("--expert-replicas", type=int, default=1,
                    help="r: store every expert on at least r ranks of a group (1..D; default 1 = no spare copy). "
                         "Costs up to (r-1)*K more experts of memory per rank")
@@ -65,7 +67,8 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_local_specs(*, model_dir: str, groups: int, dwdp_size: int, experts_per_worker: int | None,
-                      prefetch_stride: int | None, prefetch_slots: int = 2, contention_opt: bool = False,
+                      prefetch_stride: int | None, prefetch_slots: int = DEFAULT_PREFETCH_SLOTS,
+                      contention_opt: bool = False,
                       expert_replicas: int = 1, on_uncovered: str = DEFAULT_ON_UNCOVERED,
                       transfer: str = Transfer.COPY_ENGINE.value, backend: str = Backend.AUTO.value, dtype: str | None = None,
                       threads_per_rank: int | None = None,

@@ -23,8 +23,9 @@ from .envcontract import EnvContractError, parse_env, serving_overrides
 from .gpu_map import rank_devices
 from .group import FrontPlan, add_serving_arguments, check_batch_invariant, check_cuda_graphs, cuda_count, run_front, synthetic_checkpoint
 from dwdp_runtime.contract import ServingEnv
+from dwdp_runtime.serving_options import ELASTIC_GRAPHS_REASON
 
-from ..rank.prefill_graphs import ELASTIC_GRAPHS_REASON, rank_cuda_graphs
+from ..rank.prefill_graphs import rank_cuda_graphs
 from ..rank.protocol import RankSpec
 
 

@@ -64,10 +64,6 @@ def check_max_graphs(max_graphs: int, name: str = "max_graphs") -> None:
         raise ValueError(f"{name}={max_graphs}: must be >= 0 (0 turns CUDA graphs off)")
 
 
-#: why an elastic group replays no graphs (every refusal of an explicit count in one says it)
-ELASTIC_GRAPHS_REASON = "a captured forward keeps the copy plan it was captured with and cannot follow a re-plan"
-
-
 def rank_cuda_graphs(requested: int | None, *, gpu: bool, elastic: bool, batch_invariant: bool) -> int:
     """The graph count a rank is built with: ``requested`` as given (the launcher refused the combinations that
     cannot work), or, unset, ``DEFAULT_CUDA_GRAPHS`` where the rank can replay graphs — on a GPU, in a group

@@ -42,6 +42,7 @@ import uuid
 
 from dwdp_runtime import compile_cache
 from dwdp_runtime.contract import TuningEnv
+from dwdp_runtime.serving_options import ELASTIC_GRAPHS_REASON
 
 from . import protocol as p
 from . import timeouts
@@ -157,12 +158,10 @@ def _serve(spec: p.RankSpec, link: RankLink) -> int:
     if spec.device and torch.device(spec.device).type == "cuda":
         compile_cache.prewarm_in_background()   # Triton's cache key hashed beside the load, not in the warm-up
     config = DwdpConfig(**spec.config)
-    if config.elastic and spec.cuda_graphs:
-        # a captured forward replays the copies of the plan it was captured with: after a re-plan it would
-        # still read the lost rank's memory
+    if config.elastic and spec.cuda_graphs:  # after a re-plan a replay would still read the lost rank's memory
         raise ValueError(f"expert_replicas={config.expert_replicas}, on_uncovered={config.on_uncovered} (an elastic "
-                         f"group) cannot use CUDA graphs "
-                         f"(cuda_graphs={spec.cuda_graphs}): set one of them off")
+                         f"group) cannot use CUDA graphs (cuda_graphs={spec.cuda_graphs}): {ELASTIC_GRAPHS_REASON}; "
+                         f"set one of them off")
     dtype = getattr(torch, spec.dtype) if spec.dtype else None
     import_s = time.monotonic() - t_import
     link.send(p.PhaseChanged(p.RankPhase.RENDEZVOUS))
