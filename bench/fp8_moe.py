@@ -168,7 +168,6 @@ def cute_rows(name, t, x, ids, w, w1, s1, w2, s2, *, bench, cute_configs, flops,
 def triton_rows(t, x, ids, w, w1, s1, w2, s2, *, bench, flops, t_bf16, t_bblock, ref) -> dict:
     """The Triton FP8 path at one shape: its two GEMMs alone (plan and input quantization outside the timing) and
     its whole block, with the block's accuracy against the bf16 block."""
-    import torch
 
     from dwdp_runtime.kernels import fp8_moe
     from dwdp_runtime.kernels.fp8_grouped_gemm import fp8_down, fp8_gate_up

@@ -57,7 +57,7 @@ for _p in (ROOT / "worker", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bench.prefill import _sync, spawn_ranks  # noqa: E402 - after the path set-up
+from bench.ranks import spawn_ranks, sync_device  # noqa: E402 - after the path set-up
 from dwdp_runtime.contract import FP4_KERNELS, Fp4Kernel, TuningEnv  # noqa: E402
 from dwdp_worker.rank import prefill_graphs  # noqa: E402
 
@@ -144,7 +144,7 @@ def _quant_of(args) -> str:
     return getattr(args, "quant", None) or "fp8"
 
 
-def _synth(args, out, quant):
+def synth_checkpoint(args, out, quant):
     from dwdp_worker.checkpoint.synth import write_synthetic
 
     return write_synthetic(args.arch, out, seed=0, num_experts=args.num_experts, num_layers=args.num_layers,
@@ -170,7 +170,7 @@ def ensure_models(args, corpus=None) -> tuple[pathlib.Path, pathlib.Path]:
     if not (fp8 / "config.json").is_file():
         t0 = time.perf_counter()
         if corpus is None:
-            _synth(args, fp8, quant)
+            synth_checkpoint(args, fp8, quant)
         else:
             _write_trained_fp8(args, corpus, pathlib.Path(args.work_dir) / f"{name}-bf16", fp8)
         print(f"wrote {fp8} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -187,7 +187,7 @@ def _write_trained_fp8(args, corpus, trained: pathlib.Path, fp8: pathlib.Path) -
     if not (trained / "train.json").is_file():
         pathlib.Path(args.work_dir).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="init-") as init:
-            _synth(args, init, None)
+            synth_checkpoint(args, init, None)
             train_checkpoint(init, trained, corpus, steps=args.train_steps, batch=args.train_batch,
                              seq=args.train_seq, lr=args.train_lr,
                              device="cuda:0" if args.device == "cuda" else "cpu")
@@ -298,11 +298,11 @@ def run_rank(rank, args, fp8, ref_dir, prompts, port):
                 times = {"sharded_fp8": [], "unsharded_fp8": [], "unsharded_bf16_ref": []}
                 diff = 0.0
                 for _ in range(args.iters):
-                    _sync(device)
+                    sync_device(device)
                     r = engine.forward(seq)
                     times["sharded_fp8"].append(r.compute_s)
                     for name, logits_of in (("unsharded_fp8", unsharded_logits), ("unsharded_bf16_ref", ref.logits)):
-                        _sync(device)
+                        sync_device(device)
                         t0 = time.perf_counter()
                         lg = logits_of(seq)
                         times[name].append(time.perf_counter() - t0)

@@ -43,6 +43,7 @@ for _p in (ROOT / "worker", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from bench.ranks import sync_device  # noqa: E402
 from bench.ucx_report import read_lanes, read_protocols  # noqa: E402
 
 #: per config: the environment both processes start with (on top of this process's)
@@ -69,13 +70,6 @@ def parse_args(argv=None):
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--isl", type=int, default=512, help="tokens per prompt (4 prompts packed)")
     return p.parse_args(argv)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 # -- the context process ------------------------------------------------------------------------------------
@@ -106,10 +100,10 @@ def _context(conn, device, budget):
             src, dst = region.buffer[:nbytes], torch.empty(nbytes, dtype=torch.uint8, device=device)
             times = []
             for _ in range(iters + 1):
-                _sync(device)
+                sync_device(device)
                 t = time.perf_counter()
                 dst.copy_(src)
-                _sync(device)
+                sync_device(device)
                 times.append(time.perf_counter() - t)
             conn.send(statistics.median(times[1:]))
 
@@ -170,7 +164,7 @@ def _decode(conn, device):
         t = time.perf_counter()
         pulled = puller.pull(params)
         total = time.perf_counter() - t
-        _sync(device)
+        sync_device(device)
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for pair in pulled.kv for t in pair])
         same = bool(torch.equal(flat, dst[:flat.numel()])) if pulled.kv[0][0].is_contiguous() else None
         conn.send({"raw_s": raw_s, "read_s": pulled.read_s, "total_s": total, "claim_s": pulled.claim_s,
@@ -311,7 +305,7 @@ def bench_prefill(args):
 
     def with_cache():
         cached_prefill(model, prompts, args.device)
-        _sync(args.device)
+        sync_device(args.device)
 
     n = [0]
 
@@ -321,7 +315,7 @@ def bench_prefill(args):
             n[0] += 1
             store.put(f"p{n[0]}", kv, args.isl)
             store.discard(f"p{n[0]}")
-        _sync(args.device)
+        sync_device(args.device)
 
     times = {}
     for name, fn in (("no cache", no_cache), ("model's cache", with_cache), ("cache kept in region", keep_kv)):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .dep_baseline import DepMoE
 from .dwdp_moe import DwdpMoE, build_manager
+from .ranks import sync_device
 from .moe_stack import StackConfig, dense_weights, forward, grouped_impl, make_inputs
 
 
@@ -80,11 +81,6 @@ def both_methods(rank: int, world: int, port: int, *, store_port: int, cfg: Stac
         dist.barrier()   # nobody unmaps while a peer may still read its experts
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_dep(cfg, dense, dep, x, seqlens):
     return forward(cfg, dense, x, seqlens, dep)
 
@@ -133,11 +129,11 @@ def bench_program(rank, world, port, *, store_port, cfg_kw, backend, dtype_name,
                 x = make_inputs(cfg, [all_lens[rank]], rank=rank, step=it, device=device, dtype=dtype)
                 order = ("dep", "dwdp") if it % 2 == 0 else ("dwdp", "dep")
                 for name in order:
-                    _sync(device)
+                    sync_device(device)
                     dist.barrier()
                     t0 = time.perf_counter()
                     methods[name](x, [all_lens[rank]])
-                    _sync(device)
+                    sync_device(device)
                     dt = time.perf_counter() - t0
                     if it >= warmup:
                         times.setdefault(f"{key}/{name}", []).append(dt)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
 import os
 import pathlib
 import statistics
@@ -48,7 +47,7 @@ for _p in (ROOT / "worker", ROOT):
         sys.path.insert(0, str(_p))
 
 from dwdp_runtime.contract import DEFAULT_TRANSFER, TRANSFER_MODES  # noqa: E402 - stdlib only, after the path set-up
-from dwdp_runtime.ports import free_port  # noqa: E402
+from bench.ranks import spawn_ranks, sync_device  # noqa: E402
 
 #: ``--layers`` choices: which fused non-expert layers (worker/dwdp_worker/model/layers_impl.py) stay installed
 LAYER_CHOICES = ("all", "norms", "none")
@@ -132,13 +131,6 @@ def ensure_model(args) -> pathlib.Path:
     return out
 
 
-def _sync(device):
-    import torch
-
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def rank_main(rank: int, args, model_dir: str, port: int, q) -> None:
     try:
         q.put((rank, run_rank(rank, args, model_dir, port)))
@@ -190,11 +182,11 @@ def run_rank(rank: int, args, model_dir: str, port: int) -> dict:
                 sharded, unsharded, waits = [], [], []
                 diff = 0.0
                 for _ in range(args.iters):
-                    _sync(device)
+                    sync_device(device)
                     r = engine.forward(seqs)
                     sharded.append(r.compute_s)
                     waits.append(r.prefetch_wait_s)
-                    _sync(device)
+                    sync_device(device)
                     t0 = time.perf_counter()
                     want = ref_logits(seqs)
                     unsharded.append(time.perf_counter() - t0)
@@ -259,40 +251,6 @@ def prefill_flops(config, seq_lens) -> dict:
            "dense_mlp": dense_layers * 6 * t * h * get("intermediate_size", 0) + moe_layers * shared}
     out["total"] = sum(out.values())
     return out
-
-
-def spawn_ranks(target, world: int, *target_args) -> dict | None:
-    """Run ``target(rank, *target_args, port, queue)`` in ``world`` spawned processes; ``{rank: result}``, or
-    None (errors printed) when a rank failed or died. The first failure ends the run at once: the other ranks
-    would otherwise wait for the failed one at their last barrier until its timeout."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, *target_args, port, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < len(procs):
-        try:
-            rank, value = q.get(timeout=5)
-            results[rank] = value
-            if "error" in value:
-                for p in procs:
-                    p.terminate()
-                break
-        except Exception:  # noqa: BLE001 - queue.Empty
-            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results]
-            if dead:
-                print(f"rank(s) {dead} died", file=sys.stderr)
-                break
-    for p in procs:
-        p.join(timeout=30)
-    errors = {r: v["error"] for r, v in results.items() if "error" in v}
-    if errors or 0 not in results:
-        for r, e in sorted(errors.items()):
-            print(f"rank {r} failed:\n{e}", file=sys.stderr)
-        return None
-    return results
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,6 @@ Run on a GPU:  python bench/prefill_layers.py --isl 16384 --num-experts 128 --nu
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics

@@ -30,7 +30,7 @@ class ProfileResult:
     device_busy_s: float  # summed time of the device's own events: kernels, copies (0 on CPU; overlapping streams add)
 
 
-def _device_time_us(event) -> float:
+def device_time_us(event) -> float:
     """An event's own device time, counted only for the device's events (kernels, copies): a CPU op's device
     time is its kernels' again — torch's own table totals count them this way."""
     from torch.autograd import DeviceType
@@ -59,7 +59,7 @@ def profile_table(fn: Callable[[], object], device, *, rows: int = 20, trace: st
     if trace:
         prof.export_chrome_trace(trace)
     events = prof.key_averages()
-    busy = sum(_device_time_us(e) for e in events) / 1e6 if on_cuda else 0.0
+    busy = sum(device_time_us(e) for e in events) / 1e6 if on_cuda else 0.0
     for key in (DEVICE_TIME_KEYS + ("cuda_time_total",) if on_cuda else ("self_cpu_time_total",)):
         try:
             table = events.table(sort_by=key, row_limit=rows, max_name_column_width=70)

@@ -151,3 +151,25 @@ def test_cycle_finder_sees_a_function_level_circle(tmp_path):
     assert find_cycles(graph) == [["toy.a", "toy.b", "toy.c", "toy.a"]]
     (pkg / "c.py").write_text("")
     assert find_cycles(import_graph({"toy": pkg})) == []
+
+
+#: the benchmarks: a package of scripts that import the project and each other
+BENCH = {"bench": ROOT / "bench"}
+
+
+def test_the_benchmarks_have_no_import_circle():
+    graph = import_graph({**PACKAGES, **BENCH})
+    assert "bench.ranks" in graph.get("bench.prefill", set())  # the graph sees the benchmarks' edges
+    circles = [" → ".join(c) for c in find_cycles(graph) if any(m.startswith("bench.") for m in c)]
+    assert not circles, "import circle(s) among the benchmarks: " + "; ".join(circles)
+
+
+def test_tests_import_no_private_benchmark_helper():
+    """A test holds a benchmark to what it offers (its public names), never to a helper it may change."""
+    private = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench"):
+                private += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not private, "private benchmark helpers imported by tests: " + ", ".join(private)

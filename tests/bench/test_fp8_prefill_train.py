@@ -30,7 +30,7 @@ def _layout(model_dir: pathlib.Path) -> dict:
 
 
 def test_trained_model_end_to_end(tmp_path):
-    from bench.fp8_prefill import _synth, main, parse_args
+    from bench.fp8_prefill import main, parse_args, synth_checkpoint
 
     out = tmp_path / "out.json"
     # the worker's own sources: a small real-text corpus, fast to read
@@ -55,5 +55,5 @@ def test_trained_model_end_to_end(tmp_path):
         # --host-profile: three forwards under cProfile, the listing naming the packed forward they ran
         assert "packed_logits" in r0["host_profile"][kind] and "tottime" in r0["host_profile"][kind]
     trained = next(tmp_path.glob("*-T12-B4-S128-*-bf16"))
-    untrained = _synth(parse_args(TINY), tmp_path / "untrained", None)
+    untrained = synth_checkpoint(parse_args(TINY), tmp_path / "untrained", None)
     assert _layout(trained) == _layout(untrained)
